@@ -1,0 +1,179 @@
+"""Everything a run is configured by: pydantic models loaded from one YAML file (`eagle3.yaml`).
+
+Relative paths in the file are resolved against the file's own directory, so a project directory can be
+moved or checked out elsewhere and still run. Unknown keys are errors (a typo must never be ignored).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SHARD_KEY_HELP = "shard keys are '{dataset}-{index:05d}'"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the file and the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+SourceFormat = Literal["auto", "messages", "sharegpt", "prompt"]
+
+
+class FileSource(_Model):
+    """Conversations in JSONL or Parquet files (OpenAI `messages`, ShareGPT `conversations`, or `prompt`)."""
+
+    kind: Literal["file"] = "file"
+    path: str = Field(description="A file, or a glob relative to the config file (e.g. data/*.jsonl).")
+    format: SourceFormat = "auto"
+
+
+class ChitchatSource(_Model):
+    """The 7,168 human conversations of the `chitchat-dataset` package; the demo's default."""
+
+    kind: Literal["chitchat"] = "chitchat"
+    limit: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Take only the first N conversations (in the package's order)."
+    )
+
+
+Source = Annotated[FileSource | ChitchatSource, Field(discriminator="kind")]
+
+
+class DataConfig(_Model):
+    dataset: str = Field(default="chat", pattern=r"^[a-z0-9][a-z0-9_]*$", description=SHARD_KEY_HELP)
+    sources: list[Source] = Field(default_factory=lambda: [ChitchatSource()], min_length=1)
+    shard_size: Annotated[int, Field(gt=0, le=1_000_000)] = 256
+    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.02
+    system_prompt: str | None = Field(
+        default=None, description="Prepended as a system turn to conversations that have none."
+    )
+
+
+class ToyTargetConfig(_Model):
+    size: Literal["xs", "m"] = "xs"
+    seed: int = 0
+
+
+class TargetConfig(_Model):
+    path: str = Field(
+        default="toy",
+        description="A Hugging Face model directory, or 'toy' for the small chat target eagle3 builds.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto: bfloat16 on GPU, float32 on CPU."
+    )
+    aux_layer_ids: tuple[int, int, int] | None = Field(
+        default=None,
+        description="Residual stream entering these decoder layers (0-based); default (2, L//2, L-3).",
+    )
+    toy: ToyTargetConfig = ToyTargetConfig()
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct_layers(cls, ids: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if ids is not None and len(set(ids)) != 3:
+            raise ValueError(f"aux layer ids must be three distinct layers, got {list(ids)}")
+        if ids is not None and min(ids) < 0:
+            raise ValueError(f"aux layer ids must be >= 0, got {list(ids)}")
+        return ids
+
+
+class RegenerateConfig(_Model):
+    enabled: bool = True
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_new_tokens: Annotated[int, Field(gt=0)] = 1024
+    batch_size: Annotated[int, Field(gt=0)] = 16
+    max_turns: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Keep at most this many assistant turns of each conversation."
+    )
+    seed: int = 0
+
+
+class TokenizeConfig(_Model):
+    max_seq_len: Annotated[int, Field(gt=8)] = 4096
+    end_of_turn: str | None = Field(
+        default=None,
+        description="Text of the end-of-turn token; default: found from the tokenizer's eos tokens.",
+    )
+
+
+class ExtractConfig(_Model):
+    max_batch_tokens: Annotated[int, Field(gt=0)] = 16384
+    max_batch_size: Annotated[int, Field(gt=0)] = 64
+    store_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    disk_headroom: Annotated[float, Field(ge=1.0)] = Field(
+        default=1.5, description="Refuse to write a shard unless free space >= headroom x its estimate."
+    )
+
+
+class Eagle3Config(_Model):
+    """The whole run. `root` is where the file lives; every relative path is resolved against it."""
+
+    root: Path = Field(default=Path("."), exclude=True)
+    store: str = Field(default="store", description="Where shards, manifests, targets and logs live.")
+    cache: str = Field(default=".cache/eagle3", description="Built toy targets (shared between runs).")
+    data: DataConfig = DataConfig()
+    target: TargetConfig = TargetConfig()
+    regenerate: RegenerateConfig = RegenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    extract: ExtractConfig = ExtractConfig()
+
+    @model_validator(mode="after")
+    def _regeneration_fits(self) -> Eagle3Config:
+        if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.tokenize.max_seq_len:
+            raise ValueError(
+                f"regenerate.max_new_tokens ({self.regenerate.max_new_tokens}) must be below "
+                f"tokenize.max_seq_len ({self.tokenize.max_seq_len})"
+            )
+        return self
+
+    def resolve(self, path: str | Path) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.root / p).resolve()
+
+    @property
+    def store_root(self) -> Path:
+        return self.resolve(self.store)
+
+    @property
+    def cache_root(self) -> Path:
+        return self.resolve(self.cache)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: {err.error_count()} invalid value(s)"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in {"file", "chitchat"}))
+        got = e.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {field or '<top level>'}: {e['msg']}{got_text}")
+    return "\n".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any], root: Path, source: str = "<config>") -> Eagle3Config:
+    try:
+        return Eagle3Config.model_validate({**raw, "root": root})
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> Eagle3Config:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file (create one, or pass --config)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    return config_from_dict(raw, path.resolve().parent, str(path))

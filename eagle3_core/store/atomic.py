@@ -1,0 +1,80 @@
+"""Atomic files: write to a temporary name in the same directory, fsync, rename, fsync the directory.
+
+A file that exists under its final name is complete; a crash leaves at most a temporary file, which the
+next writer of the same name removes (`remove_stale_temps`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+TEMP_MARK = ".tmp-"
+
+
+def temp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove temporaries that an earlier (crashed) writer of `path` left behind."""
+    removed = []
+    for stale in path.parent.glob(f".{path.name}{TEMP_MARK}*"):
+        stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(temp: Path, final: Path) -> None:
+    """Rename a fully written and fsynced temporary file to its final name, durably."""
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
+    temp = temp_path_for(path)
+    enc = None if "b" in mode else encoding
+    try:
+        with open(temp, mode, encoding=enc) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        commit(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with atomic_open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
