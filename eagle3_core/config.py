@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SHARD_KEY_HELP = "shard keys are '{dataset}-{index:05d}'"
 
@@ -43,7 +52,17 @@ class ChitchatSource(_Model):
     )
 
 
-Source = Annotated[FileSource | ChitchatSource, Field(discriminator="kind")]
+def _source_kind(value: Any) -> str:
+    # A source without `kind` is a file: `{path: data/*.jsonl}` is the common case.
+    if isinstance(value, dict):
+        return str(value.get("kind", "file"))
+    return str(getattr(value, "kind", "file"))
+
+
+Source = Annotated[
+    Annotated[FileSource, Tag("file")] | Annotated[ChitchatSource, Tag("chitchat")],
+    Discriminator(_source_kind),
+]
 
 
 class DataConfig(_Model):

@@ -1,0 +1,207 @@
+"""The `eagle3` command's library half: every command that needs no Dagster instance.
+
+`eagle3_dagster.cli` adds the commands that run through Dagster (demo, and later status/materialize/ui) and
+is the console script; these commands work the same from either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from eagle3_core.config import ConfigError, Eagle3Config, load_config
+from eagle3_core.store.layout import StoreLayout
+
+console = Console(stderr=False, highlight=False)
+Command = Callable[[argparse.Namespace], int]
+
+
+def _config(args: argparse.Namespace) -> Eagle3Config:
+    return load_config(args.config)
+
+
+def _log(message: str) -> None:
+    console.print(f"[dim]{message}[/dim]")
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from eagle3_core.data.ingest import ingest
+
+    cfg = _config(args)
+    report = ingest(cfg, log=_log)
+    console.print(
+        f"ingest: {report.rows_read} new rows -> {len(report.new_shards)} new shards "
+        f"({sum(s.samples for s in report.new_shards)} samples); {len(report.all_shards)} shards in the store; "
+        f"rejected: {report.rejected or 'none'}"
+    )
+    return 0
+
+
+def cmd_toy_target(args: argparse.Namespace) -> int:
+    from eagle3_core.toy.build import build_toy_target, ensure_toy_target
+
+    if args.out:
+        report = build_toy_target(Path(args.out), args.size, args.seed, log=_log)
+        console.print(f"toy target {args.size} -> {args.out}: held-out loss {report.heldout_loss:.3f}")
+        return 0
+    cfg = _config(args) if Path(args.config).exists() else Eagle3Config()
+    path = ensure_toy_target(cfg.cache_root, args.size, args.seed, log=_log)
+    info = json.loads((path / "toy_target.json").read_text())
+    console.print(f"toy target {args.size}: {path} (held-out loss {info['heldout_loss']:.3f})")
+    return 0
+
+
+def _keys(cfg: Eagle3Config, requested: Sequence[str] | None) -> list[str]:
+    from eagle3_core.data.ingest import Ledger
+
+    known = Ledger.load(StoreLayout(cfg.store_root).ledger, cfg.data.dataset, cfg.data.shard_size).shard_keys
+    if not requested:
+        return known
+    unknown = sorted(set(requested) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown shard(s) {unknown}; the store has {len(known)} shards (run `eagle3 ingest`)")
+    return list(requested)
+
+
+def _run_shards(args: argparse.Namespace, step_name: str) -> int:
+    from eagle3_core import pipeline
+    from eagle3_core.targets.hf import TransformersTarget
+    from eagle3_core.targets.resolve import target_dir
+
+    cfg = _config(args)
+    layout = StoreLayout(cfg.store_root)
+    done = layout.regenerated if step_name == "regenerate" else layout.hidden_states
+    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not done(k).exists()]
+    if not keys:
+        console.print(f"{step_name}: nothing to do (every shard is done; --force to redo)")
+        return 0
+    target = TransformersTarget(target_dir(cfg, log=_log), cfg.target)
+    step = pipeline.regenerate_step if step_name == "regenerate" else pipeline.extract_step
+    for key in keys:
+        result = step(cfg, key, target, _log)
+        console.print(f"{step_name} {key}: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float)))
+    target.close()
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    return _run_shards(args, "regenerate")
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    return _run_shards(args, "extract")
+
+
+def print_stats(cfg: Eagle3Config) -> None:
+    from eagle3_core.store.stats import COLUMNS, store_stats
+
+    stats = store_stats(cfg.store_root)
+    table = Table(title=f"hidden-state shards in {cfg.store_root}")
+    table.add_column("shard")
+    for c in COLUMNS:
+        table.add_column(c, justify="right")
+    for row in stats.shards:
+        table.add_row(row.key, *(f"{row.values[c]:,}" for c in COLUMNS))
+    table.add_row("total", *(f"{stats.totals[c]:,}" for c in COLUMNS), style="bold")
+    console.print(table)
+    rejected = ", ".join(f"{k}={v}" for k, v in stats.rejected.items()) or "none"
+    console.print(
+        f"conversations: {stats.conversations:,} accepted, rejected rows: {sum(stats.rejected.values()):,} "
+        f"({rejected}); disk free: {stats.disk_free / 2**30:.1f} GiB"
+    )
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from eagle3_core.store.stats import store_stats
+
+    cfg = _config(args)
+    if args.json:
+        stats = store_stats(cfg.store_root)
+        print(json.dumps({"shards": {r.key: r.values for r in stats.shards}, "totals": stats.totals,
+                          "rejected": stats.rejected, "conversations": stats.conversations}, indent=1))
+    else:
+        print_stats(cfg)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from eagle3_core.store.atomic import atomic_write_json
+    from eagle3_core.store.shards import manifest_from_header
+    from eagle3_core.store.stats import verify_store
+
+    cfg = _config(args)
+    results = verify_store(cfg.store_root, args.shard)
+    bad = 0
+    for r in results:
+        if r.ok:
+            console.print(f"[green]ok[/green]      {r.path.name}")
+            continue
+        if args.repair and all("manifest" in p for p in r.problems):
+            atomic_write_json(r.path.with_suffix(".json"), manifest_from_header(r.path))
+            console.print(f"[yellow]repaired[/yellow] {r.path.name}: manifest rewritten from the header")
+            continue
+        bad += 1
+        for p in r.problems:
+            console.print(f"[red]BAD[/red]     {p}")
+    console.print(f"verify: {len(results) - bad}/{len(results)} shards ok")
+    return 1 if bad else 0
+
+
+def add_core_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(fn=fn)
+        return p
+
+    add("ingest", cmd_ingest, "Read the configured sources into conversation shards (new data only).")
+    p = add("toy-target", cmd_toy_target, "Build (or find cached) the small chat target the demo and tests use.")
+    p.add_argument("--size", choices=["xs", "m"], default="xs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="Build into this directory instead of the cache.")
+    for name, fn, text in (
+        ("regenerate", cmd_regenerate, "Replace assistant turns with the target's replies, shard by shard."),
+        ("extract", cmd_extract, "Extract hidden states into safetensors shards."),
+    ):
+        p = add(name, fn, text)
+        p.add_argument("--shard", action="append", help="Only this shard (repeatable); default: shards not done.")
+        p.add_argument("--force", action="store_true", help="Redo shards that are already done.")
+    p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
+    p.add_argument("--json", action="store_true")
+    p = add("verify", cmd_verify, "Check every shard's checksums; exit 1 if any shard is corrupt or truncated.")
+    p.add_argument("--shard", action="append")
+    p.add_argument("--repair", action="store_true", help="Rewrite missing or stale manifests from shard headers.")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters for your own target model.")
+    parser.add_argument("--config", "-c", default="eagle3.yaml", help="The run's YAML file (default: eagle3.yaml).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_core_commands(sub)
+    return parser, sub
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    from eagle3_core.data.ingest import SourceChangedError
+    from eagle3_core.store.shards import DiskSpaceError
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ConfigError, FileNotFoundError, DiskSpaceError, SourceChangedError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, _ = build_parser()
+    return run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Ingest: sources in, conversation shards out, incrementally and deterministically.
+
+Each source is read in order; accepted conversations fill shards of `shard_size` samples, one source at a
+time (a shard never mixes sources), so appending a file or appending rows to a file only adds shards.
+The ledger (`ledger.json` in the store) records, per source, how many rows were consumed and a digest of
+their raw bytes: a later ingest starts after them, and refuses a source whose consumed rows changed.
+
+Every rejected row is kept with its location and reason in the rejects file of the shard it fell in;
+duplicates (a sample id seen before, in this source or an earlier one) are rejects with reason `duplicate`.
+The ledger is committed after every shard, so a crash mid-source resumes at the last whole shard and
+rewrites, identically, any shard files the crashed run left that the ledger does not list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import Eagle3Config
+from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
+from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
+from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
+from eagle3_core.store.layout import StoreLayout, shard_key
+
+LEDGER_VERSION = 1
+MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
+
+
+class SourceChangedError(RuntimeError):
+    """Rows that were already sharded changed; re-sharding would silently change existing shards."""
+
+
+@dataclass
+class SourceEntry:
+    rows: int = 0
+    digest: str = hashlib.sha256().hexdigest()
+    shards: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Ledger:
+    dataset: str
+    shard_size: int
+    next_index: int = 0
+    sources: dict[str, SourceEntry] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path, dataset: str, shard_size: int) -> Ledger:
+        if not path.exists():
+            return cls(dataset, shard_size)
+        raw = json.loads(path.read_text())
+        ledger = cls(
+            raw["dataset"],
+            raw["shard_size"],
+            raw["next_index"],
+            {name: SourceEntry(**entry) for name, entry in raw["sources"].items()},
+        )
+        if ledger.dataset != dataset:
+            raise ValueError(
+                f"data.dataset is {dataset!r} but the store at {path.parent} holds dataset {ledger.dataset!r}; "
+                "use another store, or the old name"
+            )
+        return ledger
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(
+            path,
+            {
+                "version": LEDGER_VERSION,
+                "dataset": self.dataset,
+                "shard_size": self.shard_size,
+                "next_index": self.next_index,
+                "sources": {n: vars(e) for n, e in self.sources.items()},
+            },
+        )
+
+    @property
+    def shard_keys(self) -> list[str]:
+        return [k for e in self.sources.values() for k in e.shards]
+
+
+@dataclass
+class ShardReport:
+    key: str
+    source: str
+    samples: int
+    heldout: int
+    rejected: dict[str, int]
+    first_line: int
+    last_line: int
+
+
+@dataclass
+class IngestReport:
+    new_shards: list[ShardReport]
+    all_shards: list[str]
+    rows_read: int
+    rejected: dict[str, int]
+
+    @property
+    def new_keys(self) -> list[str]:
+        return [s.key for s in self.new_shards]
+
+
+@dataclass
+class _Pending:
+    """The shard being filled: accepted samples and the rejects met since the previous shard."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    first_line: int | None = None
+    last_line: int = 0
+    digest: Any = None  # the source digest after this shard's last row
+
+
+def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> IngestReport:
+    layout = StoreLayout(cfg.store_root)
+    ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
+    seen = _seen_sample_ids(layout, ledger)
+    new: list[ShardReport] = []
+    totals: Counter[str] = Counter()
+    rows_read = 0
+    for source in resolve_sources(cfg):
+        entry = ledger.sources.setdefault(source.name, SourceEntry())
+        for report, rows in _ingest_source(cfg, layout, ledger, source, entry, seen):
+            new.append(report)
+            totals.update(report.rejected)
+            rows_read += rows
+            log(f"{report.key}: {report.samples} samples, {sum(report.rejected.values())} rejected ({source.name})")
+    return IngestReport(new, ledger.shard_keys, rows_read, dict(totals))
+
+
+def _seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
+    seen: set[str] = set()
+    for key in ledger.shard_keys:
+        manifest = json.loads(layout.conversations_manifest(key).read_text())
+        seen.update(manifest["sample_ids"])
+    return seen
+
+
+def _consumed_rows(source: ResolvedSource, entry: SourceEntry) -> tuple[Iterator[RawRow], Any]:
+    """Skip the rows the ledger says are consumed, checking their digest; return the rest and the digest."""
+    digest = hashlib.sha256()
+    rows = source.rows()
+    for _ in range(entry.rows):
+        row = next(rows, None)
+        if row is None:
+            raise SourceChangedError(
+                f"{source.name} has fewer rows than the {entry.rows} already sharded; sources are append-only "
+                "(add new data as new files)"
+            )
+        _digest_row(digest, row)
+    if digest.hexdigest() != entry.digest:
+        raise SourceChangedError(
+            f"{source.name}: its first {entry.rows} rows changed since they were sharded into "
+            f"{entry.shards[0]}..{entry.shards[-1]}; sources are append-only (add new data as new files)"
+        )
+    return rows, digest
+
+
+def _digest_row(digest: Any, row: RawRow) -> None:
+    digest.update(len(row.raw).to_bytes(8, "little"))
+    digest.update(row.raw)
+
+
+def _ingest_source(
+    cfg: Eagle3Config,
+    layout: StoreLayout,
+    ledger: Ledger,
+    source: ResolvedSource,
+    entry: SourceEntry,
+    seen: set[str],
+) -> Iterator[tuple[ShardReport, int]]:
+    rows, digest = _consumed_rows(source, entry)
+    require_assistant = not cfg.regenerate.enabled
+    pending = _Pending()
+    for row in rows:
+        _digest_row(digest, row)
+        pending.first_line = pending.first_line or row.location.line
+        pending.last_line = row.location.line
+        try:
+            conv = parse_row(row, source, require_assistant=require_assistant, system_prompt=cfg.data.system_prompt)
+            if conv.sample_id in seen:
+                raise RowRejected("duplicate", f"same conversation as sample {conv.sample_id[:12]}")
+        except RowRejected as rej:
+            pending.rejects.append(_reject_row(row, rej))
+        else:
+            seen.add(conv.sample_id)
+            pending.samples.append(_sample_row(conv, row, cfg.data.holdout_fraction))
+        if len(pending.samples) == ledger.shard_size:
+            pending.digest = digest.copy()
+            yield _commit_shard(layout, ledger, source, entry, pending)
+            pending = _Pending()
+    if pending.samples or pending.rejects:
+        pending.digest = digest.copy()
+        yield _commit_shard(layout, ledger, source, entry, pending)
+
+
+def _sample_row(conv: Conversation, row: RawRow, holdout_fraction: float) -> dict[str, Any]:
+    return {
+        "id": conv.sample_id,
+        "split": "heldout" if is_heldout(conv.sample_id, holdout_fraction) else "train",
+        "messages": conv.messages,
+        "source": row.location.as_dict(),
+    }
+
+
+def _reject_row(row: RawRow, rej: RowRejected) -> dict[str, Any]:
+    text = row.raw.decode("utf-8", errors="backslashreplace")
+    return {
+        **row.location.as_dict(),
+        "reason": rej.reason,
+        "detail": rej.detail,
+        "raw": text[:MAX_KEPT_RAW],
+        "raw_truncated": len(text) > MAX_KEPT_RAW,
+    }
+
+
+def _commit_shard(
+    layout: StoreLayout, ledger: Ledger, source: ResolvedSource, entry: SourceEntry, pending: _Pending
+) -> tuple[ShardReport, int]:
+    key = shard_key(ledger.dataset, ledger.next_index)
+    rejected = dict(Counter(r["reason"] for r in pending.rejects))
+    heldout = sum(1 for s in pending.samples if s["split"] == "heldout")
+    write_jsonl(layout.rejects(key), pending.rejects)
+    write_jsonl(layout.conversations(key), pending.samples)
+    atomic_write_json(
+        layout.conversations_manifest(key),
+        {
+            "key": key,
+            "source": source.name,
+            "lines": [pending.first_line, pending.last_line],
+            "samples": len(pending.samples),
+            "train_samples": len(pending.samples) - heldout,
+            "heldout_samples": heldout,
+            "assistant_turns": sum(
+                1 for s in pending.samples for m in s["messages"] if m["role"] == "assistant"
+            ),
+            "rejected": rejected,
+            "sample_ids": [s["id"] for s in pending.samples],
+        },
+    )
+    rows = len(pending.samples) + len(pending.rejects)
+    entry.rows += rows
+    entry.digest = pending.digest.hexdigest()
+    entry.shards.append(key)
+    ledger.next_index += 1
+    ledger.save(layout.ledger)
+    report = ShardReport(
+        key, source.name, len(pending.samples), heldout, rejected, pending.first_line or 0, pending.last_line
+    )
+    return report, rows
+
+
+def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The samples of a conversation shard and its manifest; a clear error if ingest has not made it."""
+    layout = StoreLayout(store_root)
+    manifest_path = layout.conversations_manifest(key)
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"conversation shard {key} is not in the store {store_root}: run `eagle3 ingest`")
+    manifest = json.loads(manifest_path.read_text())
+    samples = read_jsonl(layout.conversations(key))
+    if [s["id"] for s in samples] != manifest["sample_ids"]:
+        raise RuntimeError(f"conversation shard {key} does not match its manifest; re-run `eagle3 ingest`")
+    return samples, manifest

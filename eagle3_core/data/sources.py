@@ -1,0 +1,186 @@
+"""Reading conversation sources row by row, each row with its location and its exact raw bytes.
+
+Sources: JSONL and Parquet files whose rows are OpenAI `messages`, ShareGPT `conversations` (`from`/`value`)
+or plain `prompt` rows, and the `chitchat-dataset` package. A row's raw bytes feed the digest that pins what
+ingest has already consumed, so a source that changed under us is detected, not silently re-sharded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from glob import glob
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import ChitchatSource, Eagle3Config, FileSource, SourceFormat
+from eagle3_core.data.conversation import Conversation, Location, RowRejected, build_conversation
+
+CHITCHAT_NAME = "chitchat-dataset"
+
+
+@dataclass(frozen=True)
+class RawRow:
+    location: Location
+    raw: bytes  # exactly what was read (a JSONL line without its newline, or canonical JSON of a record)
+    record: Any = None  # the decoded record where the reader decodes it itself (Parquet, chitchat)
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """One concrete source: a single file, or the chitchat package. Globs expand to several of these."""
+
+    name: str  # stable across runs: the path relative to the config's directory, or "chitchat-dataset"
+    spec: FileSource | ChitchatSource
+    path: Path | None = None
+
+    def rows(self) -> Iterator[RawRow]:
+        if isinstance(self.spec, ChitchatSource):
+            return _chitchat_rows(self.spec.limit)
+        assert self.path is not None
+        if self.path.suffix == ".parquet":
+            return _parquet_rows(self.path, self.name)
+        return _jsonl_rows(self.path, self.name)
+
+
+def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
+    """Expand globs (sorted, so new files come in a stable order) and check every file exists."""
+    out: list[ResolvedSource] = []
+    for spec in cfg.data.sources:
+        if isinstance(spec, ChitchatSource):
+            out.append(ResolvedSource(CHITCHAT_NAME, spec))
+            continue
+        pattern = str(cfg.resolve(spec.path))
+        matches = sorted(Path(p) for p in glob(pattern))
+        if not matches:
+            raise FileNotFoundError(f"data.sources: {spec.path!r} matches no file (looked for {pattern})")
+        for p in matches:
+            if p.suffix not in {".jsonl", ".json", ".parquet"}:
+                raise ValueError(f"data.sources: {p} is neither .jsonl nor .parquet")
+            out.append(ResolvedSource(_relative_name(p, cfg.root), spec, p))
+    return out
+
+
+def _relative_name(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            raw = line.rstrip(b"\r\n")
+            if raw.strip():
+                yield RawRow(Location(name, number), raw)
+
+
+def _parquet_rows(path: Path, name: str) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            number += 1
+            raw = json.dumps(record, ensure_ascii=False, sort_keys=True, default=str).encode("utf-8")
+            yield RawRow(Location(name, number), raw, record)
+
+
+def _chitchat_rows(limit: int | None) -> Iterator[RawRow]:
+    import chitchat_dataset
+
+    data = chitchat_dataset.Dataset()
+    for number, (key, conv) in enumerate(data.items(), start=1):
+        if limit is not None and number > limit:
+            return
+        raw = json.dumps({"id": key, **conv}, ensure_ascii=False, sort_keys=True).encode("utf-8")
+        yield RawRow(Location(f"{CHITCHAT_NAME}:{key}", number), raw, conv)
+
+
+def chitchat_turns(conv: dict[str, Any]) -> list[tuple[object, object]]:
+    """A chitchat conversation is groups of utterances by alternating senders; the first sender is the user."""
+    groups = conv.get("messages")
+    if not isinstance(groups, list) or not groups:
+        raise RowRejected("wrong_shape", "chitchat record without messages")
+    first_sender = groups[0][0].get("sender") if groups[0] else None
+    turns: list[tuple[object, object]] = []
+    for group in groups:
+        if not group:
+            raise RowRejected("empty_content", "an empty message group")
+        role = "user" if group[0].get("sender") == first_sender else "assistant"
+        turns.append((role, "\n".join(str(u.get("text", "")) for u in group)))
+    return turns
+
+
+def decode_record(row: RawRow) -> Any:
+    if row.record is not None:
+        return row.record
+    try:
+        text = row.raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RowRejected("invalid_utf8", f"byte {err.start}: {err.reason}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RowRejected("malformed_json", f"column {err.colno}: {err.msg}") from None
+
+
+def record_turns(record: Any, fmt: SourceFormat) -> list[tuple[object, object]]:
+    """The (role, content) pairs of a decoded record, in the given format (or the one its keys show)."""
+    if not isinstance(record, dict):
+        raise RowRejected("wrong_shape", f"a row must be a JSON object, got {type(record).__name__}")
+    if fmt == "auto":
+        fmt = _detect_format(record)
+    if fmt == "messages":
+        return _pairs(record.get("messages"), "messages", "role", "content")
+    if fmt == "sharegpt":
+        return _pairs(record.get("conversations"), "conversations", "from", "value")
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str):
+        raise RowRejected("wrong_shape", "'prompt' must be a string")
+    system = record.get("system")
+    return ([("system", system)] if isinstance(system, str) and system.strip() else []) + [("user", prompt)]
+
+
+def _detect_format(record: dict[str, Any]) -> SourceFormat:
+    for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("prompt", "prompt")):
+        if key in record:
+            return fmt  # type: ignore[return-value]
+    raise RowRejected("wrong_shape", f"no 'messages', 'conversations' or 'prompt' field (keys: {sorted(record)[:8]})")
+
+
+def _pairs(turns: Any, field: str, role_key: str, content_key: str) -> list[tuple[object, object]]:
+    if not isinstance(turns, list):
+        raise RowRejected("wrong_shape", f"'{field}' must be a list")
+    out: list[tuple[object, object]] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise RowRejected("wrong_shape", f"{field}[{i}] must be an object with '{role_key}' and '{content_key}'")
+        out.append((turn[role_key], _text_content(turn[content_key], i)))
+    return out
+
+
+def _text_content(content: Any, index: int) -> object:
+    """OpenAI content may be a list of parts; only text parts are accepted."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise RowRejected("wrong_shape", f"turn {index}: only text content parts are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def parse_row(
+    row: RawRow, source: ResolvedSource, *, require_assistant: bool, system_prompt: str | None
+) -> Conversation:
+    """One raw row to a normalised conversation; raises RowRejected naming the reason."""
+    record = decode_record(row)
+    if isinstance(source.spec, ChitchatSource):
+        turns = chitchat_turns(record)
+    else:
+        turns = record_turns(record, source.spec.format)
+    return build_conversation(turns, require_assistant=require_assistant, system_prompt=system_prompt)

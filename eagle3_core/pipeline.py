@@ -1,0 +1,203 @@
+"""The three per-shard steps of the data half: conversations, regenerated, hidden_states.
+
+Each step reads its input from the store, writes its output atomically, and returns a `StepResult` whose
+flat `metadata` is what the CLI prints and what Dagster shows on the partition's page.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_core.config import Eagle3Config
+from eagle3_core.data.conversation import Conversation
+from eagle3_core.data.ingest import load_conversation_shard
+from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
+from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.shards import ShardWriter
+from eagle3_core.targets.base import AUX_LAYER_CONVENTION, SampleFailure
+from eagle3_core.targets.hf import TransformersTarget
+from eagle3_core.targets.regenerate import Regenerator
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    key: str
+    path: Path
+    metadata: dict[str, Any]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# ---- conversations -----------------------------------------------------------------------------------------
+def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
+    """A conversation shard is written by ingest; this checks it against its manifest and reports it."""
+    layout = StoreLayout(cfg.store_root)
+    _, manifest = load_conversation_shard(cfg.store_root, key)
+    rejected = manifest["rejected"]
+    return StepResult(
+        key,
+        layout.conversations(key),
+        {
+            "samples": manifest["samples"],
+            "train_samples": manifest["train_samples"],
+            "heldout_samples": manifest["heldout_samples"],
+            "assistant_turns": manifest["assistant_turns"],
+            "rejected": sum(rejected.values()),
+            **{f"rejected_{reason}": n for reason, n in sorted(rejected.items())},
+            "source": manifest["source"],
+            "source_lines": f"{manifest['lines'][0]}-{manifest['lines'][1]}",
+            "rejects_file": str(layout.rejects(key)),
+        },
+    )
+
+
+# ---- regenerated -------------------------------------------------------------------------------------------
+def regenerate_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
+    layout = StoreLayout(cfg.store_root)
+    samples, _ = load_conversation_shard(cfg.store_root, key)
+    train = [s for s in samples if s["split"] == "train"]
+    started = time.perf_counter()
+    regenerator = Regenerator(target.model, target.tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)
+    result = regenerator.regenerate(train, progress=lambda d, t: log(f"{key}: {d}/{t} turns regenerated"))
+    seconds = time.perf_counter() - started
+    if [r["id"] for r in result.rows] != [s["id"] for s in train]:
+        raise RuntimeError(f"{key}: regeneration returned other sample ids than it was given")
+    write_jsonl(layout.regenerated(key), result.rows)
+    metadata = {
+        "samples": len(train) - result.counts["errors"],
+        "errors": result.counts["errors"],
+        "heldout_skipped": len(samples) - len(train),
+        "replies": result.counts["replies"],
+        "new_tokens": result.new_tokens,
+        "tokens_per_second": round(result.new_tokens / max(seconds, 1e-9), 1),
+        "seconds": round(seconds, 2),
+        **{k: v for k, v in sorted(result.counts.items()) if k not in {"errors", "replies"}},
+        "target": target.info.fingerprint[:16],
+        "temperature": cfg.regenerate.temperature,
+        "max_new_tokens": cfg.regenerate.max_new_tokens,
+    }
+    atomic_write_json(layout.regenerated_manifest(key), {"key": key, **metadata})
+    return StepResult(key, layout.regenerated(key), metadata)
+
+
+# ---- hidden_states -----------------------------------------------------------------------------------------
+def _extraction_input(cfg: Eagle3Config, key: str, counts: Counter[str]) -> list[dict[str, Any]]:
+    """The conversations to extract: regenerated ones when regeneration is on, else the training split."""
+    layout = StoreLayout(cfg.store_root)
+    if not cfg.regenerate.enabled:
+        samples, _ = load_conversation_shard(cfg.store_root, key)
+        counts["heldout_skipped"] = sum(1 for s in samples if s["split"] != "train")
+        return [s for s in samples if s["split"] == "train"]
+    path = layout.regenerated(key)
+    if not path.exists():
+        raise FileNotFoundError(f"{key}: no regenerated shard at {path}; materialize `regenerated` first")
+    rows = read_jsonl(path)
+    counts["regeneration_errors"] = sum(1 for r in rows if "error" in r)
+    return [r for r in rows if "error" not in r]
+
+
+def _tokenize_all(
+    chat: ChatTokenizer, rows: list[dict[str, Any]], counts: Counter[str], dropped: dict[str, str]
+) -> list[TokenizedSample]:
+    out = []
+    for row in rows:
+        conv = Conversation(tuple((m["role"], m["content"]) for m in row["messages"]))
+        try:
+            sample = replace(chat.tokenize(conv), sample_id=row["id"])
+        except TemplateError as err:
+            dropped[row["id"]] = f"template: {err}"
+            continue
+        if sample.truncated:
+            counts["truncated_samples"] += 1
+            counts["truncated_tokens"] += sample.truncated_tokens
+            counts["truncated_loss_tokens"] += sample.truncated_loss_tokens
+        if sample.loss_tokens == 0:
+            dropped[row["id"]] = "no loss tokens (after truncation)"
+            continue
+        out.append(sample)
+    return out
+
+
+def length_batches(lengths: list[int], max_tokens: int, max_size: int) -> Iterator[list[int]]:
+    """Indices grouped longest first so a batch pads little: padded tokens <= max_tokens (or one sample)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batch: list[int] = []
+    for i in order:
+        width = lengths[batch[0]] if batch else lengths[i]
+        if batch and ((len(batch) + 1) * width > max_tokens or len(batch) == max_size):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
+    layout = StoreLayout(cfg.store_root)
+    counts: Counter[str] = Counter()
+    dropped: dict[str, str] = {}
+    rows = _extraction_input(cfg, key, counts)
+    chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)
+    samples = _tokenize_all(chat, rows, counts, dropped)
+    info = target.info
+    metadata = {
+        "conversation_shard": key,
+        "regenerated": cfg.regenerate.enabled,
+        "target": info.as_metadata(),
+        "tokenizer_fingerprint": target.tokenizer_fingerprint,
+        "aux_layer_ids": list(info.aux_layer_ids),
+        "aux_layer_convention": AUX_LAYER_CONVENTION,
+        "final_state_convention": info.final_state_convention,
+        "max_seq_len": cfg.tokenize.max_seq_len,
+        "dropped": dropped,
+    }
+    started = time.perf_counter()
+    with ShardWriter(
+        layout.hidden_states(key),
+        sample_ids=[s.sample_id for s in samples],
+        lengths=[s.length for s in samples],
+        hidden_size=info.hidden_size,
+        store_dtype=cfg.extract.store_dtype,
+        metadata=metadata,
+        disk_headroom=cfg.extract.disk_headroom,
+    ) as writer:
+        done = 0
+        for batch in length_batches([s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size):
+            states = target.hidden_states([samples[i].input_ids.tolist() for i in batch])
+            for i, st in zip(batch, states, strict=True):
+                s = samples[i]
+                if isinstance(st, SampleFailure):
+                    writer.mark_failed(i, st.reason)
+                    continue
+                writer.write_sample(i, torch.from_numpy(s.input_ids.copy()), torch.from_numpy(s.loss_mask.copy()), st.aux, st.last)
+            done += len(batch)
+            log(f"{key}: {done}/{len(samples)} samples extracted")
+        seconds = time.perf_counter() - started
+        manifest = writer.finalize({**counts, "dropped": len(dropped)})
+    c = manifest["counts"]
+    return StepResult(
+        key,
+        layout.hidden_states(key),
+        {
+            **c,
+            "errors": c["failed"] + c["dropped"] + c.get("regeneration_errors", 0),
+            "bytes": manifest["bytes"],
+            "tokens_per_second": round(c["tokens"] / max(seconds, 1e-9), 1),
+            "seconds": round(seconds, 2),
+            "aux_layer_ids": json.dumps(manifest["aux_layer_ids"]),
+            "final_state_convention": manifest["final_state_convention"],
+        },
+    )

@@ -1,0 +1,53 @@
+"""Where everything lives in a store. One place, so no other module builds a store path by hand."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+SHARD_KEY = re.compile(r"^(?P<dataset>[a-z0-9][a-z0-9_]*)-(?P<index>\d{5,})$")
+
+
+def shard_key(dataset: str, index: int) -> str:
+    return f"{dataset}-{index:05d}"
+
+
+def check_shard_key(key: str) -> str:
+    if not SHARD_KEY.match(key):
+        raise ValueError(f"{key!r} is not a shard key (expected '{{dataset}}-{{index:05d}}', e.g. 'chat-00003')")
+    return key
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    root: Path
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.json"
+
+    def conversations(self, key: str) -> Path:
+        return self.root / "conversations" / f"{check_shard_key(key)}.jsonl"
+
+    def conversations_manifest(self, key: str) -> Path:
+        return self.root / "conversations" / f"{check_shard_key(key)}.json"
+
+    def rejects(self, key: str) -> Path:
+        return self.root / "conversations" / f"{check_shard_key(key)}.rejects.jsonl"
+
+    def regenerated(self, key: str) -> Path:
+        return self.root / "regenerated" / f"{check_shard_key(key)}.jsonl"
+
+    def regenerated_manifest(self, key: str) -> Path:
+        return self.root / "regenerated" / f"{check_shard_key(key)}.json"
+
+    @property
+    def hidden_states_dir(self) -> Path:
+        return self.root / "hidden_states"
+
+    def hidden_states(self, key: str) -> Path:
+        return self.hidden_states_dir / f"{check_shard_key(key)}.safetensors"
+
+    def hidden_states_manifest(self, key: str) -> Path:
+        return self.hidden_states_dir / f"{check_shard_key(key)}.json"

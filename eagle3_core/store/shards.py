@@ -1,0 +1,468 @@
+"""Hidden-state shards: one safetensors file per shard, written streamed and atomically, read memory-mapped.
+
+File layout (a valid safetensors file; `safetensors.safe_open` reads it):
+
+    u64 header length | header JSON, space-padded so the data starts 64-byte aligned | data
+    data = offsets int64 [N+1] | input_ids int32 [T] | aux_hidden_states [T, 3H] | last_hidden_states [T, H]
+           | loss_mask uint8 [T]
+
+Sample i is rows offsets[i]:offsets[i+1] of every [T, ...] tensor; no padding is stored. Lengths are known
+before the target runs, so the header is written first with room reserved, rows go straight into the
+preallocated temporary file as batches finish (memory: one batch), and `finalize` rewrites the header in
+place with the counts and checksums, fsyncs and renames. A file under its final name is complete.
+
+Integrity: each sample has a blake2b-128 digest of its rows (input_ids, loss_mask, aux, last bytes, in that
+order), computed by the writer from the batch in memory; `checksum` is blake2b over the offsets bytes and the
+sample digests, so it covers every tensor byte; `header_checksum` covers the header itself. The reader
+checks the header when it opens a shard and a sample's digest each time it reads that sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3_core.store.atomic import atomic_write_json, commit, remove_stale_temps, temp_path_for
+
+SCHEMA = "eagle3.hidden_states/1"
+DATA_ALIGN = 64
+DTYPES: dict[str, tuple[torch.dtype, str, int]] = {  # name -> (torch dtype, safetensors dtype, bytes)
+    "int64": (torch.int64, "I64", 8),
+    "int32": (torch.int32, "I32", 4),
+    "uint8": (torch.uint8, "U8", 1),
+    "bfloat16": (torch.bfloat16, "BF16", 2),
+    "float16": (torch.float16, "F16", 2),
+    "float32": (torch.float32, "F32", 4),
+}
+MAX_REASON = 200
+
+
+class ShardCorruptError(RuntimeError):
+    """A shard's bytes do not match its checksums, or its header is unreadable."""
+
+
+class DiskSpaceError(OSError):
+    """Not enough free disk for a shard (with headroom)."""
+
+
+def _digest() -> Any:
+    return hashlib.blake2b(digest_size=16)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    dtype: str
+    row_shape: tuple[int, ...]  # shape of one row ([] for 1-D tensors)
+    rows: int
+    start: int  # byte offset inside the data region
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * DTYPES[self.dtype][2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def header_entry(self) -> dict[str, Any]:
+        return {
+            "dtype": DTYPES[self.dtype][1],
+            "shape": [self.rows, *self.row_shape],
+            "data_offsets": [self.start, self.start + self.nbytes],
+        }
+
+
+def plan_slots(lengths: list[int], hidden_size: int, num_aux: int, store_dtype: str) -> dict[str, TensorSlot]:
+    tokens = sum(lengths)
+    specs = [
+        ("offsets", "int64", (), len(lengths) + 1),
+        ("input_ids", "int32", (), tokens),
+        ("aux_hidden_states", store_dtype, (num_aux * hidden_size,), tokens),
+        ("last_hidden_states", store_dtype, (hidden_size,), tokens),
+        ("loss_mask", "uint8", (), tokens),
+    ]
+    slots: dict[str, TensorSlot] = {}
+    start = 0
+    for name, dtype, row_shape, rows in specs:
+        slots[name] = TensorSlot(name, dtype, row_shape, rows, start)
+        start += slots[name].nbytes
+    return slots
+
+
+def estimate_shard_bytes(lengths: list[int], hidden_size: int, num_aux: int = 3, store_dtype: str = "bfloat16") -> int:
+    slots = plan_slots(lengths, hidden_size, num_aux, store_dtype)
+    return sum(s.nbytes for s in slots.values()) + _reserved_header_bytes(len(lengths)) + 8
+
+
+def _reserved_header_bytes(num_samples: int) -> int:
+    # ids, lengths and digests, with room for every sample to fail with a reason and for the counts.
+    return 16_384 + num_samples * (70 + 12 + 36 + MAX_REASON + 80)
+
+
+def disk_preflight(directory: Path, needed: int, headroom: float, what: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < headroom * needed:
+        raise DiskSpaceError(
+            f"{what} needs about {needed:,} bytes ({needed / 2**30:.2f} GiB) and {directory} has {free:,} bytes "
+            f"({free / 2**30:.2f} GiB) free; refusing to start below {headroom}x the estimate "
+            f"({int(headroom * needed):,} bytes). Free space or move the store."
+        )
+
+
+def _header_checksum(header: dict[str, Any]) -> str:
+    body = {k: v for k, v in header.items() if k != "__metadata__"}
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "header_checksum"}
+    blob = json.dumps({"tensors": body, "metadata": meta}, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor, dtype: str) -> memoryview:
+    arr = t.detach().to(device="cpu", dtype=DTYPES[dtype][0]).contiguous().view(torch.uint8).numpy()
+    return memoryview(arr).cast("B")
+
+
+class ShardWriter:
+    """Streams one shard: header first, then rows per sample in any order, then `finalize`.
+
+    Use as a context manager: leaving it by an exception removes the temporary file.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        sample_ids: list[str],
+        lengths: list[int],
+        hidden_size: int,
+        store_dtype: str = "bfloat16",
+        num_aux: int = 3,
+        metadata: dict[str, Any],
+        disk_headroom: float = 1.5,
+    ) -> None:
+        if len(sample_ids) != len(lengths):
+            raise ValueError("sample_ids and lengths differ in length")
+        if any(n <= 0 for n in lengths):
+            raise ValueError("every sample needs at least one token")
+        self.path = path
+        self.sample_ids = list(sample_ids)
+        self.lengths = list(lengths)
+        self.hidden_size = hidden_size
+        self.num_aux = num_aux
+        self.store_dtype = store_dtype
+        self.metadata = dict(metadata)
+        self.slots = plan_slots(self.lengths, hidden_size, num_aux, store_dtype)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]).astype(np.int64)
+        self.digests: list[str | None] = [None] * len(lengths)
+        self.loss_tokens = [0] * len(lengths)
+        self.failed: dict[str, str] = {}
+        remove_stale_temps(path)
+        disk_preflight(
+            path.parent,
+            estimate_shard_bytes(self.lengths, hidden_size, num_aux, store_dtype),
+            disk_headroom,
+            f"shard {path.stem}",
+        )
+        self.temp = temp_path_for(path)
+        self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._header_room = self._header_len(self._header(placeholder=True)) + _reserved_header_bytes(len(lengths))
+        self._header_room += (-(8 + self._header_room)) % DATA_ALIGN
+        self._data_start = 8 + self._header_room
+        self._preallocate(self._data_start + sum(s.nbytes for s in self.slots.values()))
+        self._write_header(placeholder=True)
+        self._pwrite_slot("offsets", 0, memoryview(self.offsets).cast("B"))
+
+    # ---- header ---------------------------------------------------------------------------------------
+    def _header(self, placeholder: bool) -> dict[str, Any]:
+        digests = ["0" * 32] * len(self.lengths) if placeholder else self.digests
+        meta: dict[str, Any] = {
+            "format": "pt",
+            "schema": SCHEMA,
+            "store_dtype": self.store_dtype,
+            "hidden_size": self.hidden_size,
+            "num_aux": self.num_aux,
+            **self.metadata,
+            "sample_ids": self.sample_ids,
+            "lengths": self.lengths,
+            "failed": self.failed,
+            "sample_digests": digests,
+            "checksum": "0" * 32 if placeholder else self._checksum(),
+        }
+        header: dict[str, Any] = {name: slot.header_entry() for name, slot in self.slots.items()}
+        header["__metadata__"] = {k: _meta_str(k, v) for k, v in meta.items()}
+        header["__metadata__"]["header_checksum"] = _meta_str("header_checksum", _header_checksum(header))
+        return header
+
+    @staticmethod
+    def _header_len(header: dict[str, Any]) -> int:
+        return len(json.dumps(header, separators=(",", ":")).encode())
+
+    def _write_header(self, placeholder: bool) -> None:
+        blob = json.dumps(self._header(placeholder), separators=(",", ":")).encode()
+        if len(blob) > self._header_room:
+            raise RuntimeError(f"shard header outgrew its reserved {self._header_room} bytes")
+        blob += b" " * (self._header_room - len(blob))
+        os.pwrite(self._fd, self._header_room.to_bytes(8, "little") + blob, 0)
+
+    def _checksum(self) -> str:
+        h = _digest()
+        h.update(self.offsets.tobytes())
+        for d in self.digests:
+            h.update(bytes.fromhex(d or "0" * 32))
+        return h.hexdigest()
+
+    def _preallocate(self, size: int) -> None:
+        # Reserve the blocks now, so a disk that fills up fails this shard at the start, not hours in.
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as err:
+            if err.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: the filesystem cannot; fall back to a sparse file
+                raise
+            os.ftruncate(self._fd, size)
+
+    # ---- rows -----------------------------------------------------------------------------------------
+    def _pwrite_slot(self, name: str, first_row: int, data: memoryview) -> None:
+        slot = self.slots[name]
+        os.pwrite(self._fd, data, self._data_start + slot.start + first_row * slot.row_bytes)
+
+    def write_sample(
+        self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        """Write sample `index`: input_ids/loss_mask [T], aux [T, 3H], last [T, H] (any float dtype/device)."""
+        n = self.lengths[index]
+        expected = {
+            "input_ids": (n,),
+            "loss_mask": (n,),
+            "aux_hidden_states": (n, self.num_aux * self.hidden_size),
+            "last_hidden_states": (n, self.hidden_size),
+        }
+        tensors = {"input_ids": input_ids, "loss_mask": loss_mask, "aux_hidden_states": aux, "last_hidden_states": last}
+        h = _digest()
+        first = int(self.offsets[index])
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
+            if tuple(tensors[name].shape) != expected[name]:
+                raise ValueError(
+                    f"sample {index} ({self.sample_ids[index][:12]}): {name} has shape "
+                    f"{tuple(tensors[name].shape)}, expected {expected[name]}"
+                )
+            data = _tensor_bytes(tensors[name], self.slots[name].dtype)
+            h.update(data)
+            self._pwrite_slot(name, first, data)
+        self.digests[index] = h.hexdigest()
+        self.loss_tokens[index] = int(loss_mask.sum())
+
+    def mark_failed(self, index: int, reason: str) -> None:
+        """A sample whose states could not be obtained: its rows stay zero and readers skip it."""
+        n = self.lengths[index]
+        zeros = {
+            "input_ids": torch.zeros(n, dtype=torch.int32),
+            "loss_mask": torch.zeros(n, dtype=torch.uint8),
+            "aux": torch.zeros(n, self.num_aux * self.hidden_size),
+            "last": torch.zeros(n, self.hidden_size),
+        }
+        self.write_sample(index, zeros["input_ids"], zeros["loss_mask"], zeros["aux"], zeros["last"])
+        self.failed[self.sample_ids[index]] = reason[:MAX_REASON]
+
+    # ---- commit ---------------------------------------------------------------------------------------
+    def finalize(self, counts: dict[str, int] | None = None) -> dict[str, Any]:
+        missing = [i for i, d in enumerate(self.digests) if d is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} samples were never written (first: index {missing[0]})")
+        self.metadata["counts"] = {**(counts or {}), **self._row_counts()}
+        self._write_header(placeholder=False)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        commit(self.temp, self.path)
+        manifest = manifest_from_header(self.path)
+        atomic_write_json(self.path.with_suffix(".json"), manifest)
+        return manifest
+
+    def _row_counts(self) -> dict[str, int]:
+        good = [i for i, s in enumerate(self.sample_ids) if s not in self.failed]
+        return {
+            "samples": len(good),
+            "tokens": int(sum(self.lengths[i] for i in good)),
+            "loss_tokens": int(sum(self.loss_tokens[i] for i in good)),
+            "failed": len(self.failed),
+        }
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.temp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._fd >= 0:
+            self.abort()
+            raise RuntimeError("ShardWriter left without finalize(); the shard was discarded")
+
+
+def _meta_str(key: str, value: Any) -> str:
+    # safetensors metadata maps str -> str: every value is stored as JSON, but for the conventional "format".
+    return value if key == "format" else json.dumps(value, separators=(",", ":"))
+
+
+def _meta_value(key: str, text: str) -> Any:
+    return text if key == "format" else json.loads(text)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The parsed header and the data region's start, checked against the header checksum and file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ShardCorruptError(f"{path}: truncated ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            raise ShardCorruptError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+        blob = f.read(n)
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ShardCorruptError(f"{path}: header is not valid JSON ({err})") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    if meta.get("schema") != json.dumps(SCHEMA):
+        raise ShardCorruptError(f"{path}: not an eagle3 hidden-state shard (schema {meta.get('schema')!r})")
+    if meta.get("header_checksum") != _meta_str("header_checksum", _header_checksum(header)):
+        raise ShardCorruptError(f"{path}: header checksum mismatch (the header was modified or corrupted)")
+    data_bytes = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    if 8 + n + data_bytes != size:
+        raise ShardCorruptError(f"{path}: {size} bytes on disk, the header describes {8 + n + data_bytes}")
+    return header, 8 + n
+
+
+def decode_metadata(header: dict[str, Any]) -> dict[str, Any]:
+    return {k: _meta_value(k, v) for k, v in header["__metadata__"].items()}
+
+
+def manifest_from_header(path: Path) -> dict[str, Any]:
+    """The manifest beside a shard: its header metadata (without per-sample digests), size and name."""
+    header, _ = read_header(path)
+    meta = decode_metadata(header)
+    meta.pop("sample_digests")
+    meta.pop("format", None)
+    return {"key": path.stem, "file": path.name, "bytes": path.stat().st_size, **meta}
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    sample_id: str
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+    aux_hidden_states: torch.Tensor  # [T, 3H]
+    last_hidden_states: torch.Tensor  # [T, H]
+
+
+class ShardReader:
+    """Memory-mapped random access to the samples of one shard, checking each sample's digest on read.
+
+    Indices run over the good samples only; samples the writer marked failed are not visible.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.header, self._data_start = read_header(path)
+        self.metadata = decode_metadata(self.header)
+        self._all_ids: list[str] = self.metadata["sample_ids"]
+        self._digests: list[str] = self.metadata["sample_digests"]
+        failed = self.metadata["failed"]
+        self._index = [i for i, s in enumerate(self._all_ids) if s not in failed]
+        self._file = open(path, "rb")
+        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._offsets = np.frombuffer(self._raw("offsets", 0, len(self._all_ids) + 1), dtype=np.int64).copy()
+        if not np.array_equal(np.diff(self._offsets), np.asarray(self.metadata["lengths"], dtype=np.int64)):
+            raise ShardCorruptError(f"{path}: the offsets tensor does not match the recorded lengths")
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [self._all_ids[i] for i in self._index]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(self.metadata["lengths"][i]) for i in self._index]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _raw(self, name: str, first_row: int, rows: int) -> memoryview:
+        entry = self.header[name]
+        row_bytes = DTYPES[_dtype_name(entry["dtype"])][2] * int(np.prod(entry["shape"][1:], dtype=np.int64))
+        start = self._data_start + entry["data_offsets"][0] + first_row * row_bytes
+        return memoryview(self._mm)[start : start + rows * row_bytes]
+
+    def _tensor(self, name: str, first: int, rows: int, h: Any) -> torch.Tensor:
+        entry = self.header[name]
+        raw = self._raw(name, first, rows)
+        if h is not None:
+            h.update(raw)
+        t = torch.frombuffer(bytearray(raw), dtype=DTYPES[_dtype_name(entry["dtype"])][0]) if rows else None
+        if t is None:
+            t = torch.empty(0, dtype=DTYPES[_dtype_name(entry["dtype"])][0])
+        return t.view(rows, *entry["shape"][1:])
+
+    def sample(self, i: int, verify: bool = True) -> ShardSample:
+        j = self._index[i]
+        first, rows = int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
+        h = _digest() if verify else None
+        tensors = [self._tensor(n, first, rows, h) for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")]
+        if h is not None and h.hexdigest() != self._digests[j]:
+            raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
+        return ShardSample(self._all_ids[j], *tensors)
+
+    def __iter__(self) -> Iterator[ShardSample]:
+        for i in range(len(self)):
+            yield self.sample(i)
+
+    def verify(self) -> list[str]:
+        """Every problem found: samples failing their digest, and a whole-file checksum mismatch."""
+        problems = []
+        for i in range(len(self)):
+            try:
+                self.sample(i)
+            except ShardCorruptError as err:
+                problems.append(str(err))
+        h = _digest()
+        h.update(self._offsets.tobytes())
+        for d in self._digests:
+            h.update(bytes.fromhex(d))
+        if h.hexdigest() != self.metadata["checksum"]:
+            problems.append(f"{self.path}: whole-shard checksum mismatch")
+        return problems
+
+    def close(self) -> None:
+        self._mm.close()
+        self._file.close()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    for name, (_, st, _) in DTYPES.items():
+        if st == safetensors_dtype:
+            return name
+    raise ShardCorruptError(f"unknown dtype {safetensors_dtype}")

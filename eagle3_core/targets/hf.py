@@ -1,0 +1,173 @@
+"""The in-process transformers target: loading, fingerprints, and the hidden-state backend.
+
+Aux states are captured with forward pre-hooks on the chosen decoder layers (the residual stream entering
+layer k), so only those three tensors are kept, not all L+1 that `output_hidden_states` would hold; the
+final state is the decoder's `last_hidden_state` (after the final norm: `post_norm`). Batches are padded on
+the right: with causal attention, padding never changes the rows of real tokens, and no padding is returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle3_core.config import TargetConfig
+from eagle3_core.targets.base import (
+    HiddenStates,
+    SampleFailure,
+    TargetInfo,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("target.device is 'cuda' but no CUDA device is visible")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _hash_files(directory: Path, names: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for name in names:
+        path = directory / name
+        if path.exists():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """sha256 of the tokenizer files, chat template included."""
+    return _hash_files(model_dir, TOKENIZER_FILES)
+
+
+def target_fingerprint(model_dir: Path) -> str:
+    """sha256 of the config and of each weight file's safetensors header and size.
+
+    Hashing terabytes of weights at every run is not affordable; the headers name every tensor with its
+    shape and byte range, and with the sizes they identify a checkpoint in practice.
+    """
+    h = hashlib.sha256()
+    for name in ("config.json", "generation_config.json"):
+        if (model_dir / name).exists():
+            h.update((model_dir / name).read_bytes())
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (pickled .bin weights are not loaded)")
+    for path in weights:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(path.name.encode())
+            h.update(f.read(n))
+        h.update(str(path.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    return model.to(device).eval()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (expected model.get_decoder().layers)")
+    return layers
+
+
+class TransformersTarget:
+    """Hidden states from a Hugging Face causal LM running in this process (fp32 on CPU, bf16 on GPU)."""
+
+    def __init__(self, model_dir: Path, cfg: TargetConfig) -> None:
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        from transformers import AutoTokenizer
+
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
+        self.model = load_causal_lm(model_dir, device, dtype)
+        self.decoder = self.model.get_decoder()
+        self.layers = decoder_layers(self.model)
+        config: Any = self.model.config
+        num_layers = len(self.layers)
+        aux = (
+            check_aux_layer_ids(cfg.aux_layer_ids, num_layers)
+            if cfg.aux_layer_ids
+            else default_aux_layer_ids(num_layers)
+        )
+        self.info = TargetInfo(
+            name=str(model_dir),
+            fingerprint=target_fingerprint(model_dir),
+            num_layers=num_layers,
+            hidden_size=int(config.hidden_size),
+            vocab_size=int(config.vocab_size),
+            aux_layer_ids=aux,
+            final_state_convention="post_norm",
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+        )
+        self._captured: dict[int, torch.Tensor] = {}
+        for k in aux:
+            self.layers[k].register_forward_pre_hook(self._capture_hook(k), with_kwargs=True)
+
+    def _capture_hook(self, k: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: Sequence[Sequence[int]]) -> list[HiddenStates | SampleFailure]:
+        lengths = [len(s) for s in batch]
+        width = max(lengths)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, seq in enumerate(batch):
+            input_ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            attention_mask[b, : len(seq)] = 1
+        self._captured.clear()
+        out = self.decoder(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            use_cache=False,
+        )
+        aux = torch.cat([self._captured[k] for k in self.info.aux_layer_ids], dim=-1)  # [B, S, 3H]
+        last = out.last_hidden_state  # [B, S, H]
+        self._captured.clear()
+        return [HiddenStates(aux[b, :n], last[b, :n]) for b, n in enumerate(lengths)]
+
+    def close(self) -> None:
+        """Drop the weights and give GPU memory back (the GPU pool is shared with training)."""
+        self._captured.clear()
+        del self.model, self.decoder, self.layers
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))

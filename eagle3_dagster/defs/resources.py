@@ -1,0 +1,48 @@
+"""Resources: the run's configuration (the same pydantic config and YAML file as the CLI's) and the target."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dagster as dg
+from pydantic import PrivateAttr
+
+from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.targets.hf import TransformersTarget
+from eagle3_core.targets.resolve import target_dir
+
+DEFAULT_CONFIG = "eagle3.yaml"
+
+
+class Eagle3Resource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """Where the run's `eagle3.yaml` is; every asset reads its configuration from there."""
+
+    config_path: str = DEFAULT_CONFIG
+
+    def config(self) -> Eagle3Config:
+        return load_config(self.config_path)
+
+
+class TargetResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """The target model, loaded once per run on first use and released when the run ends."""
+
+    eagle3: Eagle3Resource
+    _target: TransformersTarget | None = PrivateAttr(default=None)
+
+    def get(self, log: Any = None) -> TransformersTarget:
+        if self._target is None:
+            cfg = self.eagle3.config()
+            say = log.info if log is not None else print
+            self._target = TransformersTarget(target_dir(cfg, log=say), cfg.target)
+        return self._target
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._target is not None:
+            self._target.close()
+            self._target = None
+
+
+def default_resources() -> dict[str, Any]:
+    eagle3 = Eagle3Resource(config_path=os.environ.get("EAGLE3_CONFIG", DEFAULT_CONFIG))
+    return {"eagle3": eagle3, "target": TargetResource(eagle3=eagle3)}

@@ -1,0 +1,42 @@
+"""Running the shard assets in process against the instance in $DAGSTER_HOME (the demo and the CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import dagster as dg
+
+from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.partitions import shards
+from eagle3_dagster.defs.resources import default_resources
+
+SHARD_ASSETS = [conversations, regenerated, hidden_states]
+
+
+def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:
+    """Register new shard keys as partitions, in batches (one huge add hits SQLite's variable limit)."""
+    existing = set(instance.get_dynamic_partitions(shards.name))
+    new = [k for k in keys if k not in existing]
+    for start in range(0, len(new), batch):
+        instance.add_dynamic_partitions(shards.name, new[start : start + batch])
+    return new
+
+
+def missing_shards(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
+    done = instance.get_materialized_partitions(hidden_states.key)
+    return [k for k in keys if k not in done]
+
+
+def materialize_shards(
+    keys: list[str], instance: dg.DagsterInstance | None = None, log: Callable[[str], None] = print
+) -> list[str]:
+    """One run per missing shard through conversations -> regenerated -> hidden_states; returns the keys run."""
+    instance = instance or dg.DagsterInstance.get()
+    add_shard_partitions(instance, keys)
+    todo = missing_shards(instance, keys)
+    for i, key in enumerate(todo, start=1):
+        log(f"run {i}/{len(todo)}: shard {key}")
+        result = dg.materialize(SHARD_ASSETS, partition_key=key, instance=instance, resources=default_resources())
+        if not result.success:
+            raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
+    return todo

@@ -1,0 +1,30 @@
+"""Shared fixtures. The toy target (xs) is built once per machine into the repository's .cache/ and reused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache" / "eagle3"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def toy_target_dir() -> Path:
+    from eagle3_core.toy.build import ensure_toy_target
+
+    return ensure_toy_target(CACHE, "xs", 0, log=lambda _: None)
+
+
+def write_config(directory: Path, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "eagle3.yaml"
+    path.write_text(text)
+    return path

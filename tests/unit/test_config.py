@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.config import ConfigError, load_config
+from tests.conftest import write_config
+
+
+def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) -> None:
+    cfg = load_config(write_config(tmp_path / "proj", "store: data/store\n"))
+    assert cfg.store_root == (tmp_path / "proj" / "data" / "store").resolve()
+    assert cfg.data.shard_size == 256
+    assert cfg.tokenize.max_seq_len == 4096
+    assert cfg.regenerate.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "fragment"),
+    [
+        ("data: {shard_size: 0}\n", "data.shard_size", "greater than 0"),
+        ("data: {holdout_fraction: 1.5}\n", "data.holdout_fraction", "less than 1"),
+        ("regenerate: {temperature: -1}\n", "regenerate.temperature", "greater than or equal to 0"),
+        ("target: {aux_layer_ids: [2, 2, 5]}\n", "target.aux_layer_ids", "distinct"),
+        ("extract: {store_dtype: int8}\n", "extract.store_dtype", "bfloat16"),
+        ("data: {shard_sise: 10}\n", "data.shard_sise", "Extra inputs"),
+        ("data: {sources: [{kind: file}]}\n", "data.sources.0.path", "Field required"),
+        ("data: {dataset: My-Data}\n", "data.dataset", "pattern"),
+    ],
+)
+def test_invalid_values_name_the_field(tmp_path: Path, text: str, field: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, text))
+    message = str(err.value)
+    assert f"{field}:" in message, message
+    assert fragment in message, message
+
+
+def test_cross_field_check_names_both_fields(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"regenerate.max_new_tokens .* tokenize.max_seq_len"):
+        load_config(write_config(tmp_path, "regenerate: {max_new_tokens: 600}\ntokenize: {max_seq_len: 512}\n"))
+
+
+def test_missing_file_and_bad_yaml_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write_config(tmp_path, "data: [unclosed\n"))
