@@ -153,7 +153,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def add_core_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_core_commands(sub: argparse._SubParsersAction) -> None:
     def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(fn=fn)
@@ -178,7 +178,7 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--repair", action="store_true", help="Rewrite missing or stale manifests from shard headers.")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters for your own target model.")
     parser.add_argument("--config", "-c", default="eagle3.yaml", help="The run's YAML file (default: eagle3.yaml).")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -67,7 +67,7 @@ Source = Annotated[
 
 class DataConfig(_Model):
     dataset: str = Field(default="chat", pattern=r"^[a-z0-9][a-z0-9_]*$", description=SHARD_KEY_HELP)
-    sources: list[Source] = Field(default_factory=lambda: [ChitchatSource()], min_length=1)
+    sources: list[Source] = Field(default_factory=lambda: [ChitchatSource()], min_length=1)  # type: ignore[arg-type]
     shard_size: Annotated[int, Field(gt=0, le=1_000_000)] = 256
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.02
     system_prompt: str | None = Field(

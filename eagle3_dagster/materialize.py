@@ -7,18 +7,18 @@ from collections.abc import Callable
 import dagster as dg
 
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
-from eagle3_dagster.defs.partitions import shards
 from eagle3_dagster.defs.resources import default_resources
 
 SHARD_ASSETS = [conversations, regenerated, hidden_states]
+SHARDS = "shards"
 
 
 def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:
     """Register new shard keys as partitions, in batches (one huge add hits SQLite's variable limit)."""
-    existing = set(instance.get_dynamic_partitions(shards.name))
+    existing = set(instance.get_dynamic_partitions(SHARDS))
     new = [k for k in keys if k not in existing]
     for start in range(0, len(new), batch):
-        instance.add_dynamic_partitions(shards.name, new[start : start + batch])
+        instance.add_dynamic_partitions(SHARDS, new[start : start + batch])
     return new
 
 

@@ -9,6 +9,7 @@ canonical JSON of the normalised turns, so the same conversation gets the same i
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import unicodedata
 from dataclasses import dataclass, field
@@ -110,7 +111,7 @@ def build_conversation(
     dialogue = normal[1:] if normal[0][0] == "system" else normal
     if not dialogue or dialogue[0][0] != "user":
         raise RowRejected("wrong_shape", "the first non-system turn must be the user's")
-    for i, ((r_prev, _), (r, _)) in enumerate(zip(dialogue, dialogue[1:], strict=False)):
+    for i, ((r_prev, _), (r, _)) in enumerate(itertools.pairwise(dialogue)):
         if r == r_prev:
             raise RowRejected("wrong_shape", f"turns {i} and {i + 1} are both {r}: user and assistant must alternate")
     conv = Conversation(tuple(normal))

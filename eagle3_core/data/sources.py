@@ -141,7 +141,8 @@ def record_turns(record: Any, fmt: SourceFormat) -> list[tuple[object, object]]:
     if not isinstance(prompt, str):
         raise RowRejected("wrong_shape", "'prompt' must be a string")
     system = record.get("system")
-    return ([("system", system)] if isinstance(system, str) and system.strip() else []) + [("user", prompt)]
+    turns: list[tuple[object, object]] = [("system", system)] if isinstance(system, str) and system.strip() else []
+    return [*turns, ("user", prompt)]
 
 
 def _detect_format(record: dict[str, Any]) -> SourceFormat:

@@ -131,7 +131,7 @@ def _header_checksum(header: dict[str, Any]) -> str:
 
 def _tensor_bytes(t: torch.Tensor, dtype: str) -> memoryview:
     arr = t.detach().to(device="cpu", dtype=DTYPES[dtype][0]).contiguous().view(torch.uint8).numpy()
-    return memoryview(arr).cast("B")
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
 class ShardWriter:
@@ -182,7 +182,7 @@ class ShardWriter:
         self._data_start = 8 + self._header_room
         self._preallocate(self._data_start + sum(s.nbytes for s in self.slots.values()))
         self._write_header(placeholder=True)
-        self._pwrite_slot("offsets", 0, memoryview(self.offsets).cast("B"))
+        self._pwrite_slot("offsets", 0, memoryview(self.offsets.tobytes()))
 
     # ---- header ---------------------------------------------------------------------------------------
     def _header(self, placeholder: bool) -> dict[str, Any]:
@@ -388,7 +388,7 @@ class ShardReader:
         self._digests: list[str] = self.metadata["sample_digests"]
         failed = self.metadata["failed"]
         self._index = [i for i, s in enumerate(self._all_ids) if s not in failed]
-        self._file = open(path, "rb")
+        self._file = open(path, "rb")  # noqa: SIM115 (closed by close(); the mmap outlives __init__)
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         self._offsets = np.frombuffer(self._raw("offsets", 0, len(self._all_ids) + 1), dtype=np.int64).copy()
         if not np.array_equal(np.diff(self._offsets), np.asarray(self.metadata["lengths"], dtype=np.int64)):

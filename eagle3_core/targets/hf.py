@@ -80,14 +80,14 @@ def target_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     return model.to(device).eval()
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: Any) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -107,7 +107,7 @@ class TransformersTarget:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
         self.model = load_causal_lm(model_dir, device, dtype)
-        self.decoder = self.model.get_decoder()
+        self.decoder: Any = self.model.get_decoder()
         self.layers = decoder_layers(self.model)
         config: Any = self.model.config
         num_layers = len(self.layers)

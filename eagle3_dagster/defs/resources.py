@@ -15,7 +15,7 @@ from eagle3_core.targets.resolve import target_dir
 DEFAULT_CONFIG = "eagle3.yaml"
 
 
-class Eagle3Resource(dg.ConfigurableResource):  # type: ignore[type-arg]
+class Eagle3Resource(dg.ConfigurableResource):
     """Where the run's `eagle3.yaml` is; every asset reads its configuration from there."""
 
     config_path: str = DEFAULT_CONFIG
@@ -24,7 +24,7 @@ class Eagle3Resource(dg.ConfigurableResource):  # type: ignore[type-arg]
         return load_config(self.config_path)
 
 
-class TargetResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+class TargetResource(dg.ConfigurableResource):
     """The target model, loaded once per run on first use and released when the run ends."""
 
     eagle3: Eagle3Resource

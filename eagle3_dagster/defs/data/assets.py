@@ -7,6 +7,7 @@ from eagle3_dagster.defs.metadata import step_metadata
 from eagle3_dagster.defs.partitions import shards
 from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
 
+
 @dg.asset(partitions_def=shards, group_name="data", kinds={"json"})
 def conversations(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """Normalised, deduplicated conversations of one shard, with its rejected rows counted by reason."""
