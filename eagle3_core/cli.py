@@ -15,7 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from eagle3_core.config import ConfigError, Eagle3Config, load_config
+from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.layout import StoreLayout
 
 console = Console(stderr=False, highlight=False)
@@ -98,7 +99,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return _run_shards(args, "extract")
 
 
-def print_stats(cfg: Eagle3Config) -> None:
+def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
     from eagle3_core.store.stats import COLUMNS, store_stats
 
     stats = store_stats(cfg.store_root)
@@ -106,7 +107,10 @@ def print_stats(cfg: Eagle3Config) -> None:
     table.add_column("shard")
     for c in COLUMNS:
         table.add_column(c, justify="right")
-    for row in stats.shards:
+    shown = stats.shards if len(stats.shards) <= max_rows else stats.shards[: max_rows // 2] + stats.shards[-max_rows // 2 :]
+    for i, row in enumerate(shown):
+        if len(shown) < len(stats.shards) and i == max_rows // 2:
+            table.add_row(f"... {len(stats.shards) - len(shown)} more", *([""] * len(COLUMNS)))
         table.add_row(row.key, *(f"{row.values[c]:,}" for c in COLUMNS))
     table.add_row("total", *(f"{stats.totals[c]:,}" for c in COLUMNS), style="bold")
     console.print(table)
@@ -126,7 +130,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps({"shards": {r.key: r.values for r in stats.shards}, "totals": stats.totals,
                           "rejected": stats.rejected, "conversations": stats.conversations}, indent=1))
     else:
-        print_stats(cfg)
+        print_stats(cfg, max_rows=10**9 if args.all else 40)
     return 0
 
 
@@ -173,6 +177,7 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--force", action="store_true", help="Redo shards that are already done.")
     p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--all", action="store_true", help="One row per shard even when there are many.")
     p = add("verify", cmd_verify, "Check every shard's checksums; exit 1 if any shard is corrupt or truncated.")
     p.add_argument("--shard", action="append")
     p.add_argument("--repair", action="store_true", help="Rewrite missing or stale manifests from shard headers.")
@@ -187,13 +192,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    from eagle3_core.data.ingest import SourceChangedError
-    from eagle3_core.store.shards import DiskSpaceError
-
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))
-    except (ConfigError, FileNotFoundError, DiskSpaceError, SourceChangedError) as err:
+    except (Eagle3Error, FileNotFoundError) as err:
         console.print(f"[red]error:[/red] {err}")
         return 2
 

@@ -21,11 +21,13 @@ from pydantic import (
     model_validator,
 )
 
+from eagle3_core.errors import ConfigError
+
+__all__ = ["ConfigError", "Eagle3Config", "load_config"]
+
 SHARD_KEY_HELP = "shard keys are '{dataset}-{index:05d}'"
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the file and the field."""
 
 
 class _Model(BaseModel):

@@ -147,7 +147,7 @@ def length_batches(lengths: list[int], max_tokens: int, max_size: int) -> Iterat
 
 def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
     layout = StoreLayout(cfg.store_root)
-    counts: Counter[str] = Counter()
+    counts: Counter[str] = Counter(dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0))
     dropped: dict[str, str] = {}
     rows = _extraction_input(cfg, key, counts)
     chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)

@@ -5,12 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from eagle3_core.toy.tokenizer import train_tokenizer
+
+CORPUS = [
+    "hello how are you today",
+    "i am fine thank you and you",
+    "what did you do this weekend",
+    "i went hiking with my dog in the hills",
+    "that sounds like a lot of fun",
+    "do you like pizza or pasta more",
+    "the weather is nice and sunny here",
+    "my favourite colour is blue, what is yours?",
+] * 20
 
 
-def save_tiny_llama(
-    directory: Path, *, layers: int = 8, hidden: int = 32, vocab: int = 256, seed: int = 0
-) -> Path:
+def save_tiny_llama(directory: Path, *, layers: int = 8, hidden: int = 32, vocab: int = 256, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -19,8 +30,21 @@ def save_tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def save_tiny_chat_target(directory: Path, *, layers: int = 8, hidden: int = 32, seed: int = 0) -> Path:
+    """A random-weight Llama with a real byte-level BPE tokenizer and the Llama-3 chat template."""
+    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
+    save_tiny_llama(directory, layers=layers, hidden=hidden, vocab=len(tokenizer), seed=seed)
+    tokenizer.save_pretrained(directory)
+    GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids("<|eot_id|>")],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    ).save_pretrained(directory)
     return directory

@@ -24,15 +24,12 @@ from typing import Any
 from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
+from eagle3_core.errors import SourceChangedError
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 
 LEDGER_VERSION = 1
 MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
-
-
-class SourceChangedError(RuntimeError):
-    """Rows that were already sharded changed; re-sharding would silently change existing shards."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_core.errors import DiskSpaceError, ShardCorruptError
 from eagle3_core.store.atomic import atomic_write_json, commit, remove_stale_temps, temp_path_for
 
 SCHEMA = "eagle3.hidden_states/1"
@@ -46,14 +47,6 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {  # name -> (torch dtype, saf
     "float32": (torch.float32, "F32", 4),
 }
 MAX_REASON = 200
-
-
-class ShardCorruptError(RuntimeError):
-    """A shard's bytes do not match its checksums, or its header is unreadable."""
-
-
-class DiskSpaceError(OSError):
-    """Not enough free disk for a shard (with headroom)."""
 
 
 def _digest() -> Any:

@@ -1,6 +1,6 @@
 """Store statistics from manifests alone, and verification of every shard's bytes.
 
-`store_stats` never opens a tensor file: lengths and counts are written with each shard, because a post-pass
+`store_stats` never opens a tensor file (nor imports torch, so the command answers at once): lengths and counts are written with each shard, because a post-pass
 over terabytes of hidden states to learn sample lengths is the kind of job that gets abandoned.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.shards import ShardCorruptError, ShardReader, manifest_from_header
 
 COLUMNS = ("samples", "tokens", "loss_tokens", "errors", "truncated_samples", "truncated_tokens", "bytes")
 
@@ -77,6 +76,12 @@ class VerifyResult:
 
 
 def verify_shard(path: Path) -> VerifyResult:
+    from eagle3_core.store.shards import (  # torch: not for stats
+        ShardCorruptError,
+        ShardReader,
+        manifest_from_header,
+    )
+
     if TEMP_MARK in path.name:
         return VerifyResult(path, [f"{path}: temporary file of an unfinished write (removed by the next write)"])
     try:

@@ -1,0 +1,24 @@
+"""Errors a user can act on. The CLI prints their message (no traceback) and exits with status 2.
+
+They live here, free of heavy imports, so that catching them costs nothing (`eagle3 stats` never imports torch).
+"""
+
+
+class Eagle3Error(Exception):
+    """Base of the errors whose message tells the user what to do."""
+
+
+class ConfigError(Eagle3Error, ValueError):
+    """A configuration value is invalid; the message names the file and the field."""
+
+
+class SourceChangedError(Eagle3Error):
+    """Rows that were already sharded changed; re-sharding would silently change existing shards."""
+
+
+class DiskSpaceError(Eagle3Error, OSError):
+    """Not enough free disk for a shard (with headroom)."""
+
+
+class ShardCorruptError(Eagle3Error):
+    """A shard's bytes do not match its checksums, or its header is unreadable."""
