@@ -22,7 +22,7 @@ from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.shards import ShardWriter
+from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import Regenerator
@@ -164,6 +164,7 @@ def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: L
         "max_seq_len": cfg.tokenize.max_seq_len,
         "dropped": dropped,
     }
+    store_dtype = DTYPES[cfg.extract.store_dtype][0]
     started = time.perf_counter()
     with ShardWriter(
         layout.hidden_states(key),
@@ -176,7 +177,7 @@ def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: L
     ) as writer:
         done = 0
         for batch in length_batches([s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size):
-            states = target.hidden_states([samples[i].input_ids.tolist() for i in batch])
+            states = target.hidden_states([samples[i].input_ids.tolist() for i in batch], store_dtype)
             for i, st in zip(batch, states, strict=True):
                 s = samples[i]
                 if isinstance(st, SampleFailure):

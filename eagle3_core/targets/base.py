@@ -75,6 +75,11 @@ class SampleFailure:
 class TargetBackend(Protocol):
     info: TargetInfo
 
-    def hidden_states(self, batch: Sequence[Sequence[int]]) -> list[HiddenStates | SampleFailure]:
-        """States for each token sequence of the batch, in order; exactly len(seq) rows each."""
+    def hidden_states(
+        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
+    ) -> list[HiddenStates | SampleFailure]:
+        """States for each token sequence of the batch, in order; exactly len(seq) rows each, on the CPU.
+
+        `dtype`: the dtype to return (the shard's storage dtype), so the cast happens once, where it is cheapest.
+        """
         ...

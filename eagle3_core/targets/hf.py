@@ -127,13 +127,16 @@ class TransformersTarget:
             dtype=str(dtype).removeprefix("torch."),
             device=str(device),
         )
-        self._captured: dict[int, torch.Tensor] = {}
-        for k in aux:
-            self.layers[k].register_forward_pre_hook(self._capture_hook(k), with_kwargs=True)
+        self._aux: torch.Tensor | None = None  # [B, S, 3H] for the batch in flight
+        for j, k in enumerate(aux):
+            self.layers[k].register_forward_pre_hook(self._capture_hook(j), with_kwargs=True)
 
-    def _capture_hook(self, k: int) -> Any:
+    def _capture_hook(self, j: int) -> Any:
+        h = self.info.hidden_size
+
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+            if self._aux is not None:  # copy_ converts in the same pass: no concat, no second cast
+                self._aux[..., j * h : (j + 1) * h].copy_(args[0] if args else kwargs["hidden_states"])
 
         return hook
 
@@ -142,7 +145,9 @@ class TransformersTarget:
         return next(self.model.parameters()).device
 
     @torch.inference_mode()
-    def hidden_states(self, batch: Sequence[Sequence[int]]) -> list[HiddenStates | SampleFailure]:
+    def hidden_states(
+        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
+    ) -> list[HiddenStates | SampleFailure]:
         lengths = [len(s) for s in batch]
         width = max(lengths)
         input_ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -150,20 +155,22 @@ class TransformersTarget:
         for b, seq in enumerate(batch):
             input_ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             attention_mask[b, : len(seq)] = 1
-        self._captured.clear()
-        out = self.decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            use_cache=False,
-        )
-        aux = torch.cat([self._captured[k] for k in self.info.aux_layer_ids], dim=-1)  # [B, S, 3H]
-        last = out.last_hidden_state  # [B, S, H]
-        self._captured.clear()
+        dtype = dtype or self.model.dtype
+        self._aux = torch.empty(len(batch), width, 3 * self.info.hidden_size, dtype=dtype, device=self.device)
+        try:
+            out = self.decoder(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                use_cache=False,
+            )
+            aux = self._aux.cpu()
+        finally:
+            self._aux = None
+        last = out.last_hidden_state.to(device="cpu", dtype=dtype)  # [B, S, H]
         return [HiddenStates(aux[b, :n], last[b, :n]) for b, n in enumerate(lengths)]
 
     def close(self) -> None:
         """Drop the weights and give GPU memory back (the GPU pool is shared with training)."""
-        self._captured.clear()
         del self.model, self.decoder, self.layers
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,408 @@
+"""Build the toy chat target: a small Llama trained from scratch on chitchat, saved as a Hugging Face directory.
+
+The demo and the tests need a real chat model whose weights nobody has to download: this one is built here,
+deterministically from a seed, with the Llama-3 chat template, and cached by a key over everything that
+shapes it. Training uses the loss on all tokens (user turns too): the model is tiny and the data small, so
+every token's signal helps, and a drafter later learns whatever distribution the target has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
+from eagle3_core.store.atomic import atomic_write_json, fsync_dir
+from eagle3_core.toy.presets import ToyPreset, get_preset
+from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
+from eagle3_core.toy.tokenizer import train_tokenizer
+
+# Bump when a change here changes what a build produces: it is part of the cache key.
+TOY_CODE_VERSION = "1"
+HELDOUT_FRACTION = 0.02
+REPORT_FILE = "toy_target.json"
+SAMPLE_PROMPT = "hi how are you?"
+SAMPLE_MAX_NEW_TOKENS = 32
+EVAL_BATCH = 8
+LOG_EVERY = 20
+
+Log = Callable[[str], None]
+
+
+class ToyTargetReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    size: str
+    seed: int
+    steps: int
+    params: int
+    vocab_size: int
+    num_layers: int
+    train_conversations: int
+    heldout_conversations: int
+    rejected_rows: int
+    train_tokens: int
+    final_train_loss: float
+    heldout_loss: float
+    heldout_tokens: int
+    sample_prompt: str
+    sample_reply: str
+    device: str
+    build_seconds: float
+    fingerprint: str
+    code_version: str = TOY_CODE_VERSION
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+
+
+def _chitchat_conversations() -> tuple[list[Conversation], int]:
+    """Chitchat rows as conversations (first sender = user); returns them and the count of rejected rows."""
+    import chitchat_dataset
+
+    conversations: list[Conversation] = []
+    rejected = 0
+    for row in chitchat_dataset.Dataset().values():
+        groups = row["messages"]
+        first_sender = groups[0][0]["sender"] if groups and groups[0] else None
+        turns: list[tuple[object, object]] = [
+            ("user" if g[0]["sender"] == first_sender else "assistant", "\n".join(u["text"] for u in g))
+            for g in groups
+            if g
+        ]
+        try:
+            conversations.append(build_conversation(turns, require_assistant=True))
+        except RowRejected:
+            rejected += 1
+    return conversations, rejected
+
+
+def _split(conversations: list[Conversation]) -> tuple[list[Conversation], list[Conversation]]:
+    train = [c for c in conversations if not is_heldout(c.sample_id, HELDOUT_FRACTION)]
+    heldout = sorted(
+        (c for c in conversations if is_heldout(c.sample_id, HELDOUT_FRACTION)), key=lambda c: c.sample_id
+    )
+    return train, heldout
+
+
+def _tokenizer_texts(conversations: Sequence[Conversation]) -> Iterator[str]:
+    # The text between the Llama-3 template's special tokens: the role, then "\n\n" + content, so that the
+    # separator the template adds is learned along with the words.
+    for conv in conversations:
+        for role, content in conv.turns:
+            yield role
+            yield "\n\n" + content
+
+
+def _encode(tokenizer: PreTrainedTokenizerFast, conversations: Sequence[Conversation]) -> list[list[int]]:
+    texts = [str(tokenizer.apply_chat_template(c.messages, tokenize=False)) for c in conversations]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _token_stream(
+    tokenizer: PreTrainedTokenizerFast, conversations: Sequence[Conversation], generator: torch.Generator
+) -> Iterator[list[int]]:
+    """Tokenised conversations in a seeded random order, epoch after epoch, encoded lazily in chunks.
+
+    Lazily, because a short build (xs, or a test's few steps) reads a fraction of one epoch.
+    """
+    chunk = 256
+    while True:
+        order = torch.randperm(len(conversations), generator=generator).tolist()
+        for start in range(0, len(order), chunk):
+            yield from _encode(tokenizer, [conversations[i] for i in order[start : start + chunk]])
+
+
+def _packed_batches(stream: Iterator[list[int]], batch_size: int, seq_len: int) -> Iterator[torch.Tensor]:
+    """Windows of `seq_len` tokens cut from the concatenated stream (every conversation starts with BOS)."""
+    buffer: list[int] = []
+    need = batch_size * seq_len
+    while True:
+        while len(buffer) < need:
+            buffer.extend(next(stream))
+        yield torch.tensor(buffer[:need], dtype=torch.long).view(batch_size, seq_len)
+        buffer = buffer[need:]
+
+
+# ---- model and training -----------------------------------------------------------------------------------
+
+
+def _model_config(preset: ToyPreset, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=_stop_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _stop_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """End of turn first (the tokenizer's eos), then end of text."""
+    return [_token_id(tokenizer, LLAMA3_SPECIAL_TOKENS[k]) for k in ("eot", "eos")]
+
+
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"{token!r} is not a single token of this tokenizer")
+    return token_id
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _lr_lambda(preset: ToyPreset, steps: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    warmup = min(preset.warmup_steps, max(steps - 1, 0))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(steps - warmup, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _train(
+    model: LlamaForCausalLM, batches: Iterator[torch.Tensor], preset: ToyPreset, steps: int, log: Log
+) -> float:
+    """Train for `steps` steps; returns the mean loss of the last (up to) LOG_EVERY steps."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(preset, steps))
+    model.train()
+    recent: list[float] = []
+    started = time.monotonic()
+    for step in range(1, steps + 1):
+        ids = next(batches).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        recent = [*recent[-(LOG_EVERY - 1) :], loss.item()]
+        if step % LOG_EVERY == 0 or step == steps:
+            rate = step * ids.numel() / (time.monotonic() - started)
+            log(f"toy: step {step}/{steps} loss {sum(recent) / len(recent):.3f} ({rate:,.0f} tokens/s)")
+    return sum(recent) / len(recent)
+
+
+@torch.inference_mode()
+def _heldout_loss(model: LlamaForCausalLM, sequences: list[list[int]], pad_id: int) -> tuple[float, int]:
+    """Mean token cross-entropy over all predicted tokens of the held-out conversations, and their count."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    by_length = sorted(sequences, key=len)
+    for start in range(0, len(by_length), EVAL_BATCH):
+        batch = by_length[start : start + EVAL_BATCH]
+        width = max(len(s) for s in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum"))
+        count += int((labels != -100).sum())
+    return total / max(count, 1), count
+
+
+@torch.inference_mode()
+def greedy_reply(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, user_message: str, max_new_tokens: int = 64
+) -> str:
+    """The model's greedy answer to one user message, special tokens removed."""
+    model.eval()
+    device = next(model.parameters()).device
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+    )
+    input_ids = tokenizer(str(prompt), add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return str(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)).strip()
+
+
+# ---- the directory ----------------------------------------------------------------------------------------
+
+
+def _fingerprint(directory: Path) -> str:
+    """sha256 over the names and bytes of every file of the target except the report."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != REPORT_FILE):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Set only now: while building, whole conversations (some longer than this) are encoded and then cut.
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    model.cpu().save_pretrained(out_dir)  # float32: autocast never changed the parameters
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=_stop_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    ).save_pretrained(out_dir)
+
+
+def build_toy_target(
+    out_dir: Path,
+    size: str | ToyPreset = "xs",
+    seed: int = 0,
+    *,
+    steps: int | None = None,
+    log: Log = print,
+) -> ToyTargetReport:
+    """Train the toy target and write it to `out_dir` as a Hugging Face model directory with its report.
+
+    Deterministic on one machine: the same seed, preset and steps give identical files (on CPU; CUDA kernels
+    are not bitwise reproducible). `size` is a preset name or a preset; `steps` overrides the preset's.
+    """
+    started = time.monotonic()
+    preset = get_preset(size) if isinstance(size, str) else size
+    steps = preset.steps if steps is None else steps
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    conversations, rejected = _chitchat_conversations()
+    train, heldout = _split(conversations)
+    log(f"toy: {len(train)} training and {len(heldout)} held-out conversations ({rejected} rejected rows)")
+    tokenizer = train_tokenizer(_tokenizer_texts(train), preset.vocab_size)
+    with _device():
+        model = LlamaForCausalLM(_model_config(preset, tokenizer))
+    params = sum(p.numel() for p in model.parameters())
+    log(f"toy: {preset.name} target, {params:,} parameters, {steps} steps on {_device().type}")
+    batches = _packed_batches(_token_stream(tokenizer, train, generator), preset.batch_size, preset.seq_len)
+    train_loss = _train(model, batches, preset, steps, log)
+    eval_set = heldout[: preset.heldout_conversations]
+    sequences = [ids[: preset.seq_len] for ids in _encode(tokenizer, eval_set)]
+    loss, loss_tokens = _heldout_loss(model, sequences, int(tokenizer.pad_token_id))
+    reply = greedy_reply(model, tokenizer, SAMPLE_PROMPT, SAMPLE_MAX_NEW_TOKENS)
+    log(f"toy: held-out loss {loss:.3f} over {loss_tokens} tokens; {SAMPLE_PROMPT!r} -> {reply!r}")
+    _save(model, tokenizer, out_dir)
+    report = ToyTargetReport(
+        size=preset.name,
+        seed=seed,
+        steps=steps,
+        params=params,
+        vocab_size=len(tokenizer),
+        num_layers=preset.num_layers,
+        train_conversations=len(train),
+        heldout_conversations=len(eval_set),
+        rejected_rows=rejected,
+        train_tokens=steps * preset.batch_size * preset.seq_len,
+        final_train_loss=train_loss,
+        heldout_loss=loss,
+        heldout_tokens=loss_tokens,
+        sample_prompt=SAMPLE_PROMPT,
+        sample_reply=reply,
+        device=_device().type,
+        build_seconds=round(time.monotonic() - started, 2),
+        fingerprint=_fingerprint(out_dir),
+    )
+    atomic_write_json(out_dir / REPORT_FILE, report.model_dump())
+    return report
+
+
+# ---- the cache --------------------------------------------------------------------------------------------
+
+
+def cache_key(preset: ToyPreset, seed: int, steps: int | None = None) -> str:
+    """A short hash of everything that shapes the built target."""
+    steps = preset.steps if steps is None else steps
+    spec = {"preset": preset.model_dump(), "seed": seed, "steps": steps, "code": TOY_CODE_VERSION}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_builds(cache_root: Path, name: str) -> None:
+    """Remove temporary directories that crashed builds of `name` left (their process is gone)."""
+    for temp in cache_root.glob(f".{name}.tmp-*"):
+        pid = temp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
+def ensure_toy_target(
+    cache_root: Path, size: str = "xs", seed: int = 0, log: Log = print, *, steps: int | None = None
+) -> Path:
+    """The cached toy target's directory, built first if missing.
+
+    A build goes to a temporary directory beside the final one and is renamed into place when complete, so a
+    directory under the final name is always whole; a crash leaves only a temporary that the next call removes.
+    """
+    preset = get_preset(size)
+    final = cache_root / f"toy-{size}-{cache_key(preset, seed, steps)}"
+    if final.is_dir():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    _remove_dead_builds(cache_root, final.name)
+    temp = cache_root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        build_toy_target(temp, preset, seed, steps=steps, log=log)
+        _fsync_tree(temp)
+        try:
+            os.rename(temp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            log(f"toy: {final.name} was built concurrently; keeping that one")
+        fsync_dir(cache_root)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return final
