@@ -1,0 +1,56 @@
+"""The `eagle3` command end to end on the toy target: ingest, regenerate, extract, stats, verify."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import write_config
+
+
+def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_cli_pipeline_on_the_toy_target(tmp_path: Path, toy_target_dir: Path) -> None:
+    config = write_config(
+        tmp_path,
+        f"store: store\ndata: {{dataset: cc, shard_size: 12, sources: [{{kind: chitchat, limit: 30}}]}}\n"
+        f"target: {{path: {toy_target_dir}}}\n"
+        "regenerate: {max_new_tokens: 16, max_turns: 2, batch_size: 16}\ntokenize: {max_seq_len: 256}\n",
+    )
+    assert eagle3(config, "ingest").returncode == 0
+    regen = eagle3(config, "regenerate")
+    assert regen.returncode == 0, regen.stdout + regen.stderr
+    extract = eagle3(config, "extract")
+    assert extract.returncode == 0, extract.stdout + extract.stderr
+    assert "nothing to do" in eagle3(config, "extract").stdout  # done shards are not redone
+
+    stats = json.loads(eagle3(config, "stats", "--json").stdout)
+    conversations = json.loads(eagle3(config, "stats", "--json").stdout)["conversations"]
+    assert sorted(stats["shards"]) == ["cc-00000", "cc-00001", "cc-00002"]
+    assert 0 < stats["totals"]["samples"] <= conversations
+    assert stats["totals"]["truncated_samples"] > 0  # two regenerated turns of chitchat exceed 256 tokens sometimes
+    assert stats["totals"]["tokens"] > stats["totals"]["loss_tokens"] > 0
+
+    verify = eagle3(config, "verify")
+    assert verify.returncode == 0 and "3/3 shards ok" in verify.stdout
+    shard = tmp_path / "store" / "hidden_states" / "cc-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    verify = eagle3(config, "verify")
+    assert verify.returncode == 1
+    assert "cc-00001" in verify.stdout and "2/3 shards ok" in verify.stdout
+
+
+def test_cli_names_the_bad_field(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "tokenize: {max_seq_len: 4}\n")
+    result = eagle3(config, "ingest")
+    assert result.returncode == 2
+    assert "tokenize.max_seq_len" in result.stdout
