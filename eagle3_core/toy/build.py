@@ -106,32 +106,43 @@ def _tokenizer_texts(conversations: Sequence[Conversation]) -> Iterator[str]:
 
 
 def _encode(tokenizer: PreTrainedTokenizerFast, conversations: Sequence[Conversation]) -> list[list[int]]:
+    if not conversations:
+        return []  # the tokenizer rejects an empty batch
     texts = [str(tokenizer.apply_chat_template(c.messages, tokenize=False)) for c in conversations]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _token_stream(
     tokenizer: PreTrainedTokenizerFast, conversations: Sequence[Conversation], generator: torch.Generator
-) -> Iterator[list[int]]:
-    """Tokenised conversations in a seeded random order, epoch after epoch, encoded lazily in chunks.
+) -> Iterator[torch.Tensor]:
+    """Tokenised conversations in a seeded random order, epoch after epoch.
 
-    Lazily, because a short build (xs, or a test's few steps) reads a fraction of one epoch.
+    Encoded lazily in chunks, because a short build (xs, or a test's few steps) reads a fraction of one epoch,
+    and kept (int32) once encoded, because a long one (m) reads several epochs.
     """
     chunk = 256
+    encoded: dict[int, torch.Tensor] = {}
     while True:
         order = torch.randperm(len(conversations), generator=generator).tolist()
         for start in range(0, len(order), chunk):
-            yield from _encode(tokenizer, [conversations[i] for i in order[start : start + chunk]])
+            indices = order[start : start + chunk]
+            missing = [i for i in indices if i not in encoded]
+            for i, ids in zip(missing, _encode(tokenizer, [conversations[i] for i in missing]), strict=True):
+                encoded[i] = torch.tensor(ids, dtype=torch.int32)
+            yield from (encoded[i] for i in indices)
 
 
-def _packed_batches(stream: Iterator[list[int]], batch_size: int, seq_len: int) -> Iterator[torch.Tensor]:
+def _packed_batches(stream: Iterator[torch.Tensor], batch_size: int, seq_len: int) -> Iterator[torch.Tensor]:
     """Windows of `seq_len` tokens cut from the concatenated stream (every conversation starts with BOS)."""
-    buffer: list[int] = []
     need = batch_size * seq_len
+    buffer = torch.empty(0, dtype=torch.int32)
     while True:
-        while len(buffer) < need:
-            buffer.extend(next(stream))
-        yield torch.tensor(buffer[:need], dtype=torch.long).view(batch_size, seq_len)
+        pieces, have = [buffer], len(buffer)
+        while have < need:
+            pieces.append(next(stream))
+            have += len(pieces[-1])
+        buffer = torch.cat(pieces)
+        yield buffer[:need].long().view(batch_size, seq_len)
         buffer = buffer[need:]
 
 
