@@ -19,7 +19,7 @@ from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.layout import StoreLayout
 
-console = Console(stderr=False, highlight=False)
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -100,13 +100,13 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
-    from eagle3_core.store.stats import COLUMNS, store_stats
+    from eagle3_core.store.stats import COLUMNS, HEADERS, store_stats
 
     stats = store_stats(cfg.store_root)
     table = Table(title=f"hidden-state shards in {cfg.store_root}")
     table.add_column("shard")
-    for c in COLUMNS:
-        table.add_column(c, justify="right")
+    for header in HEADERS:
+        table.add_column(header, justify="right")
     shown = stats.shards if len(stats.shards) <= max_rows else stats.shards[: max_rows // 2] + stats.shards[-max_rows // 2 :]
     for i, row in enumerate(shown):
         if len(shown) < len(stats.shards) and i == max_rows // 2:
@@ -116,7 +116,8 @@ def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
     console.print(table)
     rejected = ", ".join(f"{k}={v}" for k, v in stats.rejected.items()) or "none"
     console.print(
-        f"conversations: {stats.conversations:,} accepted, rejected rows: {sum(stats.rejected.values()):,} "
+        f"conversations: {stats.conversations:,} accepted ({stats.heldout:,} held out for evaluation), "
+        f"rejected rows: {sum(stats.rejected.values()):,} "
         f"({rejected}); disk free: {stats.disk_free / 2**30:.1f} GiB"
     )
 

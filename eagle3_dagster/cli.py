@@ -69,13 +69,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"target: {target}")
     console.rule("2. ingest")
     report = ingest(cfg, log=_log)
-    console.print(f"{len(report.all_shards)} shards ({len(report.new_shards)} new), rejected rows: {report.rejected}")
+    console.print(
+        f"{len(report.all_shards)} shards ({len(report.new_shards)} new); "
+        f"rows read {report.rows_read}, rejected {sum(report.rejected.values())} {report.rejected or ''}"
+    )
     console.rule("3. conversations -> regenerated -> hidden_states (Dagster runs, one per shard)")
     materialize_shards(report.all_shards, log=_log)
     console.rule("summary")
     print_stats(cfg)
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; store: {cfg.store_root}")
-    console.print(f"Dagster instance: DAGSTER_HOME={os.environ['DAGSTER_HOME']}")
+    console.print(
+        "Browse these runs in the Dagster UI:\n"
+        f"  DAGSTER_HOME={os.environ['DAGSTER_HOME']} EAGLE3_CONFIG={config_path} "
+        f"{Path(sys.executable).parent / 'dagster'} dev -h 127.0.0.1 -w {REPO_ROOT / 'workspace.yaml'}",
+        soft_wrap=True,
+    )
     return 0
 
 

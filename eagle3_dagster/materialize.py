@@ -11,6 +11,7 @@ from eagle3_dagster.defs.resources import default_resources
 
 SHARD_ASSETS = [conversations, regenerated, hidden_states]
 SHARDS = "shards"
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CLI prints its own progress
 
 
 def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:
@@ -36,7 +37,9 @@ def materialize_shards(
     todo = missing_shards(instance, keys)
     for i, key in enumerate(todo, start=1):
         log(f"run {i}/{len(todo)}: shard {key}")
-        result = dg.materialize(SHARD_ASSETS, partition_key=key, instance=instance, resources=default_resources())
+        result = dg.materialize(
+            SHARD_ASSETS, partition_key=key, instance=instance, resources=default_resources(), run_config=QUIET
+        )
         if not result.success:
             raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
     return todo

@@ -16,6 +16,7 @@ from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.layout import StoreLayout
 
 COLUMNS = ("samples", "tokens", "loss_tokens", "errors", "truncated_samples", "truncated_tokens", "bytes")
+HEADERS = ("samples", "tokens", "loss tokens", "errors", "truncated", "tokens cut", "bytes")
 
 
 @dataclass
@@ -29,6 +30,7 @@ class StoreStats:
     shards: list[ShardRow] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
     conversations: int = 0
+    heldout: int = 0
     disk_free: int = 0
 
     @property
@@ -59,6 +61,7 @@ def store_stats(root: Path) -> StoreStats:
     for manifest_path in sorted((root / "conversations").glob("*.json")):
         manifest = json.loads(manifest_path.read_text())
         stats.conversations += manifest["samples"]
+        stats.heldout += manifest["heldout_samples"]
         for reason, n in manifest["rejected"].items():
             rejected[reason] = rejected.get(reason, 0) + n
     stats.rejected = dict(sorted(rejected.items()))

@@ -61,6 +61,29 @@ def test_stored_aux_rows_are_output_hidden_states_k(tmp_path: Path, tiny_target_
             assert int(s.loss_mask.sum()) > 0
 
 
+def test_truncation_is_counted(tmp_path: Path, tiny_target_dir: Path, target: TransformersTarget) -> None:
+    _conversations(tmp_path / "c.jsonl", 12)
+    base = (
+        f"store: store{{n}}\ndata: {{{{dataset: t, holdout_fraction: 0.0, sources: [{{{{path: c.jsonl}}}}]}}}}\n"
+        f"target: {{{{path: {tiny_target_dir}, aux_layer_ids: [1, 4, 6]}}}}\nregenerate: {{{{enabled: false}}}}\n"
+    )
+    full_cfg = load_config(write_config(tmp_path, base.format(n=1)))
+    [key] = ingest(full_cfg).all_shards
+    full = extract_step(full_cfg, key, target)
+    short_cfg = load_config(write_config(tmp_path, base.format(n=2) + "tokenize: {max_seq_len: 24}\n"))
+    ingest(short_cfg)
+    short = extract_step(short_cfg, key, target)
+    with ShardReader(full.path) as f:
+        lengths = dict(zip(f.sample_ids, f.lengths, strict=True))
+    cut = {s: n - 24 for s, n in lengths.items() if n > 24}
+    assert cut, "the fixture must have samples longer than 24 tokens"
+    assert short.metadata["truncated_samples"] == len(cut)
+    assert short.metadata["truncated_tokens"] == sum(cut.values())
+    assert short.metadata["tokens"] + short.metadata["truncated_tokens"] <= full.metadata["tokens"]
+    with ShardReader(short.path) as s:
+        assert max(s.lengths) == 24
+
+
 def test_a_sample_gets_the_same_states_alone_or_in_a_mixed_batch_of_8(target: TransformersTarget) -> None:
     g = torch.Generator().manual_seed(1)
     lengths = [37, 5, 64, 12, 50, 3, 29, 41]
