@@ -18,7 +18,7 @@ import torch
 
 from bench._common import random_sequences, save_random_target
 from eagle3_core.config import TargetConfig
-from eagle3_core.pipeline import length_batches
+from eagle3_core.pipeline import WriteBehind, length_batches
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.targets.hf import TransformersTarget
 
@@ -46,12 +46,16 @@ def extract(target: TransformersTarget, batches: list[list[list[int]]], out: Pat
         out, sample_ids=[f"{i:064x}" for i in range(len(seqs))], lengths=[len(s) for s in seqs],
         hidden_size=target.info.hidden_size, metadata={},
     ) as writer:
-        i = 0
-        for batch in batches:
-            for seq, st in zip(batch, target.hidden_states(batch, torch.bfloat16), strict=True):
-                ids = torch.tensor(seq, dtype=torch.int32)
-                writer.write_sample(i, ids, torch.ones_like(ids, dtype=torch.uint8), st.aux, st.last)  # type: ignore[union-attr]
-                i += 1
+        start = 0
+        with WriteBehind(writer) as behind:
+            for batch in batches:
+                states = target.hidden_states(batch, torch.bfloat16)
+                rows = []
+                for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
+                    ids = torch.tensor(seq, dtype=torch.int32)
+                    rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
+                behind.submit(rows)
+                start += len(batch)
         writer.finalize()
     return time.perf_counter() - t0
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSam
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import DTYPES, ShardWriter
-from eagle3_core.targets.base import AUX_LAYER_CONVENTION, SampleFailure
+from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import Regenerator
 
@@ -145,6 +146,52 @@ def length_batches(lengths: list[int], max_tokens: int, max_size: int) -> Iterat
         yield batch
 
 
+def _row_tensors(sample: TokenizedSample) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(sample.input_ids.copy()), torch.from_numpy(sample.loss_mask.copy())
+
+
+class WriteBehind:
+    """Digests and writes a batch's rows on worker threads while the target computes the next batch.
+
+    hashlib and pwrite release the GIL, so hashing and disk writes overlap the forward pass. At most
+    `depth` batches are in flight, which keeps memory bounded by a few batches, never by the shard.
+    """
+
+    def __init__(self, writer: ShardWriter, threads: int = 4, depth: int = 2) -> None:
+        self.writer = writer
+        self.depth = depth
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
+        self.in_flight: deque[list[Future[None]]] = deque()
+
+    def submit(self, rows: list[tuple[int, torch.Tensor, torch.Tensor, HiddenStates | SampleFailure]]) -> None:
+        """Rows of one batch: (sample index, input_ids [T], loss_mask [T], its states or failure)."""
+        futures = [self.pool.submit(self._write, *row) for row in rows]
+        self.in_flight.append(futures)
+        while len(self.in_flight) > self.depth:
+            for f in self.in_flight.popleft():
+                f.result()
+
+    def _write(self, i: int, ids: torch.Tensor, mask: torch.Tensor, states: HiddenStates | SampleFailure) -> None:
+        if isinstance(states, SampleFailure):
+            self.writer.mark_failed(i, states.reason)
+        else:
+            self.writer.write_sample(i, ids, mask, states.aux, states.last)
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        try:
+            while self.in_flight:  # surface the first worker error, after every write has finished
+                for f in self.in_flight.popleft():
+                    f.result()
+        finally:
+            self.pool.shutdown(wait=True)
+
+
 def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     counts: Counter[str] = Counter(dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0))
@@ -176,16 +223,12 @@ def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: L
         disk_headroom=cfg.extract.disk_headroom,
     ) as writer:
         done = 0
-        for batch in length_batches([s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size):
-            states = target.hidden_states([samples[i].input_ids.tolist() for i in batch], store_dtype)
-            for i, st in zip(batch, states, strict=True):
-                s = samples[i]
-                if isinstance(st, SampleFailure):
-                    writer.mark_failed(i, st.reason)
-                    continue
-                writer.write_sample(i, torch.from_numpy(s.input_ids.copy()), torch.from_numpy(s.loss_mask.copy()), st.aux, st.last)
-            done += len(batch)
-            log(f"{key}: {done}/{len(samples)} samples extracted")
+        with WriteBehind(writer) as behind:
+            for batch in length_batches([s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size):
+                states = target.hidden_states([samples[i].input_ids.tolist() for i in batch], store_dtype)
+                behind.submit([(i, *_row_tensors(samples[i]), st) for i, st in zip(batch, states, strict=True)])
+                done += len(batch)
+                log(f"{key}: {done}/{len(samples)} samples extracted")
         seconds = time.perf_counter() - started
         manifest = writer.finalize({**counts, "dropped": len(dropped)})
     c = manifest["counts"]

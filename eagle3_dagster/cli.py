@@ -88,6 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the CLI reports its own progress
     parser, sub = build_parser()
     p = sub.add_parser("demo", help="Run the whole pipeline on the embedded default (chitchat, toy target, CPU).")
     p.add_argument("--workdir", default="demo")

@@ -11,8 +11,8 @@ before the target runs, so the header is written first with room reserved, rows 
 preallocated temporary file as batches finish (memory: one batch), and `finalize` rewrites the header in
 place with the counts and checksums, fsyncs and renames. A file under its final name is complete.
 
-Integrity: each sample has a blake2b-128 digest of its rows (input_ids, loss_mask, aux, last bytes, in that
-order), computed by the writer from the batch in memory; `checksum` is blake2b over the offsets bytes and the
+Integrity: each sample has a sha256 digest of its rows (input_ids, loss_mask, aux, last bytes, in that
+order), computed by the writer from the batch in memory; `checksum` is sha256 over the offsets bytes and the
 sample digests, so it covers every tensor byte; `header_checksum` covers the header itself. The reader
 checks the header when it opens a shard and a sample's digest each time it reads that sample.
 """
@@ -50,7 +50,8 @@ MAX_REASON = 200
 
 
 def _digest() -> Any:
-    return hashlib.blake2b(digest_size=16)
+    # sha256: with the SHA extensions of current x86 CPUs it hashes 2x faster than blake2b (1.1-1.4 GB/s).
+    return hashlib.sha256()
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def estimate_shard_bytes(lengths: list[int], hidden_size: int, num_aux: int = 3,
 
 def _reserved_header_bytes(num_samples: int) -> int:
     # ids, lengths and digests, with room for every sample to fail with a reason and for the counts.
-    return 16_384 + num_samples * (70 + 12 + 36 + MAX_REASON + 80)
+    return 16_384 + num_samples * (70 + 12 + 68 + MAX_REASON + 80)
 
 
 def disk_preflight(directory: Path, needed: int, headroom: float, what: str) -> None:
@@ -119,7 +120,7 @@ def _header_checksum(header: dict[str, Any]) -> str:
     body = {k: v for k, v in header.items() if k != "__metadata__"}
     meta = {k: v for k, v in header["__metadata__"].items() if k != "header_checksum"}
     blob = json.dumps({"tensors": body, "metadata": meta}, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: str) -> memoryview:
@@ -179,7 +180,7 @@ class ShardWriter:
 
     # ---- header ---------------------------------------------------------------------------------------
     def _header(self, placeholder: bool) -> dict[str, Any]:
-        digests = ["0" * 32] * len(self.lengths) if placeholder else self.digests
+        digests = ["0" * 64] * len(self.lengths) if placeholder else self.digests
         meta: dict[str, Any] = {
             "format": "pt",
             "schema": SCHEMA,
@@ -191,7 +192,7 @@ class ShardWriter:
             "lengths": self.lengths,
             "failed": self.failed,
             "sample_digests": digests,
-            "checksum": "0" * 32 if placeholder else self._checksum(),
+            "checksum": "0" * 64 if placeholder else self._checksum(),
         }
         header: dict[str, Any] = {name: slot.header_entry() for name, slot in self.slots.items()}
         header["__metadata__"] = {k: _meta_str(k, v) for k, v in meta.items()}
@@ -213,7 +214,7 @@ class ShardWriter:
         h = _digest()
         h.update(self.offsets.tobytes())
         for d in self.digests:
-            h.update(bytes.fromhex(d or "0" * 32))
+            h.update(bytes.fromhex(d or "0" * 64))
         return h.hexdigest()
 
     def _preallocate(self, size: int) -> None:
