@@ -1,12 +1,17 @@
-"""Shared set-up for the benchmarks: random-weight targets of a given shape, saved as HF directories."""
+"""Shared pieces of the benchmarks: random-weight targets saved as HF directories, and the two timed paths."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3_core.pipeline import WriteBehind
+from eagle3_core.store.shards import ShardWriter
+from eagle3_core.targets.base import HiddenStates, SampleFailure
+from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.toy.tokenizer import train_tokenizer
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello there, how are you today?"] * 50
@@ -33,3 +38,52 @@ def random_sequences(n: int, low: int, high: int, vocab: int, seed: int = 0) -> 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def _sync(target: TransformersTarget) -> None:
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def plain_forward(target: TransformersTarget, batches: list[list[list[int]]]) -> float:
+    """Seconds for the decoder's forward alone over the batches (right padded, nothing kept)."""
+    _sync(target)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            width = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for b, s in enumerate(batch):
+                ids[b, : len(s)] = torch.tensor(s)
+                mask[b, : len(s)] = 1
+            target.decoder(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), use_cache=False)
+    _sync(target)
+    return time.perf_counter() - t0
+
+
+def extract_to_shard(
+    target: TransformersTarget,
+    batches: list[list[list[int]]],
+    out: Path,
+    held: list[list[HiddenStates | SampleFailure]] | None = None,
+    threads: int = 4,
+) -> float:
+    """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given)."""
+    seqs = [s for b in batches for s in b]
+    _sync(target)
+    t0 = time.perf_counter()
+    with ShardWriter(out, sample_ids=[f"{i:064x}" for i in range(len(seqs))], lengths=[len(s) for s in seqs],
+                     hidden_size=target.info.hidden_size, metadata={}) as writer:
+        start = 0
+        with WriteBehind(writer, threads=threads) as behind:
+            for n, batch in enumerate(batches):
+                states = held[n] if held is not None else target.hidden_states(batch, torch.bfloat16)
+                rows = []
+                for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
+                    ids = torch.tensor(seq, dtype=torch.int32)
+                    rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
+                behind.submit(rows)
+                start += len(batch)
+        writer.finalize()
+    return time.perf_counter() - t0

@@ -11,53 +11,16 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench._common import random_sequences, save_random_target
+from bench._common import extract_to_shard, plain_forward, random_sequences, save_random_target
 from eagle3_core.config import TargetConfig
-from eagle3_core.pipeline import WriteBehind, length_batches
-from eagle3_core.store.shards import ShardWriter
+from eagle3_core.pipeline import length_batches
 from eagle3_core.targets.hf import TransformersTarget
 
 ROUNDS = 5
-
-
-def plain(target: TransformersTarget, batches: list[list[list[int]]]) -> float:
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for batch in batches:
-            width = max(len(s) for s in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for b, s in enumerate(batch):
-                ids[b, : len(s)] = torch.tensor(s)
-                mask[b, : len(s)] = 1
-            target.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
-    return time.perf_counter() - t0
-
-
-def extract(target: TransformersTarget, batches: list[list[list[int]]], out: Path) -> float:
-    seqs = [s for b in batches for s in b]
-    t0 = time.perf_counter()
-    with ShardWriter(
-        out, sample_ids=[f"{i:064x}" for i in range(len(seqs))], lengths=[len(s) for s in seqs],
-        hidden_size=target.info.hidden_size, metadata={},
-    ) as writer:
-        start = 0
-        with WriteBehind(writer) as behind:
-            for batch in batches:
-                states = target.hidden_states(batch, torch.bfloat16)
-                rows = []
-                for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
-                    ids = torch.tensor(seq, dtype=torch.int32)
-                    rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
-                behind.submit(rows)
-                start += len(batch)
-        writer.finalize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -68,11 +31,11 @@ def main() -> None:
         seqs = random_sequences(96, 40, 700, 4096)
         tokens = sum(len(s) for s in seqs)
         batches = [[seqs[i] for i in b] for b in length_batches([len(s) for s in seqs], 8192, 64)]
-        plain(target, batches[:2])  # warm-up
+        plain_forward(target, batches[:2])  # warm-up
         t_plain, t_extract = [], []
         for r in range(ROUNDS):
-            t_plain.append(plain(target, batches))
-            t_extract.append(extract(target, batches, Path(tmp) / f"bench-{r:05d}.safetensors"))
+            t_plain.append(plain_forward(target, batches))
+            t_extract.append(extract_to_shard(target, batches, Path(tmp) / f"bench-{r:05d}.safetensors"))
     plain_tps, extract_tps = tokens / statistics.median(t_plain), tokens / statistics.median(t_extract)
     ratio = extract_tps / plain_tps
     print(f"{tokens:,} tokens in {len(batches)} batches, {ROUNDS} alternating rounds, median")

@@ -18,48 +18,12 @@ from pathlib import Path
 
 import torch
 
-from bench._common import random_sequences, save_random_target
+from bench._common import extract_to_shard, plain_forward, random_sequences, save_random_target
 from eagle3_core.config import TargetConfig
-from eagle3_core.pipeline import WriteBehind, length_batches
-from eagle3_core.store.shards import ShardReader, ShardWriter
+from eagle3_core.pipeline import length_batches
+from eagle3_core.store.shards import ShardReader
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
-
-
-def plain(target: TransformersTarget, batches: list[list[list[int]]]) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for batch in batches:
-            width = max(len(s) for s in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for b, s in enumerate(batch):
-                ids[b, : len(s)] = torch.tensor(s)
-                mask[b, : len(s)] = 1
-            target.decoder(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def extract(target: TransformersTarget, batches: list[list[list[int]]], out: Path) -> float:
-    seqs = [s for b in batches for s in b]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with ShardWriter(out, sample_ids=[f"{i:064x}" for i in range(len(seqs))], lengths=[len(s) for s in seqs],
-                     hidden_size=target.info.hidden_size, metadata={}) as writer:
-        start = 0
-        with WriteBehind(writer) as behind:
-            for batch in batches:
-                states = target.hidden_states(batch, torch.bfloat16)
-                rows = []
-                for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
-                    ids = torch.tensor(seq, dtype=torch.int32)
-                    rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
-                behind.submit(rows)
-                start += len(batch)
-        writer.finalize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -96,33 +60,20 @@ def main() -> None:
         seqs = random_sequences(128, 100, 2048, 32000, seed=2)
         tokens = sum(len(s) for s in seqs)
         batches = [[seqs[i] for i in b] for b in length_batches([len(s) for s in seqs], 32768, 64)]
-        plain(target, batches[:2])
+        plain_forward(target, batches[:2])
         t_plain, t_extract, t_states = [], [], []
         for _ in range(3):
-            t_plain.append(plain(target, batches))
+            t_plain.append(plain_forward(target, batches))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for batch in batches:
                 target.hidden_states(batch, torch.bfloat16)
             t_states.append(time.perf_counter() - t0)
-            t_extract.append(extract(target, batches, Path(tmp) / "g-00000.safetensors"))
+            t_extract.append(extract_to_shard(target, batches, Path(tmp) / "g-00000.safetensors"))
         # the writer alone, on states already in host memory: the bound that hashing and the disk set
         held = [target.hidden_states(batch, torch.bfloat16) for batch in batches]
-        seqs_all = [s for b in batches for s in b]
-        t0 = time.perf_counter()
-        with ShardWriter(Path(tmp) / "w-00000.safetensors", sample_ids=[f"{i:064x}" for i in range(len(seqs_all))],
-                         lengths=[len(s) for s in seqs_all], hidden_size=target.info.hidden_size, metadata={}) as writer:
-            start = 0
-            with WriteBehind(writer, threads=8) as behind:
-                for batch, states in zip(batches, held, strict=True):
-                    rows = []
-                    for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
-                        ids = torch.tensor(seq, dtype=torch.int32)
-                        rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
-                    behind.submit(rows)
-                    start += len(batch)
-            writer.finalize()
-        result["writer_only_tokens_per_s_8_threads"] = round(tokens / (time.perf_counter() - t0))
+        t_write = extract_to_shard(target, batches, Path(tmp) / "w-00000.safetensors", held=held, threads=8)
+        result["writer_only_tokens_per_s_8_threads"] = round(tokens / t_write)
         del held
         with ShardReader(Path(tmp) / "g-00000.safetensors") as shard:
             result["shard_verify_problems"] = len(shard.verify())

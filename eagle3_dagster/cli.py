@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -66,7 +67,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     console.rule("1. toy target")
     target = target_dir(cfg, log=_log)
-    console.print(f"target: {target}")
+    report_path = target / "toy_target.json"
+    if report_path.exists():
+        toy = json.loads(report_path.read_text())
+        console.print(
+            f"toy target {toy['size']}: {toy['params']:,} parameters, held-out loss {toy['heldout_loss']:.3f} "
+            f"over {toy['heldout_tokens']:,} tokens, built in {toy['build_seconds']:.0f} s -> {target}"
+        )
+    else:
+        console.print(f"target: {target}")
     console.rule("2. ingest")
     report = ingest(cfg, log=_log)
     console.print(
