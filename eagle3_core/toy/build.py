@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
+from eagle3_core.data.sources import chitchat_turns
 from eagle3_core.store.atomic import atomic_write_json, fsync_dir
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
@@ -74,15 +75,8 @@ def _chitchat_conversations() -> tuple[list[Conversation], int]:
     conversations: list[Conversation] = []
     rejected = 0
     for row in chitchat_dataset.Dataset().values():
-        groups = row["messages"]
-        first_sender = groups[0][0]["sender"] if groups and groups[0] else None
-        turns: list[tuple[object, object]] = [
-            ("user" if g[0]["sender"] == first_sender else "assistant", "\n".join(u["text"] for u in g))
-            for g in groups
-            if g
-        ]
         try:
-            conversations.append(build_conversation(turns, require_assistant=True))
+            conversations.append(build_conversation(chitchat_turns(row), require_assistant=True))
         except RowRejected:
             rejected += 1
     return conversations, rejected
