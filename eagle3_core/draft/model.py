@@ -1,0 +1,197 @@
+"""The EAGLE-3 drafter, readable top to bottom.
+
+One Llama decoder layer whose attention sees the target token's embedding and a feature vector side by side:
+
+    e  = input_layernorm(embed(token))            # the target's embedding, frozen
+    hn = hidden_norm(h)                            # h: fc(aux states) for verified positions, else own output
+    h1 = h + o_proj(attn(q/k/v_proj(cat[e, hn])))  # residual from h, as SGLang's LlamaForCausalLMEagle3 runs it
+    prenorm = h1 + mlp(post_attention_layernorm(h1))
+    logits  = lm_head(norm(prenorm))               # over the draft vocabulary
+
+Training-time test (TTT) unrolls this `steps` times: step 0 uses h = fc(aux), step k feeds back step k-1's
+`prenorm`, with the token input teacher-forced one position further each step. Entry p of step k reads
+token ids[p+1+k] at RoPE position p+k and predicts ids[p+2+k]; it attends to entries 0..p of step 0 (the
+causal prefix, from target features) and to entry p of steps 1..k (its own chain), exactly what the
+engines' KV cache holds when they draft k tokens after position p.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+Positive = Annotated[int, Field(gt=0)]
+
+
+class DrafterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_hidden_size: Positive
+    hidden_size: Positive
+    intermediate_size: Positive
+    num_heads: Positive
+    num_kv_heads: Positive
+    head_dim: Positive | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target_vocab_size: Positive
+    draft_vocab_size: Positive
+    num_aux: Positive = 3
+
+    @model_validator(mode="after")
+    def _shapes(self) -> DrafterConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads (or set head_dim)")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError("draft_vocab_size cannot exceed target_vocab_size")
+        return self
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # half precisions are normalised in float32; float32/64 stay as they are
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama convention). x [B, heads, T, d], positions [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """GQA attention whose input is [embedding, feature] (2H wide)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, d] and k, v [B, kv_heads, T, d], RoPE applied to q and k."""
+        b, t, _ = x.shape
+        d = self.cfg.dim
+        q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        return rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA with an explicit boolean mask [Tq, Tk] (True = may attend); returns [B, Tq, H]."""
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, Tq, d]
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The drafter's one decoder layer (`midlayer.*` in the SGLang checkpoint)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        return self.self_attn.project(x, positions)
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The pre-norm output: residual from h (not from hidden_norm(h)), then the MLP block."""
+        h1 = h + attn_out
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+
+def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """[T, (step+1)T] bool: causal over step 0's entries, then the same entry of each later step."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal, *([eye] * step)], dim=1)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
+    """x[:, p] <- x[:, p + n] along dim 1, the last n entries filled."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
+        if embed_weight is not None:
+            self.embed_tokens.weight.data.copy_(embed_weight)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding: shared, never trained
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+
+    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Draft logits of each TTT step: aux [B, T, 3H_t], input_ids [B, T] -> `steps` x [B, T, V_draft].
+
+        Step k, entry p: token input_ids[p+1+k] (0 past the end), position p+k, prediction of token p+2+k.
+        """
+        t = input_ids.shape[1]
+        h = self.fc(aux)  # [B, T, H]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        logits = []
+        for k in range(steps):
+            positions = torch.arange(t, device=aux.device) + k
+            q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, positions)
+            keys.append(key)
+            values.append(value)
+            attn_out = self.midlayer.self_attn.attend(
+                q, torch.cat(keys, dim=2), torch.cat(values, dim=2), ttt_mask(t, k, aux.device)
+            )
+            h = self.midlayer.finish(h, attn_out)  # the pre-norm output feeds the next step
+            logits.append(self.lm_head(self.norm(h)))
+        return logits
