@@ -22,3 +22,7 @@ class DiskSpaceError(Eagle3Error, OSError):
 
 class ShardCorruptError(Eagle3Error):
     """A shard's bytes do not match its checksums, or its header is unreadable."""
+
+
+class StaleVocabMappingError(Eagle3Error):
+    """A saved vocab mapping was built for other data, another tokenizer or another K than the one expected."""

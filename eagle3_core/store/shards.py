@@ -424,6 +424,32 @@ class ShardReader:
             raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
         return ShardSample(self._all_ids[j], *tensors)
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's input_ids int32 [T] and loss_mask uint8 [T], without its hidden states.
+
+        Not digest-checked: a sample's digest covers all four of its tensors, so it cannot be checked from
+        two of them without reading the hidden states, which is what this method exists to avoid.
+        """
+        j = self._index[i]
+        first, rows = int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
+        return self._tensor("input_ids", first, rows, None), self._tensor("loss_mask", first, rows, None)
+
+    def all_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids int32 [T] and loss_mask uint8 [T] of the whole shard, failed samples' rows included.
+
+        Failed samples' rows are zero (see `ShardWriter.mark_failed`), so masked counts over the whole
+        tensors count only good samples; that is checked here from the header's `failed` field rather than
+        assumed. Not digest-checked, for the reason given in `tokens`.
+        """
+        total = int(self._offsets[-1])
+        input_ids = self._tensor("input_ids", 0, total, None)
+        loss_mask = self._tensor("loss_mask", 0, total, None)
+        failed = self.metadata["failed"]
+        for j, sample_id in enumerate(self._all_ids):
+            if sample_id in failed and bool(loss_mask[self._offsets[j] : self._offsets[j + 1]].any()):
+                raise ShardCorruptError(f"{self.path}: failed sample {sample_id[:12]} has loss-masked rows")
+        return input_ids, loss_mask
+
     def __iter__(self) -> Iterator[ShardSample]:
         for i in range(len(self)):
             yield self.sample(i)
