@@ -24,7 +24,7 @@ from typing import Any
 from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
-from eagle3_core.errors import SourceChangedError
+from eagle3_core.errors import ConfigError, SourceChangedError
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 
@@ -58,10 +58,11 @@ class Ledger:
             {name: SourceEntry(**entry) for name, entry in raw["sources"].items()},
         )
         if ledger.dataset != dataset:
-            raise ValueError(
+            raise ConfigError(
                 f"data.dataset is {dataset!r} but the store at {path.parent} holds dataset {ledger.dataset!r}; "
                 "use another store, or the old name"
             )
+        ledger.shard_size = shard_size  # a new size applies to new shards; existing shards never change
         return ledger
 
     def save(self, path: Path) -> None:

@@ -9,7 +9,6 @@ the right: with causal attention, padding never changes the rows of real tokens,
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -186,7 +185,3 @@ class TransformersTarget:
         del self.model, self.decoder, self.layers
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return dict(json.loads(path.read_text()))

@@ -99,6 +99,11 @@ def test_appending_a_file_leaves_existing_shards_byte_identical(tmp_path: Path) 
     assert {k: layout.conversations(k).read_bytes() for k in first.all_shards} == before
     assert ingest(cfg).new_shards == []
 
+    _jsonl(tmp_path / "c.jsonl", 200, 8)  # a smaller shard size applies to new shards only
+    cfg = load_config(_config(tmp_path, "[{path: '*.jsonl'}]", shard_size=5))
+    assert [s.samples for s in ingest(cfg).new_shards] == [5, 3]
+    assert {k: layout.conversations(k).read_bytes() for k in first.all_shards} == before
+
 
 def test_a_changed_source_is_refused(tmp_path: Path) -> None:
     _jsonl(tmp_path / "a.jsonl", 0, 5)
