@@ -24,6 +24,7 @@ from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSam
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import DTYPES, ShardWriter
+from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import Regenerator
@@ -237,7 +238,7 @@ def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: L
         layout.hidden_states(key),
         {
             **c,
-            "errors": c["failed"] + c["dropped"] + c.get("regeneration_errors", 0),
+            "errors": shard_errors(c),
             "bytes": manifest["bytes"],
             "tokens_per_second": round(c["tokens"] / max(seconds, 1e-9), 1),
             "seconds": round(seconds, 2),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3_core.draft.model import rms_norm
 from eagle3_core.targets.base import FinalStateConvention
 
 
@@ -30,8 +31,7 @@ class TargetHead:
         if convention == "pre_norm":
             if self.final_norm is None:
                 raise ValueError("states are stored pre_norm but the target has no final norm weight")
-            hf = h.float()
-            h = (self.final_norm.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.rms_norm_eps)).to(h.dtype)
+            h = rms_norm(h, self.final_norm.to(h.dtype), self.rms_norm_eps)
         return h @ self.lm_head.T
 
 

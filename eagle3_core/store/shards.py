@@ -415,9 +415,13 @@ class ShardReader:
             t = torch.empty(0, dtype=DTYPES[_dtype_name(entry["dtype"])][0])
         return t.view(rows, *entry["shape"][1:])
 
+    def _rows(self, j: int) -> tuple[int, int]:
+        """First row and row count of sample j (over all samples, failed ones included)."""
+        return int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
+
     def sample(self, i: int, verify: bool = True) -> ShardSample:
         j = self._index[i]
-        first, rows = int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
+        first, rows = self._rows(j)
         h = _digest() if verify else None
         tensors = [self._tensor(n, first, rows, h) for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")]
         if h is not None and h.hexdigest() != self._digests[j]:
@@ -431,7 +435,7 @@ class ShardReader:
         two of them without reading the hidden states, which is what this method exists to avoid.
         """
         j = self._index[i]
-        first, rows = int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
+        first, rows = self._rows(j)
         return self._tensor("input_ids", first, rows, None), self._tensor("loss_mask", first, rows, None)
 
     def all_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,13 +38,18 @@ class StoreStats:
         return {c: sum(r.values.get(c, 0) for r in self.shards) for c in COLUMNS}
 
 
+def shard_errors(counts: dict[str, int]) -> int:
+    """Samples of a shard that did not make it: failed extraction, dropped at tokenisation, failed regeneration."""
+    return counts["failed"] + counts.get("dropped", 0) + counts.get("regeneration_errors", 0)
+
+
 def _row(manifest: dict[str, Any]) -> dict[str, int]:
     c = manifest["counts"]
     return {
         "samples": c["samples"],
         "tokens": c["tokens"],
         "loss_tokens": c["loss_tokens"],
-        "errors": c["failed"] + c.get("dropped", 0) + c.get("regeneration_errors", 0),
+        "errors": shard_errors(c),
         "truncated_samples": c.get("truncated_samples", 0),
         "truncated_tokens": c.get("truncated_tokens", 0),
         "bytes": manifest["bytes"],
