@@ -17,7 +17,8 @@ engines' KV cache holds when they draft k tokens after position p.
 
 from __future__ import annotations
 
-from typing import Annotated
+from functools import cache
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 Positive = Annotated[int, Field(gt=0)]
+AttentionBackend = Literal["sdpa", "flex"]
 
 
 class DrafterConfig(BaseModel):
@@ -109,11 +111,36 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
         return rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SDPA with an explicit boolean mask [Tq, Tk] (True = may attend); returns [B, Tq, H]."""
-        groups = self.cfg.num_heads // self.cfg.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, Tq, d]
+    def attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+        """Flex attention over all steps' keys under the TTT BlockMask (GPU: masked blocks are skipped)."""
+        return self._out(_flex_attention(q.is_cuda)(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+    def attend_ttt(
+        self, q: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor], chain: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """The TTT mask without building it: q [B, heads, T, d] attends causally to step 0's keys (`prefix`)
+        and, entry by entry, to its own keys of steps 1..k (`chain`), returning [B, T, H].
+
+        The chain part is a per-entry dot product, so step k costs one T x T block instead of k+1 of them.
+        """
+        pk, pv = self._expand(prefix[0]), self._expand(prefix[1])
+        if not chain:
+            return self._out(F.scaled_dot_product_attention(q, pk, pv, is_causal=True))
+        t, scale = q.shape[2], q.shape[-1] ** -0.5
+        ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, T, k, d]
+        cv = torch.stack([self._expand(v) for _, v in chain], dim=3)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, heads, T, T]
+        chain_scores = (q.unsqueeze(3) * ck).sum(-1) * scale  # [B, heads, T, k]
+        weights = torch.softmax(torch.cat([prefix_scores, chain_scores], dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :t] @ pv + (weights[..., t:].unsqueeze(-1) * cv).sum(3)
+        return self._out(out)
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, T, d] -> [B, heads, T, d] (GQA)."""
+        return kv.repeat_interleave(self.cfg.num_heads // self.cfg.num_kv_heads, dim=1)
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -157,6 +184,24 @@ def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torc
     return torch.cat([causal, *([eye] * step)], dim=1)
 
 
+def ttt_block_mask(length: int, step: int, device: torch.device) -> Any:
+    """The same mask as `ttt_mask`, as a flex attention BlockMask over (step+1)*length keys."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return ((kv < length) & (kv <= q)) | ((kv >= length) & (kv % length == q))
+
+    return create_block_mask(allowed, B=None, H=None, Q_LEN=length, KV_LEN=(step + 1) * length, device=str(device))
+
+
+@cache
+def _flex_attention(compiled: bool) -> Any:
+    # flex attention is only fast compiled (GPU); eager runs anywhere and is what the CPU test checks
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+
+
 def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
     """x[:, p] <- x[:, p + n] along dim 1, the last n entries filled."""
     if n == 0:
@@ -178,24 +223,33 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
-    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+    ) -> list[torch.Tensor]:
+        return self.ttt_forward(aux, input_ids, steps, attention)  # what DDP wraps
+
+    def ttt_forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+    ) -> list[torch.Tensor]:
         """Draft logits of each TTT step: aux [B, T, 3H_t], input_ids [B, T] -> `steps` x [B, T, V_draft].
 
         Step k, entry p: token input_ids[p+1+k] (0 past the end), position p+k, prediction of token p+2+k.
+        Right padding is harmless: a real entry never attends to a later one.
         """
         t = input_ids.shape[1]
         h = self.fc(aux)  # [B, T, H]
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        attn = self.midlayer.self_attn
+        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key, value) of each step so far
         logits = []
         for k in range(steps):
             positions = torch.arange(t, device=aux.device) + k
             q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, positions)
-            keys.append(key)
-            values.append(value)
-            attn_out = self.midlayer.self_attn.attend(
-                q, torch.cat(keys, dim=2), torch.cat(values, dim=2), ttt_mask(t, k, aux.device)
-            )
+            kvs.append((key, value))
+            if attention == "flex":
+                keys, values = torch.cat([kv[0] for kv in kvs], dim=2), torch.cat([kv[1] for kv in kvs], dim=2)
+                attn_out = attn.attend_flex(q, keys, values, ttt_block_mask(t, k, aux.device))
+            else:
+                attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])
             h = self.midlayer.finish(h, attn_out)  # the pre-norm output feeds the next step
             logits.append(self.lm_head(self.norm(h)))
         return logits

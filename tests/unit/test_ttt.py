@@ -94,3 +94,17 @@ def test_ttt_mask_shape_and_blocks() -> None:
     assert m.shape == (4, 12)
     assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
     assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_block_mask_gives_the_sdpa_logits() -> None:
+    # eager flex attention on CPU: the same BlockMask and kernel interface the GPU path compiles
+    torch.manual_seed(3)
+    model = Eagle3Drafter(CFG)
+    aux = torch.randn(2, 13, 3 * CFG.target_hidden_size)
+    ids = torch.randint(0, CFG.target_vocab_size, (2, 13))
+    with torch.no_grad():
+        sdpa = model.ttt_forward(aux, ids, 3, attention="sdpa")
+        flex = model.ttt_forward(aux, ids, 3, attention="flex")
+    for a, b in zip(sdpa, flex, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
