@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU build on this machine's disk (a looser pin pulls GBs of CUDA).
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# speculators, for the test that its loader reads our export: --no-deps (see the dev extras in pyproject.toml).
+	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	touch $(STAMP)
 
 demo: $(STAMP)

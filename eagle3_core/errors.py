@@ -26,3 +26,7 @@ class ShardCorruptError(Eagle3Error):
 
 class StaleVocabMappingError(Eagle3Error):
     """A saved vocab mapping was built for other data, another tokenizer or another K than the one expected."""
+
+
+class ExportError(Eagle3Error):
+    """A drafter export is malformed: a missing or unexpected weight key, a wrong shape, an absent config field."""

@@ -1,0 +1,57 @@
+"""Builders shared by the export tests: a hand-made vocab mapping and a random drafter bound to it."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.vocab import VocabMapping
+from eagle3_core.export import ExportTarget
+
+
+def hand_mapping(target_vocab_size: int, draft_vocab_size: int, seed: int = 0) -> VocabMapping:
+    """K target ids picked at random (so d2t is not all zeros), in ascending order, with d2t and t2d."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target_vocab_size, generator=g)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return VocabMapping(
+        draft_to_target=ids,
+        d2t=ids - torch.arange(draft_vocab_size),
+        t2d=t2d,
+        target_vocab_size=target_vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        fingerprint="f" * 64,
+        coverage=1.0,
+        tokenizer_fingerprint="t" * 64,
+        shard_set=[],
+        counted_tokens=0,
+        distinct_tokens=draft_vocab_size,
+        padded=0,
+    )
+
+
+def drafter_config(target: ExportTarget, draft_vocab_size: int, **overrides: object) -> DrafterConfig:
+    fields: dict[str, object] = {
+        "target_hidden_size": target.hidden_size,
+        "hidden_size": target.hidden_size,  # the speculators package needs the drafter as wide as the target
+        "intermediate_size": 2 * target.hidden_size,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0,  # not the default, so a dropped rope_theta shows
+        "target_vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+    }
+    return DrafterConfig.model_validate({**fields, **overrides})
+
+
+def random_drafter(cfg: DrafterConfig, embed: torch.Tensor | None = None, seed: int = 0) -> Eagle3Drafter:
+    """A randomly initialised drafter whose norm weights are not all ones (a swapped norm must show)."""
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg, embed)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
+    return drafter.eval()
