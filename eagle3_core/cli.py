@@ -158,6 +158,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from eagle3_core.drafting import vocab_step
+
+    result = vocab_step(_config(args), _log)
+    console.print("vocab mapping: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
+    return 0
+
+
+def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
+    acc = json.loads(str(metadata["acc_per_position"]))
+    console.print(f"drafter: run {metadata['run']}, {metadata['steps']} steps, {metadata['tokens']:,} tokens, "
+                  f"{metadata['seconds']} s")
+    console.print("validation accuracy per position: " + "  ".join(
+        f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None))
+    console.print(f"estimated acceptance length: tau(3) {metadata.get('val_tau_3', float('nan')):.2f}, "
+                  f"tau({ttt_steps}) {metadata.get(f'val_tau_{ttt_steps}', float('nan')):.2f}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from eagle3_core.drafting import train_distributed, train_step, vocab_step
+
+    cfg = _config(args)
+    under_torchrun = "WORLD_SIZE" in os.environ
+    if not args.no_vocab and not under_torchrun:
+        vocab_step(cfg, _log)  # once, before any rank starts: ranks only read the mapping
+    processes = args.nproc or cfg.train.processes
+    if processes > 1 and not under_torchrun:
+        result = train_distributed(Path(args.config), processes, _log)
+    else:
+        result = train_step(cfg, _log)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_training(result.metadata, cfg.train.ttt_steps)
+    return 0
+
+
 def add_core_commands(sub: argparse._SubParsersAction) -> None:
     def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
@@ -176,6 +213,10 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         p = add(name, fn, text)
         p.add_argument("--shard", action="append", help="Only this shard (repeatable); default: shards not done.")
         p.add_argument("--force", action="store_true", help="Redo shards that are already done.")
+    add("vocab", cmd_vocab, "Build the draft vocabulary over every shard (reused when nothing changed).")
+    p = add("train", cmd_train, "Train the drafter on every shard; resumes a run that was cut short.")
+    p.add_argument("--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes).")
+    p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
     p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="One row per shard even when there are many.")

@@ -136,6 +136,47 @@ class ExtractConfig(_Model):
     )
 
 
+class TrainConfig(_Model):
+    """The drafter and how it is trained (defaults follow EAGLE-3 and SpecForge; see REFERENCE.md)."""
+
+    draft_vocab_size: Annotated[int, Field(gt=0)] = Field(
+        default=32000, description="K: the draft vocabulary's size, capped at the target's vocabulary."
+    )
+    ttt_steps: Annotated[int, Field(gt=0, le=16)] = Field(default=7, description="Training-time-test unroll length.")
+    step_weight: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    epochs: Annotated[int, Field(gt=0)] = 2
+    max_steps: Annotated[int, Field(gt=0)] | None = Field(default=None, description="Stop after this many optimizer steps.")
+    batch_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=16384, description="Padded tokens per optimizer step, summed over all ranks (the global batch)."
+    )
+    max_len: Annotated[int, Field(gt=8)] = Field(default=4096, description="Samples are cut to this many tokens.")
+    lr: Annotated[float, Field(gt=0.0)] = 1e-4
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    warmup_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.015
+    grad_clip: Annotated[float, Field(gt=0.0)] | None = 0.5
+    val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        default=0.05, description="Share of the extracted samples kept for validation, fixed by sample id."
+    )
+    max_val_samples: Annotated[int, Field(gt=0)] = 512
+    log_every: Annotated[int, Field(gt=0)] = 10
+    eval_every: Annotated[int, Field(gt=0)] = 200
+    checkpoint_every: Annotated[int, Field(gt=0)] = 200
+    keep_checkpoints: Annotated[int, Field(gt=0)] = 2
+    seed: int = 0
+    processes: Annotated[int, Field(gt=0)] = Field(
+        default=1, description="DDP processes (one per GPU), started through torchrun; 1 trains in process."
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="auto: bf16 autocast on GPU (fp32 master weights), float32 on CPU."
+    )
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        default="auto", description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere."
+    )
+    prefetch_batches: Annotated[int, Field(gt=0)] = 4
+    loader_threads: Annotated[int, Field(gt=0)] = 2
+
+
 class Eagle3Config(_Model):
     """The whole run. `root` is where the file lives; every relative path is resolved against it."""
 
@@ -147,6 +188,7 @@ class Eagle3Config(_Model):
     regenerate: RegenerateConfig = RegenerateConfig()
     tokenize: TokenizeConfig = TokenizeConfig()
     extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
 
     @model_validator(mode="after")
     def _regeneration_fits(self) -> Eagle3Config:

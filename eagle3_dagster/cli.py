@@ -31,6 +31,10 @@ target:
   toy: {{size: xs, seed: 0}}
 regenerate:
   enabled: true
+  # Sampled, not greedy: the xs toy is small enough that its greedy reply is nearly the same line for every
+  # prompt, which would make a drafter's job trivial and its numbers meaningless.
+  temperature: 0.8
+  top_p: 0.95
   max_new_tokens: 48
   max_turns: 6
   batch_size: 32

@@ -3,9 +3,10 @@
 import dagster as dg
 
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.resources import default_resources
 
 defs = dg.Definitions(
-    assets=[conversations, regenerated, hidden_states],
+    assets=[conversations, regenerated, hidden_states, vocab_mapping, drafter_checkpoint, drafter_export],
     resources=default_resources(),
 )

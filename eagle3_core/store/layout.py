@@ -51,3 +51,26 @@ class StoreLayout:
 
     def hidden_states_manifest(self, key: str) -> Path:
         return self.hidden_states_dir / f"{check_shard_key(key)}.json"
+
+    def hidden_state_shards(self) -> list[Path]:
+        """Every complete shard (a shard file that exists is complete), sorted by key."""
+        if not self.hidden_states_dir.is_dir():
+            return []
+        return sorted(p for p in self.hidden_states_dir.glob("*.safetensors") if SHARD_KEY.match(p.stem))
+
+    @property
+    def vocab_mapping(self) -> Path:
+        return self.root / "vocab_mapping"
+
+    @property
+    def drafter_runs(self) -> Path:
+        return self.root / "drafter" / "runs"
+
+    @property
+    def drafter_latest(self) -> Path:
+        """JSON pointer to the newest finished training run."""
+        return self.root / "drafter" / "latest.json"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "drafter" / "export"

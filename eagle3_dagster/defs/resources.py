@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -22,6 +23,9 @@ class Eagle3Resource(dg.ConfigurableResource):
 
     def config(self) -> Eagle3Config:
         return load_config(self.config_path)
+
+    def resolved_path(self) -> Path:
+        return Path(self.config_path).resolve()
 
 
 class TargetResource(dg.ConfigurableResource):

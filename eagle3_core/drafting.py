@@ -1,0 +1,176 @@
+"""The drafter half: vocab_mapping and drafter_checkpoint over every complete shard of the store.
+
+Like the data half's steps, each reads the store, writes atomically and returns a `StepResult` whose flat
+metadata is what the CLI prints and Dagster shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.draft.vocab import (
+    VocabMapping,
+    build_vocab_mapping,
+    coverage_of,
+    load_vocab_mapping,
+    mapping_fingerprint,
+    save_vocab_mapping,
+)
+from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
+from eagle3_core.pipeline import Log, StepResult, _quiet
+from eagle3_core.store.atomic import atomic_write_json
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.shards import decode_metadata, read_header
+from eagle3_core.targets.resolve import target_dir
+from eagle3_core.train.trainer import train_drafter
+
+
+def _shards(layout: StoreLayout) -> list[Path]:
+    shards = layout.hidden_state_shards()
+    if not shards:
+        raise Eagle3Error(f"{layout.hidden_states_dir}: no hidden-state shards yet (materialize hidden_states)")
+    return shards
+
+
+def _tokenizer_and_vocab(shards: list[Path]) -> tuple[str, int]:
+    meta = decode_metadata(read_header(shards[0])[0])
+    return str(meta["tokenizer_fingerprint"]), int(meta["target"]["vocab_size"])
+
+
+def expected_mapping_fingerprint(cfg: Eagle3Config) -> str:
+    shards = _shards(StoreLayout(cfg.store_root))
+    tokenizer, vocab = _tokenizer_and_vocab(shards)
+    return mapping_fingerprint(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
+
+
+def _previous(layout: StoreLayout) -> VocabMapping | None:
+    try:
+        return load_vocab_mapping(layout.vocab_mapping) if layout.vocab_mapping.exists() else None
+    except (StaleVocabMappingError, ValueError, KeyError, FileNotFoundError):
+        return None  # a torn or foreign mapping is simply rebuilt
+
+
+def vocab_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+    """Build the draft vocabulary over all shards, unless the saved one already has their fingerprint.
+
+    When shards were added since the saved mapping, its coverage on the new shards is reported first: how
+    well a drafter bound to the old mapping would serve the new data.
+    """
+    layout = StoreLayout(cfg.store_root)
+    shards = _shards(layout)
+    tokenizer, vocab = _tokenizer_and_vocab(shards)
+    expected = mapping_fingerprint(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
+    previous = _previous(layout)
+    meta: dict[str, Any] = {}
+    if previous is not None and previous.fingerprint == expected:
+        mapping, meta["rebuilt"] = previous, False
+    else:
+        if previous is not None and previous.tokenizer_fingerprint == tokenizer:
+            known = {key for key, _ in previous.shard_set}
+            new = [p for p in shards if p.stem not in known]
+            if new:
+                meta["previous_coverage_on_new_shards"] = round(coverage_of(previous, new), 6)
+                meta["new_shards"] = len(new)
+        mapping = build_vocab_mapping(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
+        save_vocab_mapping(mapping, layout.vocab_mapping)
+        meta["rebuilt"] = True
+        log(f"vocab mapping: K={mapping.draft_vocab_size}, coverage {mapping.coverage:.4f}")
+    meta.update(
+        fingerprint=mapping.fingerprint,
+        draft_vocab_size=mapping.draft_vocab_size,
+        target_vocab_size=mapping.target_vocab_size,
+        coverage=round(mapping.coverage, 6),
+        counted_tokens=mapping.counted_tokens,
+        distinct_tokens=mapping.distinct_tokens,
+        padded=mapping.padded,
+        shards=len(mapping.shard_set),
+    )
+    return StepResult("vocab_mapping", layout.vocab_mapping, meta)
+
+
+def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
+    """Train the drafter on every shard with the current vocab mapping (resuming a run that was cut short).
+
+    In this process; under torchrun every rank calls it (see `train_distributed`).
+    """
+    layout = StoreLayout(cfg.store_root)
+    shards = _shards(layout)
+    mapping = load_vocab_mapping(layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg))
+    result = train_drafter(shards, target_dir(cfg, log=log), mapping, layout.drafter_runs, cfg.train, log=log)
+    if int(os.environ.get("RANK", "0")) == 0:
+        atomic_write_json(layout.drafter_latest, {"run": result.run_dir.name, "final": str(result.final_dir)})
+    return _training_result(cfg, result.final_dir, result.resumed_from)
+
+
+def train_distributed(config_path: Path, processes: int, log: Log = print) -> StepResult:
+    """`eagle3 train` once per process under torchrun (standalone rendezvous on this host), then its result."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               "-m", "eagle3_core.cli", "--config", str(config_path), "train", "--no-vocab"]
+    log(" ".join(command))
+    code = subprocess.call(command)
+    if code != 0:
+        raise Eagle3Error(f"torchrun training exited with status {code}")
+    cfg = load_config(config_path)
+    return _training_result(cfg, latest_final(StoreLayout(cfg.store_root)), None)
+
+
+def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -> StepResult:
+    summary = json.loads((final / "summary.json").read_text())
+    val, steps = summary["val"], cfg.train.ttt_steps
+    meta: dict[str, Any] = {
+        "run": summary["run"],
+        "steps": summary["steps"],
+        "tokens": summary["tokens"],
+        "seconds": summary["seconds"],
+        "resumed_from_step": resumed_from if resumed_from is not None else -1,
+        "world_size": summary["world_size"],
+        "train_samples": summary["train_samples"],
+        "val_samples": summary["val_samples"],
+        "vocab_mapping": summary["vocab_mapping"][:12],
+        "acc_per_position": json.dumps([val.get(f"acc_{k}") for k in range(steps)]),
+        **{f"val_{name}": val[name] for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}") if name in val},
+    }
+    return StepResult("drafter_checkpoint", final, meta)
+
+
+def latest_final(layout: StoreLayout) -> Path:
+    if not layout.drafter_latest.exists():
+        raise Eagle3Error("no trained drafter yet (materialize drafter_checkpoint, or run `eagle3 train`)")
+    final = Path(json.loads(layout.drafter_latest.read_text())["final"])
+    if not (final / "summary.json").exists():
+        raise Eagle3Error(f"{final}: the latest training run has no finished drafter")
+    return final
+
+
+def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+    """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
+    from eagle3_core.draft.target_head import load_target_head
+    from eagle3_core.export import ExportTarget, export_sglang, export_speculators
+    from eagle3_core.train.trainer import load_trained
+
+    layout = StoreLayout(cfg.store_root)
+    final = latest_final(layout)
+    target = target_dir(cfg, log=log)
+    drafter, mapping, summary = load_trained(final, load_target_head(target).embed)
+    facts = ExportTarget.from_model_dir(target, summary["aux_layer_ids"], summary["final_state_convention"])
+    out = layout.exports / summary["run"]
+    sglang = export_sglang(drafter, mapping, facts, out / "sglang")
+    speculators = export_speculators(drafter, mapping, facts, out / "speculators", speculative_tokens=3)
+    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    log(f"exported run {summary['run']}: {sglang} and {speculators}")
+    return StepResult("drafter_export", out, {
+        "run": summary["run"],
+        "sglang_dir": str(sglang),
+        "speculators_dir": str(speculators),
+        "aux_layer_ids_project": json.dumps(summary["aux_layer_ids"]),
+        "aux_layer_ids_sglang": json.dumps(sglang_ids),
+        "aux_layer_ids_vllm": json.dumps(summary["aux_layer_ids"]),
+        "draft_vocab_size": mapping.draft_vocab_size,
+        "final_state_convention": summary["final_state_convention"],
+    })

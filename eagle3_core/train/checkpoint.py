@@ -1,0 +1,120 @@
+"""Training checkpoints: one directory per step, written under a temporary name, fsynced and renamed.
+
+A checkpoint directory that exists is complete, so resuming means taking the newest one; a crash mid-write
+leaves only a temporary directory, removed on the next save. Everything is safetensors or JSON:
+
+    step-00000200/
+      drafter.safetensors     trainable weights (the frozen target embedding is not repeated)
+      optimizer.safetensors   AdamW moments and step counts, one tensor per (parameter, field)
+      state.json              step, optimizer hyper-parameters, metric-log size, RNG state, run identity
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3_core.store.atomic import TEMP_MARK, fsync_dir
+
+CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
+WEIGHTS = "drafter.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+STATE = "state.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # an optimizer state_dict
+    state: dict[str, Any]
+
+
+def _flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    tensors = {
+        f"state.{index}.{field}": value.detach().cpu().contiguous()
+        for index, fields in state_dict["state"].items()
+        for field, value in fields.items()
+    }
+    return tensors, state_dict["param_groups"]
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        _, index, field = name.split(".", 2)
+        state.setdefault(int(index), {})[field] = value
+    return {"state": state, "param_groups": groups}
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    state: dict[str, Any],
+    keep: int,
+) -> Path:
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"*{TEMP_MARK}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:08d}"
+    temp = root / f"{final.name}{TEMP_MARK}{os.getpid()}"
+    temp.mkdir()
+    opt_tensors, groups = _flatten_optimizer(optimizer_state)
+    save_file({n: t.detach().cpu().contiguous() for n, t in weights.items()}, str(temp / WEIGHTS))
+    save_file(opt_tensors, str(temp / OPTIMIZER))
+    (temp / STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=1))
+    for name in (WEIGHTS, OPTIMIZER, STATE):
+        _fsync_file(temp / name)
+    fsync_dir(temp)
+    if final.exists():  # the same step saved again (a resumed run re-reaching it): replace it whole
+        shutil.rmtree(final)
+    temp.rename(final)
+    fsync_dir(root)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    state = json.loads((path / STATE).read_text())
+    groups = state.pop("param_groups")
+    optimizer = _unflatten_optimizer(load_file(str(path / OPTIMIZER)), groups)
+    return Checkpoint(path, int(state["step"]), load_file(str(path / WEIGHTS)), optimizer, state)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    found = list_checkpoints(run_dir)
+    return load_checkpoint(found[-1][1]) if found else None

@@ -1,0 +1,197 @@
+"""Training data straight from the shards: memory-mapped, length-bucketed, prefetched in the background.
+
+Nothing is deserialised up front (SpecForge #733): opening a shard reads its header, and a sample's rows are
+read, digest-checked and padded into a batch by loader threads while the previous batch trains.
+
+Batches are planned per epoch from the seed alone, so a resumed run replays exactly the batches it would
+have seen, and a DDP run sees the same global batches as one process: rank r takes `batch[r::world]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.shards import ShardReader, ShardSample
+
+# Header facts every shard of one training run must share: mixing them would train on two different targets,
+# layer choices or conventions at once.
+SHARED_FACTS = ("hidden_size", "num_aux", "aux_layer_ids", "aux_layer_convention", "final_state_convention",
+                "tokenizer_fingerprint")
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: int  # index into TrainingData.readers
+    index: int  # sample index within the shard
+    length: int  # stored tokens (before the max_len cut)
+    sample_id: str
+
+
+def is_validation(sample_id: str, fraction: float) -> bool:
+    """A fixed split by sample id, salted so that it is independent of the held-out split's own hash."""
+    digest = hashlib.sha256(f"eagle3-validation:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+class TrainingData:
+    """The samples of a set of shards, opened memory-mapped; their shared header facts checked."""
+
+    def __init__(self, shard_paths: Sequence[Path]) -> None:
+        if not shard_paths:
+            raise Eagle3Error("no hidden-state shards to train on (materialize hidden_states first)")
+        self.readers = [ShardReader(p) for p in sorted(shard_paths)]
+        self.facts = self._shared_facts()
+        self.refs = [
+            SampleRef(s, i, length, sample_id)
+            for s, reader in enumerate(self.readers)
+            for i, (length, sample_id) in enumerate(zip(reader.lengths, reader.sample_ids, strict=True))
+        ]
+        if not self.refs:
+            raise Eagle3Error("the hidden-state shards hold no samples")
+
+    def _shared_facts(self) -> dict[str, Any]:
+        first = self.readers[0]
+        facts = {name: first.metadata.get(name) for name in SHARED_FACTS}
+        facts["target_fingerprint"] = first.metadata.get("target", {}).get("fingerprint")
+        for reader in self.readers[1:]:
+            other = {name: reader.metadata.get(name) for name in SHARED_FACTS}
+            other["target_fingerprint"] = reader.metadata.get("target", {}).get("fingerprint")
+            diff = {k: (facts[k], other[k]) for k in facts if facts[k] != other[k]}
+            if diff:
+                raise Eagle3Error(
+                    f"{reader.path.name} differs from {first.path.name} in {sorted(diff)}: {diff}; "
+                    "a drafter trains on states from one target, layer set and convention"
+                )
+        return facts
+
+    def split(self, val_fraction: float, max_val: int) -> tuple[list[SampleRef], list[SampleRef]]:
+        """(train, validation) by sample id; validation capped at `max_val` samples (the rest train)."""
+        val = [r for r in self.refs if is_validation(r.sample_id, val_fraction)][:max_val]
+        chosen = {r.sample_id for r in val}
+        train = [r for r in self.refs if r.sample_id not in chosen]
+        if not train:
+            raise Eagle3Error(f"train.val_fraction={val_fraction} leaves no training samples")
+        return train, val
+
+    def load(self, ref: SampleRef, max_len: int) -> ShardSample:
+        sample = self.readers[ref.shard].sample(ref.index)
+        if ref.length <= max_len:
+            return sample
+        return ShardSample(sample.sample_id, *(getattr(sample, f.name)[:max_len] for f in fields(sample)[1:]))
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
+def plan_epoch(
+    refs: Sequence[SampleRef], batch_tokens: int, max_len: int, seed: int, epoch: int, min_batch: int = 1
+) -> list[list[int]]:
+    """Length-bucketed batches of indices into `refs`, in a shuffled order fixed by (seed, epoch).
+
+    Samples are shuffled, grouped into chunks, sorted by length within a chunk (so a batch pads little) and
+    cut into batches of at most `batch_tokens` padded tokens; a batch holds at least `min_batch` samples (the
+    world size: every rank needs one). No sample is dropped.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(refs), generator=g).tolist()
+    chunk = 1024
+    batches: list[list[int]] = []
+    for start in range(0, len(order), chunk):
+        part = sorted(order[start : start + chunk], key=lambda i: min(refs[i].length, max_len))
+        current: list[int] = []
+        for i in part:
+            longest = min(refs[i].length, max_len)  # ascending, so the newcomer is the longest
+            if current and longest * (len(current) + 1) > batch_tokens and len(current) >= min_batch:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if len(current) < min_batch and batches:
+            batches[-1].extend(current)  # too few for every rank: ride along with the previous batch
+        elif current:
+            batches.append(current)
+    shuffled = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in shuffled]
+
+
+def plan_validation(refs: Sequence[SampleRef], batch_tokens: int, max_len: int) -> list[list[int]]:
+    """Validation batches: sorted by length, no shuffling (the same batches every time)."""
+    order = sorted(range(len(refs)), key=lambda i: (min(refs[i].length, max_len), refs[i].sample_id))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and min(refs[i].length, max_len) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return [*batches, current] if current else batches
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # int64 [B, T], right-padded with 0
+    loss_mask: torch.Tensor  # uint8 [B, T], 0 on padding
+    aux: torch.Tensor  # [B, T, 3H] in the store dtype
+    last: torch.Tensor  # [B, T, H] in the store dtype
+    tokens: int  # real (unpadded) tokens
+
+    def to(self, device: torch.device) -> Batch:
+        nb = device.type == "cuda"
+        return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
+                     self.aux.to(device, non_blocking=nb), self.last.to(device, non_blocking=nb), self.tokens)
+
+
+def collate(samples: Sequence[ShardSample], pin: bool = False) -> Batch:
+    t = max(s.input_ids.shape[0] for s in samples)
+    b = len(samples)
+    first = samples[0]
+    input_ids = torch.zeros(b, t, dtype=torch.int64, pin_memory=pin)
+    loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
+    aux = torch.zeros(b, t, first.aux_hidden_states.shape[1], dtype=first.aux_hidden_states.dtype, pin_memory=pin)
+    last = torch.zeros(b, t, first.last_hidden_states.shape[1], dtype=first.last_hidden_states.dtype, pin_memory=pin)
+    for i, s in enumerate(samples):
+        n = s.input_ids.shape[0]
+        input_ids[i, :n] = s.input_ids
+        loss_mask[i, :n] = s.loss_mask
+        aux[i, :n] = s.aux_hidden_states
+        last[i, :n] = s.last_hidden_states
+    return Batch(input_ids, loss_mask, aux, last, tokens=sum(s.input_ids.shape[0] for s in samples))
+
+
+class Prefetcher:
+    """Loads and collates batches on background threads, `depth` ahead, yielding them in order."""
+
+    def __init__(self, data: TrainingData, refs: Sequence[SampleRef], max_len: int, *, threads: int, depth: int,
+                 pin: bool = False) -> None:
+        self.data, self.refs, self.max_len, self.pin = data, refs, max_len, pin
+        self.depth = depth
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-loader")
+
+    def _load(self, indices: list[int]) -> Batch:
+        return collate([self.data.load(self.refs[i], self.max_len) for i in indices], pin=self.pin)
+
+    def __call__(self, batches: Sequence[list[int]]) -> Iterator[Batch]:
+        pending: deque[Future[Batch]] = deque()
+        todo = iter(batches)
+        for indices in todo:
+            pending.append(self.pool.submit(self._load, indices))
+            if len(pending) >= self.depth:
+                break
+        while pending:
+            batch = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(self.pool.submit(self._load, nxt))
+            yield batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

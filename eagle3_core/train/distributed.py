@@ -1,0 +1,62 @@
+"""One process or many: the rank, the world and the device, from torchrun's environment when it set one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor summed over ranks (in place), or itself on one process."""
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def pick_device(preference: Literal["auto", "cpu", "cuda"], local_rank: int = 0) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but torch sees no GPU")
+    if preference == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def init_world(preference: Literal["auto", "cpu", "cuda"]) -> World:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU), or run alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(preference, local_rank)
+    if size == 1:
+        return World(0, 1, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), device)
+
+
+def close_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

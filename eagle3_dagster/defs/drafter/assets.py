@@ -1,0 +1,39 @@
+"""The drafter half: vocab_mapping -> drafter_checkpoint -> drafter_export, over every shard of hidden_states."""
+
+import json
+
+import dagster as dg
+
+from eagle3_core import drafting
+from eagle3_dagster.defs.data.assets import hidden_states
+from eagle3_dagster.defs.metadata import step_metadata
+from eagle3_dagster.defs.resources import Eagle3Resource
+
+ALL_SHARDS = dg.AssetDep(hidden_states, partition_mapping=dg.AllPartitionMapping())
+
+
+@dg.asset(group_name="drafter", deps=[ALL_SHARDS], kinds={"safetensors"})
+def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
+    """Top-K loss-masked target tokens over all shards (d2t, t2d), fingerprinted by tokenizer, shards and K."""
+    result = drafting.vocab_step(eagle3.config(), context.log.info)
+    return dg.MaterializeResult(metadata=step_metadata(result))
+
+
+@dg.asset(group_name="drafter", deps=[ALL_SHARDS, vocab_mapping], pool="gpu", kinds={"pytorch"})
+def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
+    """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
+    cfg = eagle3.config()
+    if cfg.train.processes > 1:
+        result = drafting.train_distributed(eagle3.resolved_path(), cfg.train.processes, context.log.info)
+    else:
+        result = drafting.train_step(cfg, context.log.info)
+    acc = json.loads(result.metadata["acc_per_position"])
+    table = "| position | val acc |\n|---|---|\n" + "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc))
+    return dg.MaterializeResult(metadata={**step_metadata(result), "accuracy": dg.MetadataValue.md(table)})
+
+
+@dg.asset(group_name="drafter", deps=[drafter_checkpoint], kinds={"safetensors"})
+def drafter_export(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
+    """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key."""
+    result = drafting.export_step(eagle3.config(), context.log.info)
+    return dg.MaterializeResult(metadata=step_metadata(result))

@@ -1,0 +1,164 @@
+"""The trainer on real shards of a real (tiny) transformers target: learning, exact resume after SIGKILL, DDP."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_core.config import load_config
+from eagle3_core.data.ingest import ingest
+from eagle3_core.drafting import train_step, vocab_step
+from eagle3_core.pipeline import extract_step
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.hf import TransformersTarget
+from eagle3_core.train.checkpoint import list_checkpoints
+from eagle3_core.train.trainer import TIMING_FIELDS, read_metrics
+from tests.conftest import write_config
+
+TRAIN = (
+    "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, epochs: 4, lr: 0.003, log_every: 2, "
+    "eval_every: 10, checkpoint_every: 10, val_fraction: 0.15, seed: 7}\n"
+)
+
+
+def _config(directory: Path, target: Path, train: str = TRAIN) -> Path:
+    return write_config(
+        directory,
+        f"store: store\ndata: {{dataset: t, holdout_fraction: 0.0, shard_size: 60, sources: [{{kind: chitchat, limit: 120}}]}}\n"
+        f"target: {{path: {target}}}\nregenerate: {{enabled: false}}\nextract: {{store_dtype: float32}}\n" + train,
+    )
+
+
+@pytest.fixture(scope="module")
+def shard_store(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> tuple[Path, Path]:
+    """(project directory with eagle3.yaml and an extracted store of 2 shards, the toy target's directory).
+
+    The toy target, not a random one: a random target's distribution is near uniform, nothing to learn.
+    """
+    target_dir = toy_target_dir
+    project = tmp_path_factory.mktemp("train") / "project"
+    project.mkdir()
+    cfg = load_config(_config(project, target_dir))
+    target = TransformersTarget(target_dir, cfg.target)
+    for key in ingest(cfg).all_shards:
+        extract_step(cfg, key, target)
+    target.close()
+    return project, target_dir
+
+
+def _copy(shard_store: tuple[Path, Path], dest: Path, train: str = TRAIN) -> Path:
+    project, target_dir = shard_store
+    shutil.copytree(project, dest)
+    return _config(dest, target_dir, train)
+
+
+def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "eagle3_core.cli", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def _final_weights(project: Path) -> dict[str, torch.Tensor]:
+    latest = json.loads((project / "store" / "drafter" / "latest.json").read_text())
+    return load_file(str(Path(latest["final"]) / "drafter.safetensors"))
+
+
+def _run_dir(project: Path) -> Path:
+    [run] = list((project / "store" / "drafter" / "runs").iterdir())
+    return run
+
+
+def _without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def test_training_learns_and_a_finished_run_is_not_trained_again(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+    cfg = load_config(_copy(shard_store, tmp_path / "p"))
+    vocab = vocab_step(cfg)
+    assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is True
+    first = train_step(cfg, log=lambda _: None)
+    records = read_metrics(_run_dir(tmp_path / "p"))
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    assert train[-1]["loss"] < 0.9 * train[0]["loss"]
+    assert val[-1]["acc_0"] > 1.5 * train[0]["acc_0"]
+    for r in val:  # tau is 1 + the running products of the conditional accuracies
+        expected, running = 1.0, 1.0
+        for k in range(7):
+            running *= r[f"acc_{k}"]
+            expected += running
+        assert abs(r["tau_7"] - expected) < 1e-4
+        assert all(r[f"full_acc_{k}"] <= r[f"acc_{k}"] + 1e-9 for k in range(7))
+    again = train_step(cfg, log=lambda _: None)
+    assert again.metadata["run"] == first.metadata["run"] and again.metadata["steps"] == first.metadata["steps"]
+    assert len(read_metrics(_run_dir(tmp_path / "p"))) == len(records)  # nothing trained twice
+
+
+def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+    straight = _copy(shard_store, tmp_path / "straight")
+    done = eagle3(straight, "train")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "acc_0" in done.stdout and "tau(3)" in done.stdout
+
+    crashed = _copy(shard_store, tmp_path / "crashed")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_core.cli", "--config", str(crashed), "train"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    for line in proc.stdout:  # past the first checkpoint (step 10) and between two of them
+        if line.startswith("step 14/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    run_dir = _run_dir(tmp_path / "crashed")
+    assert not (run_dir / "final").exists()
+    assert [step for step, _ in list_checkpoints(run_dir)] == [10]
+    resumed = eagle3(crashed, "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming run" in resumed.stdout and "from step 10" in resumed.stdout
+
+    a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "crashed")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+    assert _without_timing(read_metrics(run_dir)) == _without_timing(read_metrics(_run_dir(tmp_path / "straight")))
+
+
+def test_two_process_ddp_under_torchrun_matches_one_process(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+    short = "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 8, lr: 0.003, log_every: 2, " \
+            "eval_every: 8, checkpoint_every: 4, val_fraction: 0.15, seed: 7}\n"
+    one = _copy(shard_store, tmp_path / "one", train=short)
+    two = _copy(shard_store, tmp_path / "two", train=short)
+    single = eagle3(one, "train")
+    assert single.returncode == 0, single.stdout + single.stderr
+    ddp = eagle3(two, "train", "--nproc", "2")
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    summary = json.loads((_run_dir(tmp_path / "two") / "final" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    la, lb = read_metrics(_run_dir(tmp_path / "one")), read_metrics(_run_dir(tmp_path / "two"))
+    assert [r["step"] for r in la] == [r["step"] for r in lb]
+    for ra, rb in zip(la, lb, strict=True):
+        assert ra["counted"] == rb["counted"] and ra.get("tokens") == rb.get("tokens")
+        assert abs(ra["loss_0"] - rb["loss_0"]) < 1e-4 and abs(ra["acc_0"] - rb["acc_0"]) < 1e-6
+
+
+def test_a_vocab_mapping_older_than_the_shards_is_refused(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+    from eagle3_core.errors import StaleVocabMappingError
+
+    cfg = load_config(_copy(shard_store, tmp_path / "p"))
+    vocab_step(cfg)
+    layout = StoreLayout(cfg.store_root)
+    removed = layout.hidden_state_shards()[-1]
+    removed.unlink()  # the shard set changes after the mapping was built
+    with pytest.raises(StaleVocabMappingError):
+        train_step(cfg, log=lambda _: None)
