@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 
@@ -43,3 +44,23 @@ def materialize_shards(
         if not result.success:
             raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
     return todo
+
+
+def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str, dict[str, Any]]:
+    """One run through vocab_mapping -> drafter_checkpoint -> drafter_export; each asset's metadata values."""
+    from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+
+    instance = instance or dg.DagsterInstance.get()
+    result = dg.materialize(
+        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export],
+        selection=[vocab_mapping, drafter_checkpoint, drafter_export],
+        instance=instance,
+        resources=default_resources(),
+        run_config=QUIET,
+    )
+    if not result.success:
+        raise RuntimeError("the drafter run failed; see the Dagster UI for its logs")
+    return {
+        event.asset_key.path[-1]: {k: v.value for k, v in event.metadata.items()}
+        for event in (e.event_specific_data.materialization for e in result.get_asset_materialization_events())  # type: ignore[union-attr]
+    }

@@ -162,3 +162,42 @@ def test_a_vocab_mapping_older_than_the_shards_is_refused(shard_store: tuple[Pat
     removed.unlink()  # the shard set changes after the mapping was built
     with pytest.raises(StaleVocabMappingError):
         train_step(cfg, log=lambda _: None)
+
+
+def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import dagster as dg
+
+    from eagle3_core.export import load_export, validate_export
+    from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+    from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
+    from eagle3_dagster.materialize import SHARD_ASSETS
+
+    short = "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, " \
+            "eval_every: 4, checkpoint_every: 4, val_fraction: 0.15}\n"
+    config = _copy(shard_store, tmp_path / "p", train=short)
+    eagle3_resource = Eagle3Resource(config_path=str(config))
+    result = dg.materialize(
+        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export],
+        selection=[vocab_mapping, drafter_checkpoint, drafter_export],
+        instance=dg.DagsterInstance.ephemeral(),
+        resources={"eagle3": eagle3_resource, "target": TargetResource(eagle3=eagle3_resource)},
+    )
+    assert result.success
+    meta = {
+        e.asset_key.path[-1]: e.metadata
+        for e in (x.event_specific_data.materialization for x in result.get_asset_materialization_events())  # type: ignore[union-attr]
+    }
+    assert meta["vocab_mapping"]["draft_vocab_size"].value == 512
+    assert 0.5 < meta["vocab_mapping"]["coverage"].value <= 1.0
+    assert meta["drafter_checkpoint"]["steps"].value == 4
+    assert len(json.loads(meta["drafter_checkpoint"]["acc_per_position"].value)) == 7
+    export = meta["drafter_export"]
+    assert json.loads(export["aux_layer_ids_sglang"].value) == [1, 3, 4]  # toy xs: 8 layers, aux (2, 4, 5)
+    assert json.loads(export["aux_layer_ids_vllm"].value) == [2, 4, 5]
+    for fmt, key in (("sglang", "sglang_dir"), ("speculators", "speculators_dir")):
+        validate_export(Path(export[key].value), fmt)  # type: ignore[arg-type]
+    embed = load_file(str(shard_store[1] / "model.safetensors"))["model.embed_tokens.weight"]
+    loaded = load_export(Path(export["sglang_dir"].value), "sglang", embed)
+    assert loaded.info.aux_layer_ids == (2, 4, 5)
