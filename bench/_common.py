@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,13 +69,20 @@ def extract_to_shard(
     out: Path,
     held: list[list[HiddenStates | SampleFailure]] | None = None,
     threads: int = 4,
+    metadata: dict[str, Any] | None = None,
+    first_id: int = 0,
 ) -> float:
-    """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given)."""
+    """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
+
+    `metadata` goes into the shard header (the trainer needs `pipeline.extract_step`'s facts there); sample
+    ids count up from `first_id`, so that several shards of one training set hold distinct ids.
+    """
     seqs = [s for b in batches for s in b]
     _sync(target)
     t0 = time.perf_counter()
-    with ShardWriter(out, sample_ids=[f"{i:064x}" for i in range(len(seqs))], lengths=[len(s) for s in seqs],
-                     hidden_size=target.info.hidden_size, metadata={}) as writer:
+    with ShardWriter(out, sample_ids=[f"{first_id + i:064x}" for i in range(len(seqs))],
+                     lengths=[len(s) for s in seqs], hidden_size=target.info.hidden_size,
+                     metadata=metadata or {}) as writer:
         start = 0
         with WriteBehind(writer, threads=threads) as behind:
             for n, batch in enumerate(batches):

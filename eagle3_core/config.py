@@ -174,7 +174,7 @@ class TrainConfig(_Model):
         default="auto", description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere."
     )
     prefetch_batches: Annotated[int, Field(gt=0)] = 4
-    loader_threads: Annotated[int, Field(gt=0)] = 2
+    loader_threads: Annotated[int, Field(gt=0)] = 4
 
 
 class Eagle3Config(_Model):

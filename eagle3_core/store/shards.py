@@ -428,6 +428,28 @@ class ShardReader:
             raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
         return ShardSample(self._all_ids[j], *tensors)
 
+    def copy_sample_into(self, i: int, out: dict[str, torch.Tensor]) -> None:
+        """Copy sample i's rows straight from the mapped file into `out` (name -> tensor of at most its rows).
+
+        One copy and no intermediate buffers: what the training loader uses to fill a (pinned) batch. A
+        destination shorter than the sample takes its first rows (a cut to max_len); the digest is still
+        checked over the whole sample, so a cut never hides corruption.
+        """
+        j = self._index[i]
+        first, rows = self._rows(j)
+        h = _digest()
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
+            raw = self._raw(name, first, rows)
+            h.update(raw)
+            dest = out[name]
+            n = dest.shape[0]
+            if dest.dtype != DTYPES[_dtype_name(self.header[name]["dtype"])][0] or n > rows:
+                raise ValueError(f"{self.path}: cannot copy {name} ({rows} rows) into {dest.dtype} x {n} rows")
+            row_bytes = len(raw) // rows
+            dest.view(torch.uint8).numpy().reshape(n, row_bytes)[:] = np.frombuffer(raw[: n * row_bytes], np.uint8).reshape(n, row_bytes)
+        if h.hexdigest() != self._digests[j]:
+            raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
+
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's input_ids int32 [T] and loss_mask uint8 [T], without its hidden states.
 

@@ -13,14 +13,14 @@ import hashlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.shards import ShardReader, ShardSample
+from eagle3_core.store.shards import DTYPES, ShardReader
 
 # Header facts every shard of one training run must share: mixing them would train on two different targets,
 # layer choices or conventions at once.
@@ -82,11 +82,25 @@ class TrainingData:
             raise Eagle3Error(f"train.val_fraction={val_fraction} leaves no training samples")
         return train, val
 
-    def load(self, ref: SampleRef, max_len: int) -> ShardSample:
-        sample = self.readers[ref.shard].sample(ref.index)
-        if ref.length <= max_len:
-            return sample
-        return ShardSample(sample.sample_id, *(getattr(sample, f.name)[:max_len] for f in fields(sample)[1:]))
+    def load_batch(self, refs: Sequence[SampleRef], max_len: int, pin: bool = False) -> Batch:
+        """The samples cut to max_len, right-padded into one batch; rows copied once, from the mapped shards."""
+        lengths = [min(r.length, max_len) for r in refs]
+        b, t = len(refs), max(lengths)
+        facts = self.readers[refs[0].shard]
+        aux_width = int(facts.header["aux_hidden_states"]["shape"][1])
+        hidden = int(facts.header["last_hidden_states"]["shape"][1])
+        dtype = DTYPES[facts.metadata["store_dtype"]][0]
+        input_ids = torch.empty(b, t, dtype=torch.int32, pin_memory=pin)
+        loss_mask = torch.empty(b, t, dtype=torch.uint8, pin_memory=pin)
+        aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)
+        last = torch.empty(b, t, hidden, dtype=dtype, pin_memory=pin)
+        for i, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
+            rows = {"input_ids": input_ids[i, :n], "loss_mask": loss_mask[i, :n],
+                    "aux_hidden_states": aux[i, :n], "last_hidden_states": last[i, :n]}
+            self.readers[ref.shard].copy_sample_into(ref.index, rows)
+            for padding in (input_ids[i, n:], loss_mask[i, n:], aux[i, n:], last[i, n:]):
+                padding.zero_()
+        return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(lengths))
 
     def close(self) -> None:
         for reader in self.readers:
@@ -150,23 +164,6 @@ class Batch:
                      self.aux.to(device, non_blocking=nb), self.last.to(device, non_blocking=nb), self.tokens)
 
 
-def collate(samples: Sequence[ShardSample], pin: bool = False) -> Batch:
-    t = max(s.input_ids.shape[0] for s in samples)
-    b = len(samples)
-    first = samples[0]
-    input_ids = torch.zeros(b, t, dtype=torch.int64, pin_memory=pin)
-    loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
-    aux = torch.zeros(b, t, first.aux_hidden_states.shape[1], dtype=first.aux_hidden_states.dtype, pin_memory=pin)
-    last = torch.zeros(b, t, first.last_hidden_states.shape[1], dtype=first.last_hidden_states.dtype, pin_memory=pin)
-    for i, s in enumerate(samples):
-        n = s.input_ids.shape[0]
-        input_ids[i, :n] = s.input_ids
-        loss_mask[i, :n] = s.loss_mask
-        aux[i, :n] = s.aux_hidden_states
-        last[i, :n] = s.last_hidden_states
-    return Batch(input_ids, loss_mask, aux, last, tokens=sum(s.input_ids.shape[0] for s in samples))
-
-
 class Prefetcher:
     """Loads and collates batches on background threads, `depth` ahead, yielding them in order."""
 
@@ -177,7 +174,7 @@ class Prefetcher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-loader")
 
     def _load(self, indices: list[int]) -> Batch:
-        return collate([self.data.load(self.refs[i], self.max_len) for i in indices], pin=self.pin)
+        return self.data.load_batch([self.refs[i] for i in indices], self.max_len, self.pin)
 
     def __call__(self, batches: Sequence[list[int]]) -> Iterator[Batch]:
         pending: deque[Future[Batch]] = deque()

@@ -108,19 +108,23 @@ def ttt_loss(
     `normalizer` defaults to this batch's counts; under DDP pass the global counts times the world size, so
     that the averaged gradient equals one process's gradient on the whole global batch.
     """
-    steps = len(draft_logits)
+    steps, t = len(draft_logits), targets.teacher_logp.shape[1]
     norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
     total = torch.zeros((), device=targets.teacher_logp.device)
     sums = torch.zeros(4, steps, dtype=torch.float64, device=total.device)  # stays on device: no sync per step
+    teacher_top = targets.teacher_logp.argmax(-1)  # [B, T]
     all_right = torch.ones_like(targets.masks[0])
     for k, logits in enumerate(draft_logits):
-        teacher = shift_left(targets.teacher_logp, k + 1, fill=0.0)
-        mask = targets.masks[k]
-        ce = -(teacher.exp() * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, T]
+        # entry p of step k is taught by the target at p+1+k: slices, not shifted copies (entries past the
+        # end have no teacher and are masked out anyway)
+        n = t - k - 1
+        teacher, mask = targets.teacher_logp[:, k + 1 :], targets.masks[k][:, :n]
+        ce = -(teacher.exp() * F.log_softmax(logits[:, :n].float(), dim=-1)).sum(-1)  # [B, n]
         loss_sum = (ce * mask).sum()
         total = total + step_weight**k * loss_sum / norm[k].to(loss_sum.device, loss_sum.dtype)
-        right = logits.argmax(-1) == teacher.argmax(-1)
+        right = torch.zeros_like(all_right)
+        right[:, :n] = logits[:, :n].argmax(-1) == teacher_top[:, k + 1 :]
         all_right = all_right & right
-        counts = [loss_sum.detach(), (right & mask).sum(), (all_right & mask).sum(), mask.sum()]
+        counts = [loss_sum.detach(), (right[:, :n] & mask).sum(), (all_right[:, :n] & mask).sum(), mask.sum()]
         sums[:, k] = torch.stack([c.to(torch.float64) for c in counts])
     return total, TTTStats(sums)

@@ -113,9 +113,14 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+MIN_BATCH = 8  # samples per global batch: every rank of up to 8 gets one, and the plan is the same for 1..8 ranks
+
+
 def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, list[int]]]:
-    """(epoch, batch) for every optimizer step of the run, fixed by the seed."""
-    steps = [(e, b) for e in range(cfg.epochs) for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, e, world)]
+    """(epoch, batch) for every optimizer step of the run, fixed by the seed (and by the world size only
+    beyond MIN_BATCH ranks, so 1 and 2 processes see the same global batches)."""
+    min_batch = max(MIN_BATCH, world)
+    steps = [(e, b) for e in range(cfg.epochs) for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, e, min_batch)]
     return steps[: cfg.max_steps] if cfg.max_steps is not None else steps
 
 
@@ -233,6 +238,8 @@ def _setup(world: World, cfg: TrainConfig, data: TrainingData, head: TargetHead,
     cuda = world.device.type == "cuda"
     bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
     attention: AttentionBackend = "flex" if cfg.attention == "flex" or (cfg.attention == "auto" and cuda) else "sdpa"
+    if attention == "flex" and not cuda:
+        raise Eagle3Error("train.attention 'flex' needs a GPU (torch has no flex attention backward on CPU); use sdpa")
     head_dtype = torch.bfloat16 if bf16 else torch.float32
     head = TargetHead(head.embed, head.lm_head.to(world.device, head_dtype),
                       None if head.final_norm is None else head.final_norm.to(world.device, head_dtype), head.rms_norm_eps)

@@ -201,3 +201,40 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     embed = load_file(str(shard_store[1] / "model.safetensors"))["model.embed_tokens.weight"]
     loaded = load_export(Path(export["sglang_dir"].value), "sglang", embed)
     assert loaded.info.aux_layer_ids == (2, 4, 5)
+
+
+def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+    from eagle3_core.errors import ShardCorruptError
+    from eagle3_core.train.data import TrainingData
+
+    project, _ = shard_store
+    data = TrainingData(StoreLayout(project / "store").hidden_state_shards())
+    refs = sorted(data.refs, key=lambda r: r.length)[-3:]  # the longest, so max_len cuts
+    batch = data.load_batch(refs, max_len=200)
+    assert batch.input_ids.dtype == torch.int64 and batch.tokens == sum(min(r.length, 200) for r in refs)
+    for i, ref in enumerate(refs):
+        sample = data.readers[ref.shard].sample(ref.index)
+        n = min(ref.length, 200)
+        assert torch.equal(batch.input_ids[i, :n], sample.input_ids[:n].long())
+        assert torch.equal(batch.aux[i, :n], sample.aux_hidden_states[:n])
+        assert torch.equal(batch.last[i, :n], sample.last_hidden_states[:n])
+        assert not batch.loss_mask[i, n:].any() and not batch.aux[i, n:].any()
+    data.close()
+    # one flipped byte in a sample's hidden states: its batch is refused, even when the byte lies past max_len
+    shard = StoreLayout(tmp_path).root
+    shutil.copytree(project / "store", shard / "store")
+    path = StoreLayout(shard / "store").hidden_state_shards()[0]
+    data = TrainingData([path])
+    ref = max(data.refs, key=lambda r: r.length)
+    reader = data.readers[0]
+    first = int(reader._offsets[reader._index[ref.index]])
+    entry = reader.header["last_hidden_states"]
+    offset = reader._data_start + entry["data_offsets"][0] + (first + ref.length - 1) * 4 * 128
+    data.close()
+    blob = bytearray(path.read_bytes())
+    blob[offset] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    data = TrainingData([path])
+    with pytest.raises(ShardCorruptError):
+        data.load_batch([ref], max_len=16)
+    data.close()
