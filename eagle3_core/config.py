@@ -174,7 +174,9 @@ class TrainConfig(_Model):
         default="auto", description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere."
     )
     prefetch_batches: Annotated[int, Field(gt=0)] = 4
-    loader_threads: Annotated[int, Field(gt=0)] = 4
+    loader_threads: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Threads reading and padding batches; default min(8, CPU cores)."
+    )
 
 
 class Eagle3Config(_Model):

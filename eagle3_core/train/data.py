@@ -10,9 +10,10 @@ have seen, and a DDP run sees the same global batches as one process: rank r tak
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,11 @@ class TrainingData:
             raise Eagle3Error(f"train.val_fraction={val_fraction} leaves no training samples")
         return train, val
 
-    def load_batch(self, refs: Sequence[SampleRef], max_len: int, pin: bool = False) -> Batch:
-        """The samples cut to max_len, right-padded into one batch; rows copied once, from the mapped shards."""
+    def load_batch(
+        self, refs: Sequence[SampleRef], max_len: int, pin: bool = False, pool: Executor | None = None
+    ) -> Batch:
+        """The samples cut to max_len, right-padded into one batch; rows copied once, from the mapped shards,
+        sample by sample on `pool`'s threads when one is given."""
         lengths = [min(r.length, max_len) for r in refs]
         b, t = len(refs), max(lengths)
         facts = self.readers[refs[0].shard]
@@ -94,12 +98,16 @@ class TrainingData:
         loss_mask = torch.empty(b, t, dtype=torch.uint8, pin_memory=pin)
         aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)
         last = torch.empty(b, t, hidden, dtype=dtype, pin_memory=pin)
-        for i, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
+
+        def fill(i: int) -> None:
+            ref, n = refs[i], lengths[i]
             rows = {"input_ids": input_ids[i, :n], "loss_mask": loss_mask[i, :n],
                     "aux_hidden_states": aux[i, :n], "last_hidden_states": last[i, :n]}
             self.readers[ref.shard].copy_sample_into(ref.index, rows)
             for padding in (input_ids[i, n:], loss_mask[i, n:], aux[i, n:], last[i, n:]):
                 padding.zero_()
+
+        list(pool.map(fill, range(b)) if pool is not None else map(fill, range(b)))  # list(): raise any error
         return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(lengths))
 
     def close(self) -> None:
@@ -167,14 +175,18 @@ class Batch:
 class Prefetcher:
     """Loads and collates batches on background threads, `depth` ahead, yielding them in order."""
 
-    def __init__(self, data: TrainingData, refs: Sequence[SampleRef], max_len: int, *, threads: int, depth: int,
+    def __init__(self, data: TrainingData, refs: Sequence[SampleRef], max_len: int, *, threads: int | None, depth: int,
                  pin: bool = False) -> None:
         self.data, self.refs, self.max_len, self.pin = data, refs, max_len, pin
         self.depth = depth
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-loader")
+        # Hashing and copying release the GIL, so sample copies scale with cores (on a GPU host a token is
+        # ~16 KB); `depth` batches are assembled at once, each fanning its samples out to the copy threads.
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="eagle3-batch")
+        self.copiers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="eagle3-copy")
 
     def _load(self, indices: list[int]) -> Batch:
-        return self.data.load_batch([self.refs[i] for i in indices], self.max_len, self.pin)
+        return self.data.load_batch([self.refs[i] for i in indices], self.max_len, self.pin, self.copiers)
 
     def __call__(self, batches: Sequence[list[int]]) -> Iterator[Batch]:
         pending: deque[Future[Batch]] = deque()
@@ -192,3 +204,4 @@ class Prefetcher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.copiers.shutdown(wait=True, cancel_futures=True)

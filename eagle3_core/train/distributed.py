@@ -53,7 +53,10 @@ def init_world(preference: Literal["auto", "cpu", "cuda"]) -> World:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":  # bound to this rank's GPU: collectives never guess the device
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     return World(dist.get_rank(), dist.get_world_size(), device)
 
 

@@ -393,6 +393,7 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     }
     if world.is_main:
         _write_final(run_dir, s.drafter, mapping, summary)
+        log(f"run {run_dir.name} finished: {run_dir / FINAL}")
     world.barrier()
     return TrainResult(run_dir, run_dir / FINAL, step, tokens, round(seconds, 2), val_report, resumed_from, dcfg, summary)
 
