@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/extract_overhead.py
 	$(BIN)/python bench/stats_scale.py
 	$(BIN)/python bench/shard_memory.py
+	$(BIN)/python bench/train_throughput.py
 
 clean:
 	rm -rf demo .cache .pytest_cache .mypy_cache .ruff_cache

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
-from eagle3_core.store.atomic import fsync_dir
+from eagle3_core.store.atomic import fsync_path
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, FinalStateConvention, check_aux_layer_ids
 
 FormatName = Literal["sglang", "speculators"]
@@ -453,21 +453,16 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
     temp.mkdir()
     try:
         yield temp
-        fsync_dir(temp)
+        fsync_path(temp)
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         if out_dir.exists():
             os.replace(out_dir, old)
         os.replace(temp, out_dir)
-        fsync_dir(out_dir.parent)
+        fsync_path(out_dir.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def write_export(
@@ -493,9 +488,9 @@ def write_export(
     with _staging_dir(out_dir) as temp:
         # transformers refuses a safetensors file whose metadata lacks format=pt
         save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt"})
-        _fsync_file(temp / WEIGHTS_FILE)
+        fsync_path(temp / WEIGHTS_FILE)
         (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _fsync_file(temp / CONFIG_FILE)
+        fsync_path(temp / CONFIG_FILE)
         check_export(fmt, temp)
     return Path(out_dir)
 

@@ -29,8 +29,9 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory is fsynced so that a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -40,7 +41,7 @@ def fsync_dir(directory: Path) -> None:
 def commit(temp: Path, final: Path) -> None:
     """Rename a fully written and fsynced temporary file to its final name, durably."""
     os.replace(temp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 @contextmanager

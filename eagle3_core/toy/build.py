@@ -24,7 +24,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
 from eagle3_core.data.sources import chitchat_turns
-from eagle3_core.store.atomic import atomic_write_json, fsync_dir
+from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
 from eagle3_core.toy.tokenizer import train_tokenizer
@@ -379,7 +379,7 @@ def _fsync_tree(directory: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    fsync_dir(directory)
+    fsync_path(directory)
 
 
 def ensure_toy_target(
@@ -407,7 +407,7 @@ def ensure_toy_target(
             if not final.is_dir():
                 raise
             log(f"toy: {final.name} was built concurrently; keeping that one")
-        fsync_dir(cache_root)
+        fsync_path(cache_root)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return final

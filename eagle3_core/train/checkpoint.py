@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.store.atomic import TEMP_MARK, fsync_dir
+from eagle3_core.store.atomic import TEMP_MARK, fsync_path
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "drafter.safetensors"
@@ -54,14 +54,6 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict[str
         _, index, field = name.split(".", 2)
         state.setdefault(int(index), {})[field] = value
     return {"state": state, "param_groups": groups}
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -97,12 +89,12 @@ def save_checkpoint(
     save_file(opt_tensors, str(temp / OPTIMIZER))
     (temp / STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=1))
     for name in (WEIGHTS, OPTIMIZER, STATE):
-        _fsync_file(temp / name)
-    fsync_dir(temp)
+        fsync_path(temp / name)
+    fsync_path(temp)
     if final.exists():  # the same step saved again (a resumed run re-reaching it): replace it whole
         shutil.rmtree(final)
     temp.rename(final)
-    fsync_dir(root)
+    fsync_path(root)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -38,7 +38,7 @@ from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Draft
 from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_dir
+from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_path
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData, plan_epoch, plan_validation
 from eagle3_core.train.distributed import World, close_world, init_world
@@ -277,9 +277,9 @@ def _write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, s
     atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
     save_vocab_mapping(mapping, temp / "vocab_mapping")
     atomic_write_json(temp / "summary.json", summary)
-    fsync_dir(temp)
+    fsync_path(temp)
     temp.rename(final)
-    fsync_dir(run_dir)
+    fsync_path(run_dir)
     return final
 
 
