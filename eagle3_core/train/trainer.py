@@ -92,6 +92,13 @@ def trainable_state(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
 
 
+def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Load saved trainable weights; anything but the (shared, frozen) embedding missing or extra is an error."""
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) != {"embed_tokens.weight"}:
+        raise Eagle3Error(f"{where}: drafter weights do not match (missing {missing}, unexpected {unexpected})")
+
+
 # ---- the run's identity and schedule -----------------------------------------------------------------------
 def run_id(train: TrainConfig, mapping: VocabMapping, target_fingerprint: str, drafter: DrafterConfig) -> str:
     """Same data, mapping, target and settings -> same run directory, so running again resumes it."""
@@ -325,7 +332,7 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     resumed_from = None
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        s.drafter.load_state_dict(ckpt.weights, strict=False)
+        load_trainable_state(s.drafter, ckpt.weights, ckpt.path)
         s.optimizer.load_state_dict(ckpt.optimizer)
         torch.set_rng_state(torch.tensor(ckpt.state["rng_cpu"], dtype=torch.uint8))
         step, tokens, resumed_from = ckpt.step, ckpt.state["tokens"], ckpt.step
@@ -422,7 +429,5 @@ def load_trained(final_dir: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, V
     summary = json.loads((final_dir / "summary.json").read_text())
     mapping = load_vocab_mapping(final_dir / "vocab_mapping", expected_fingerprint=summary["vocab_mapping"])
     drafter = Eagle3Drafter(DrafterConfig(**summary["drafter_config"]), embed.float())
-    missing, unexpected = drafter.load_state_dict(load_file(str(final_dir / "drafter.safetensors")), strict=False)
-    if unexpected or set(missing) != {"embed_tokens.weight"}:
-        raise Eagle3Error(f"{final_dir}: drafter weights do not match (missing {missing}, unexpected {unexpected})")
+    load_trainable_state(drafter, load_file(str(final_dir / "drafter.safetensors")), final_dir)
     return drafter, mapping, summary
