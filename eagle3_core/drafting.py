@@ -43,8 +43,8 @@ def _tokenizer_and_vocab(shards: list[Path]) -> tuple[str, int]:
     return str(meta["tokenizer_fingerprint"]), int(meta["target"]["vocab_size"])
 
 
-def expected_mapping_fingerprint(cfg: Eagle3Config) -> str:
-    shards = _shards(StoreLayout(cfg.store_root))
+def expected_mapping_fingerprint(cfg: Eagle3Config, shards: list[Path]) -> str:
+    """The fingerprint a mapping built now would carry (from shard headers alone)."""
     tokenizer, vocab = _tokenizer_and_vocab(shards)
     return mapping_fingerprint(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
 
@@ -65,7 +65,7 @@ def vocab_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     shards = _shards(layout)
     tokenizer, vocab = _tokenizer_and_vocab(shards)
-    expected = mapping_fingerprint(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
+    expected = expected_mapping_fingerprint(cfg, shards)
     previous = _previous(layout)
     meta: dict[str, Any] = {}
     if previous is not None and previous.fingerprint == expected:
@@ -101,7 +101,7 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """
     layout = StoreLayout(cfg.store_root)
     shards = _shards(layout)
-    mapping = load_vocab_mapping(layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg))
+    mapping = load_vocab_mapping(layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards))
     result = train_drafter(shards, target_dir(cfg, log=log), mapping, layout.drafter_runs, cfg.train, log=log)
     if int(os.environ.get("RANK", "0")) == 0:
         atomic_write_json(layout.drafter_latest, {"run": result.run_dir.name, "final": str(result.final_dir)})

@@ -45,8 +45,8 @@ class TTTStats:
     sums: torch.Tensor
 
     @classmethod
-    def zeros(cls, steps: int) -> TTTStats:
-        return cls(torch.zeros(4, steps, dtype=torch.float64))
+    def zeros(cls, steps: int, device: torch.device | None = None) -> TTTStats:
+        return cls(torch.zeros(4, steps, dtype=torch.float64, device=device))
 
     def __add__(self, other: TTTStats) -> TTTStats:
         return TTTStats(self.sums.to(other.sums.device) + other.sums)

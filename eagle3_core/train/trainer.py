@@ -328,7 +328,7 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     s = _setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg)
     metrics = MetricsLog(run_dir / METRICS, world.is_main)
 
-    step, tokens, interval, interval_tokens = 0, 0, TTTStats.zeros(cfg.ttt_steps), 0
+    step, tokens, interval, interval_tokens = 0, 0, TTTStats.zeros(cfg.ttt_steps, world.device), 0
     resumed_from = None
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
@@ -336,8 +336,9 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
         s.optimizer.load_state_dict(ckpt.optimizer)
         torch.set_rng_state(torch.tensor(ckpt.state["rng_cpu"], dtype=torch.uint8))
         step, tokens, resumed_from = ckpt.step, ckpt.state["tokens"], ckpt.step
-        interval = TTTStats(torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64))
-        interval_tokens = ckpt.state["interval_tokens"]
+        if world.is_main:  # the saved sums are over all ranks already: one rank carries them on
+            interval = TTTStats(torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64, device=world.device))
+            interval_tokens = ckpt.state["interval_tokens"]
         metrics.cut_to(ckpt.state["metrics_bytes"])
         log(f"resuming run {run_dir.name} from step {step}")
     elif world.is_main:
@@ -352,7 +353,6 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     val_prefetch = Prefetcher(data, val_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
     started = time.perf_counter()
     interval_started = started
-    interval = TTTStats(interval.sums.to(world.device))
     try:
         local_batches = [batch[world.rank :: world.size] for _, batch in plan[step:]]
         for batch in prefetch(local_batches):
@@ -363,10 +363,8 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
             step += 1
             if step % cfg.log_every == 0 or step == len(plan):
                 now = time.perf_counter()
-                sums = world.sum(interval.sums.clone())
-                n = int(world.sum(torch.tensor([interval_tokens], dtype=torch.float64, device=world.device)).item())
+                reduced, n = _reduce_interval(world, interval, interval_tokens)
                 tokens += n
-                reduced = TTTStats(sums.cpu())
                 weighted = sum(cfg.step_weight**k * x for k, x in enumerate(reduced.step_losses))
                 metrics.write({"kind": "train", "step": step, "epoch": epoch, "lr": lr, "loss": round(weighted, 6),
                                **reduced.report(), "tokens": tokens,
@@ -374,8 +372,7 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
                                "elapsed_s": round(now - started, 2)})
                 log(f"step {step}/{len(plan)} loss {weighted:.3f} acc_0 {reduced.acc[0]:.3f} "
                     f"tau_{cfg.ttt_steps} {reduced.tau(cfg.ttt_steps):.2f} {n / max(now - interval_started, 1e-9):,.0f} tok/s")
-                interval, interval_tokens, interval_started = TTTStats.zeros(cfg.ttt_steps), 0, now
-                interval = TTTStats(interval.sums.to(world.device))
+                interval, interval_tokens, interval_started = TTTStats.zeros(cfg.ttt_steps, world.device), 0, now
             if step % cfg.eval_every == 0 or step == len(plan):
                 val = validate(s, val_refs, val_prefetch) if val_refs else TTTStats.zeros(cfg.ttt_steps)
                 metrics.write({"kind": "val", "step": step, **val.report()})
@@ -405,15 +402,21 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     return TrainResult(run_dir, run_dir / FINAL, step, tokens, round(seconds, 2), val_report, resumed_from, dcfg, summary)
 
 
+def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTTStats, int]:
+    """The interval's statistics and token count summed over ranks (on the CPU), leaving the local ones as they are."""
+    sums = world.sum(interval.sums.clone()).cpu()
+    n = world.sum(torch.tensor([tokens], dtype=torch.float64, device=world.device))
+    return TTTStats(sums), int(n.item())
+
+
 def _checkpoint(s: Setup, run_dir: Path, step: int, tokens: int, interval: TTTStats, interval_tokens: int,
                 metrics: MetricsLog) -> None:
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
-    sums = s.world.sum(interval.sums.clone()).cpu()
-    n = int(s.world.sum(torch.tensor([interval_tokens], dtype=torch.float64, device=s.world.device)).item())
+    reduced, n = _reduce_interval(s.world, interval, interval_tokens)
     if s.world.is_main:
         state = {
             "tokens": tokens,
-            "interval_sums": sums.tolist(),
+            "interval_sums": reduced.sums.tolist(),
             "interval_tokens": n,
             "metrics_bytes": metrics.durable_size(),
             "rng_cpu": torch.get_rng_state().tolist(),
