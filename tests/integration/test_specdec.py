@@ -5,7 +5,7 @@ import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.evaluate.acceptance import acceptance
-from eagle3_core.evaluate.specdec import greedy_generate, speculative_generate
+from eagle3_core.evaluate.specdec import Sampling, greedy_generate, speculative_generate, verify_sampled
 from eagle3_core.targets.hf import load_causal_lm
 from tests.helpers import save_tiny_llama
 
@@ -45,3 +45,70 @@ def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: obj
     assert abs(sum(report.per_position) - (report.acceptance_length - 1)) < 1e-12
     assert result.tokens == greedy_generate(target, prompt, 30, eos_ids=set())
     assert sum(a + 1 for a in result.accepted) >= 30 - 1
+
+
+# ---- speculative sampling (temperature > 0) -----------------------------------------------------------
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of observed counts against expected probabilities."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor((probs.numel() - 1) / 2), torch.tensor(stat / 2)))
+
+
+def test_verify_sampled_commits_tokens_distributed_as_the_target() -> None:
+    """One round with K=3, a 6-token vocabulary and a draft distribution far from the target's: the first
+    committed token follows p_0 (accepted draft or residual draw), whatever q is."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 6, generator=g, dtype=torch.float64) * 2, -1)
+    q = torch.softmax(torch.randn(3, 6, generator=g, dtype=torch.float64) * 2, -1)
+    q[:, 5] = 0.0  # a target token outside the draft vocabulary: only the residual can produce it
+    q = q / q.sum(-1, keepdim=True)
+    draws = 20000
+    first, drafted = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    for _ in range(draws):
+        drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+        _, committed = verify_sampled(drafts, q, p, g)
+        first[committed[0]] += 1
+        drafted[drafts[0]] += 1
+    assert _chi_square_p(first, p[0]) > 1e-3
+    assert first[5] > 0  # the residual gave the token the drafter cannot propose
+    # the same test rejects the drafter's own distribution: it has the power to catch a wrong sampler
+    assert _chi_square_p(drafted + 0.5, p[0]) < 1e-6
+
+
+def _peaked(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)  # type: ignore[operator, union-attr]
+    return model
+
+
+def test_speculative_sampling_matches_the_target_distribution_through_real_models(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny target (vocabulary 8) and a random drafter over 5 of its tokens: the first token produced by a
+    verification round (the second generated token) follows the target's own two-step marginal."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("sample") / "t", layers=6, hidden=16, vocab=8, seed=3)
+    model = _peaked(load_causal_lm(path, torch.device("cpu"), torch.float64), 60.0)
+    torch.manual_seed(1)
+    cfg = DrafterConfig(target_hidden_size=16, hidden_size=16, intermediate_size=32, num_heads=4, num_kv_heads=2,
+                        target_vocab_size=8, draft_vocab_size=5)
+    drafter = _peaked(Eagle3Drafter(cfg).double().eval(), 30.0)
+    d2t = torch.tensor([0, 1, 3, 4, 6]) - torch.arange(5)
+    prompt, temperature = [1, 5, 2], 1.0
+    with torch.no_grad():
+        first = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        second = torch.stack([
+            torch.softmax(model(input_ids=torch.tensor([[*prompt, u]])).logits[0, -1] / temperature, -1)
+            for u in range(8)
+        ])
+    expected = first @ second  # P(second token = v) = sum_u p(u) p(v | u)
+    sampling = Sampling(temperature, torch.Generator().manual_seed(0))
+    counts = torch.zeros(8, dtype=torch.float64)
+    accepted = 0
+    for _ in range(1500):
+        result = speculative_generate(model, drafter, d2t, (1, 3, 4), prompt, 2, 3, set(), sampling)
+        counts[result.tokens[1]] += 1
+        accepted += result.accepted[0]
+    kept = expected > 1e-3  # cells with (almost) no mass would blow up the statistic
+    assert _chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
+    assert counts[~kept].sum() <= 3
+    assert 0 < accepted < 3 * 1500  # the drafter is sometimes right and sometimes rejected: both paths ran
