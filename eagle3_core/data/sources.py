@@ -41,7 +41,7 @@ class ResolvedSource:
         assert self.path is not None
         if self.path.suffix == ".parquet":
             return _parquet_rows(self.path, self.name)
-        return _jsonl_rows(self.path, self.name)
+        return jsonl_rows(self.path, self.name)
 
 
 def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
@@ -69,7 +69,7 @@ def _relative_name(path: Path, root: Path) -> str:
         return str(path.resolve())
 
 
-def _jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
+def jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
             raw = line.rstrip(b"\r\n")

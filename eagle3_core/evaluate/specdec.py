@@ -22,6 +22,7 @@ One host synchronisation per round (the accept count); the drafts stay on the de
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,9 +124,37 @@ def verify_sampled(
     return a, [*drafts[:a].tolist(), token]
 
 
-def _target_forward(model: Any, ids: torch.Tensor, cache: Any, aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits [n, V] and aux states [n, 3H] of `ids` appended to `cache`."""
-    out = model(input_ids=ids[None], cache=cache, use_cache=True, output_hidden_states=True)
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def _cache_argument(model: Any) -> str:
+    """The keyword a transformers model takes its KV cache by: `cache` in recent 5.x, `past_key_values` before.
+
+    A wrong name is swallowed by **kwargs and the model silently runs without its prefix, so it is looked up.
+    """
+    kind = type(model)
+    if kind not in _CACHE_ARGUMENT:
+        params = inspect.signature(kind.forward).parameters
+        names = [name for name in ("cache", "past_key_values") if name in params]
+        if not names:
+            raise TypeError(f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`")
+        _CACHE_ARGUMENT[kind] = names[0]
+    return _CACHE_ARGUMENT[kind]
+
+
+def cached_forward(model: Any, ids: torch.Tensor, kv: Any, **kwargs: Any) -> Any:
+    """model(ids [n]) appended to the KV cache `kv`, checked to have used and grown it."""
+    before = kv.get_seq_length()
+    out = model(input_ids=ids[None], use_cache=True, **{_cache_argument(model): kv}, **kwargs)
+    if kv.get_seq_length() != before + ids.numel():
+        raise RuntimeError(f"the target's KV cache went from {before} to {kv.get_seq_length()} entries over "
+                           f"{ids.numel()} tokens: the model did not use the cache it was given")
+    return out
+
+
+def _target_forward(model: Any, ids: torch.Tensor, kv: Any, aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits [n, V] and aux states [n, 3H] of `ids` appended to the KV cache."""
+    out = cached_forward(model, ids, kv, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[k][0] for k in aux_layer_ids], dim=-1)
     return out.logits[0], aux
 
@@ -148,9 +177,9 @@ def speculative_generate(
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)  # draft id -> target id
-    cache, draft = DynamicCache(), DraftCache(drafter)
+    kv, draft = DynamicCache(), DraftCache(drafter)
     seq = torch.tensor(prompt, device=device)
-    logits, aux = _target_forward(model, seq, cache, aux_layer_ids)
+    logits, aux = _target_forward(model, seq, kv, aux_layer_ids)
     out = [int(sampling.choose(logits[-1]))]
     result = SpecResult(out)
     # the drafter's extend over the prompt: entry p pairs aux(p) with the next token
@@ -159,7 +188,7 @@ def speculative_generate(
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
         drafts, qs = _draft_chain(draft, draft_logits[-1], h[-1:], n, k, to_target, sampling)
-        vlogits, vaux = _target_forward(model, torch.cat([torch.tensor(out[-1:], device=device), drafts]), cache,
+        vlogits, vaux = _target_forward(model, torch.cat([torch.tensor(out[-1:], device=device), drafts]), kv,
                                         aux_layer_ids)
         if sampling.greedy:
             a, committed = verify_greedy(drafts, vlogits)
@@ -167,7 +196,7 @@ def speculative_generate(
             a, committed = verify_sampled(drafts, _on_target_ids(qs, to_target, vlogits.shape[-1]),
                                           sampling.probs(vlogits), sampling.generator)
         result.accepted.append(a)
-        _crop(cache, n + a + 1)  # keep seq[..n] and the accepted drafts
+        _crop(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
         draft.crop(n)  # the drafter keeps only entries made from target features
         # entries n..n+a pair the target's aux states with the next committed token
         pairs = torch.tensor(committed, device=device)
@@ -202,11 +231,11 @@ def _on_target_ids(draft_probs: torch.Tensor | None, to_target: torch.Tensor, vo
     return full.index_copy_(1, to_target, draft_probs)
 
 
-def _crop(cache: Any, keep: int) -> None:
+def _crop(kv: Any, keep: int) -> None:
     """Cut a transformers cache to `keep` entries (its crop takes the count to drop, as a negative number)."""
-    drop = cache.get_seq_length() - keep
+    drop = kv.get_seq_length() - keep
     if drop > 0:
-        cache.crop(-drop)
+        kv.crop(-drop)
 
 
 def _until_stop(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
@@ -227,11 +256,11 @@ def target_generate(
 
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
-    cache = DynamicCache()
+    kv = DynamicCache()
     ids = torch.tensor(prompt, device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and (not out or out[-1] not in eos_ids):
-        logits = model(input_ids=ids[None], cache=cache, use_cache=True).logits[0, -1]
+        logits = cached_forward(model, ids, kv).logits[0, -1]
         nxt = sampling.choose(logits)
         out.append(int(nxt))
         ids = nxt.reshape(1)

@@ -66,6 +66,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 

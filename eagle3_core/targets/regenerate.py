@@ -54,7 +54,7 @@ class Regenerator:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.max_prompt_tokens = max_seq_len - cfg.max_new_tokens
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     def regenerate(
@@ -142,7 +142,7 @@ class Regenerator:
         return {**row, "messages": d.done, "stop": d.stop or "complete"}
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     ids: list[int] = []
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (configured, tokenizer.eos_token_id):

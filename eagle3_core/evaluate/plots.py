@@ -1,0 +1,76 @@
+"""The pictures on the drafter_eval asset page: per-position acceptance bars and the training curves (PNG).
+
+Drawn on matplotlib `Figure` objects (no pyplot, so no display and no global state; Agg renders PNG).
+`markdown_image` inlines a PNG as a data URI, which the Dagster UI shows in markdown metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from eagle3_core.store.atomic import atomic_write_bytes
+
+
+def _save(fig: Figure, out: Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    atomic_write_bytes(out, buffer.getvalue())
+    return out
+
+
+def acceptance_bars(per_position: Mapping[int, Sequence[float]], lengths: Mapping[int, float], out: Path,
+                    title: str) -> Path:
+    """Unconditional acceptance of each draft position, one group of bars per K, AL in the legend."""
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.subplots()
+    ks = sorted(per_position)
+    width = 0.8 / max(len(ks), 1)
+    for j, k in enumerate(ks):
+        xs = [i + 1 + (j - (len(ks) - 1) / 2) * width for i in range(len(per_position[k]))]
+        ax.bar(xs, per_position[k], width=width, label=f"K={k}: AL {lengths[k]:.2f}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted (share of rounds)")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, max((len(v) for v in per_position.values()), default=0) + 1))
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, out)
+
+
+def training_curves(records: Sequence[Mapping[str, Any]], steps: int, out: Path, title: str) -> Path:
+    """Loss of step 0 and accuracy per TTT position over optimizer steps (train and validation), and tau."""
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    fig = Figure(figsize=(11, 3.8))
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    for rows, style, name in ((train, "-", "train"), (val, "o--", "val")):
+        if rows:
+            loss_ax.plot([r["step"] for r in rows], [r["loss_0"] for r in rows], style, label=f"{name} loss_0")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("soft cross-entropy (nats)")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    for k in range(steps):  # train as thin lines, validation as dots, one colour per TTT position
+        if train:
+            acc_ax.plot([r["step"] for r in train], [r[f"acc_{k}"] for r in train], "-", color=f"C{k}", alpha=0.5,
+                        linewidth=1, label=None if val else f"acc_{k}")
+        if val:
+            acc_ax.plot([r["step"] for r in val], [r[f"acc_{k}"] for r in val], "o", color=f"C{k}", label=f"acc_{k}")
+    acc_ax.set_xlabel("step")
+    acc_ax.set_ylabel("top-1 accuracy (conditional; dots: val)")
+    acc_ax.set_ylim(0, 1)
+    acc_ax.legend(fontsize=7, ncol=2)
+    acc_ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return _save(fig, out)
+
+
+def markdown_image(path: Path, alt: str) -> str:
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"

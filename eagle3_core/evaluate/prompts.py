@@ -1,0 +1,116 @@
+"""Prompts to measure a drafter on: the store's held-out conversations, or a user's JSONL prompt file.
+
+Held-out conversations (split "heldout" at ingest) are never regenerated, extracted or trained on. Each gives
+its first `per_conversation` user turns as prompts, with the conversation's earlier turns as history.
+
+A prompt file holds one JSON object per line in any format ingest reads (`messages`, ShareGPT
+`conversations`, `prompt`), or MT-bench's `turns` (its first turn is the prompt). Trailing assistant turns
+are dropped, so a full conversation is a prompt for its last reply. Rows that cannot be read are counted
+and kept with their reason, as ingest keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation
+from eagle3_core.data.sources import decode_record, jsonl_rows, record_turns
+from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.layout import StoreLayout
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    id: str  # the sample id and turn, or file:line
+    messages: Messages  # ends with the user turn the reply answers
+
+
+@dataclass
+class PromptSet:
+    name: str
+    prompts: list[EvalPrompt]
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # {"id", "reason", "detail"}
+
+    @property
+    def reject_counts(self) -> dict[str, int]:
+        return dict(Counter(r["reason"] for r in self.rejected))
+
+
+def _user_prefixes(conv: Conversation, limit: int | None) -> Iterator[Messages]:
+    """Messages up to and with each user turn (a history of earlier turns), at most `limit` of them."""
+    messages = conv.messages
+    ends = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    for end in ends[:limit]:
+        yield messages[: end + 1]
+
+
+def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> PromptSet:
+    """The held-out conversations of every conversation shard, in shard and row order, up to `limit` prompts."""
+    layout = StoreLayout(store_root)
+    shards = sorted(layout.root.glob("conversations/*.jsonl"))
+    prompts: list[EvalPrompt] = []
+    for shard in (s for s in shards if not s.name.endswith(".rejects.jsonl")):
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                sample = json.loads(line)
+                if sample.get("split") != "heldout":
+                    continue
+                conv = build_conversation([(m["role"], m["content"]) for m in sample["messages"]], require_assistant=False)
+                for turn, messages in enumerate(_user_prefixes(conv, per_conversation)):
+                    prompts.append(EvalPrompt(f"{sample['id'][:16]}/{turn}", messages))
+                    if len(prompts) == limit:
+                        return PromptSet("heldout", prompts)
+    if not prompts:
+        raise Eagle3Error(
+            f"{layout.root}: no held-out conversations (data.holdout_fraction is 0, or ingest has not run); "
+            "evaluate on a prompt file instead (evaluate.prompt_files)"
+        )
+    return PromptSet("heldout", prompts)
+
+
+def _turns(record: Any) -> list[tuple[object, object]]:
+    if isinstance(record, dict) and "turns" in record and not {"messages", "conversations", "prompt"} & set(record):
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise RowRejected("wrong_shape", "'turns' must be a non-empty list of strings")
+        return [("user", turns[0])]
+    return record_turns(record, "auto")
+
+
+def _prompt_of(record: Any, system_prompt: str | None) -> Messages:
+    conv = build_conversation(_turns(record), require_assistant=False, system_prompt=system_prompt)
+    messages = conv.messages
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return messages
+
+
+def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) -> PromptSet:
+    """The prompts of a JSONL file, up to `limit`; unreadable rows are kept in `rejected` with their reason."""
+    if not path.is_file():
+        raise Eagle3Error(f"{path}: no such prompt file (evaluate.prompt_files)")
+    result = PromptSet(path.stem, [])
+    for row in jsonl_rows(path, path.name):
+        where = f"{path.name}:{row.location.line}"
+        try:
+            result.prompts.append(EvalPrompt(where, _prompt_of(decode_record(row), system_prompt)))
+        except RowRejected as err:
+            result.rejected.append({"id": where, "reason": err.reason, "detail": err.detail})
+        if len(result.prompts) == limit:
+            break
+    if not result.prompts:
+        raise Eagle3Error(f"{path}: no usable prompt ({result.reject_counts or 'the file is empty'})")
+    return result
+
+
+def encode(tokenizer: Any, messages: Messages) -> list[int]:
+    """Token ids of the chat template with the generation prompt, exactly as regeneration renders prompts."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
