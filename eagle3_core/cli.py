@@ -195,6 +195,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from eagle3_core.drafting import export_step
+
+    result = export_step(_config(args), _log)
+    console.print(f"exported: {result.metadata['sglang_dir']}  {result.metadata['speculators_dir']}")
+    return 0
+
+
+def print_evaluation(metadata: dict[str, object], ks: Sequence[int]) -> None:
+    per_position = json.loads(str(metadata["per_position"]))
+    console.print(f"drafter {metadata['run']}: measured on {metadata['prompts']} held-out prompts "
+                  f"({metadata['device']}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)")
+    for k in ks:
+        accepts = "  ".join(f"{a:.2f}" for a in per_position[str(k)])
+        tau = float(metadata[f"tau_k{k}"])  # type: ignore[arg-type]
+        console.print(f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (training estimate tau({k}) "
+                      f"{'n/a' if tau < 0 else f'{tau:.2f}'}), acceptance rate {metadata[f'acceptance_rate_k{k}']:.2f}, "
+                      f"speedup {metadata[f'speedup_k{k}']:.2f}x; per position {accepts}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from eagle3_core.evaluation import eval_step, promote_step
+
+    cfg = _config(args)
+    result = eval_step(cfg, _log)
+    print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
+    if args.promote:
+        promoted = promote_step(cfg, _log)
+        console.print(f"promoted: {promoted.metadata['serve_sglang']}")
+    return 0
+
+
+def cmd_bench_sglang(args: argparse.Namespace) -> int:
+    from eagle3_core.evaluation import sglang_bench_step
+
+    result = sglang_bench_step(_config(args), args.url, args.concurrency, _log)
+    console.print("sglang: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
+    return 0
+
+
 def add_core_commands(sub: argparse._SubParsersAction) -> None:
     def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
@@ -217,6 +257,12 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = add("train", cmd_train, "Train the drafter on every shard; resumes a run that was cut short.")
     p.add_argument("--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes).")
     p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
+    add("export", cmd_export, "Write the newest drafter in SGLang and vLLM/speculators formats, validated.")
+    p = add("eval", cmd_eval, "Measure the exported drafter by speculative decoding (AL, speedup) on held-out prompts.")
+    p.add_argument("--promote", action="store_true", help="Then promote it to `current` if the gate passes.")
+    p = add("bench-sglang", cmd_bench_sglang, "AL and throughput from a running SGLang server with EAGLE-3 enabled.")
+    p.add_argument("--url", required=True, help="The server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--concurrency", type=int, default=1)
     p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="One row per shard even when there are many.")

@@ -179,6 +179,39 @@ class TrainConfig(_Model):
     )
 
 
+class EvaluateConfig(_Model):
+    """How the exported drafter is measured (real speculative decoding) and when it is promoted."""
+
+    ks: list[Annotated[int, Field(gt=0, le=16)]] = Field(
+        default=[3, 7], min_length=1, description="Draft lengths K to measure; each reports AL and speedup."
+    )
+    gate_k: Annotated[int, Field(gt=0)] = Field(default=3, description="The K whose AL the promotion gate compares.")
+    promotion_tolerance: Annotated[float, Field(ge=0.0)] = Field(
+        default=0.05, description="Promote unless AL < the promoted drafter's AL (same prompts, same run) minus this."
+    )
+    max_prompts: Annotated[int, Field(gt=0)] = 64
+    per_conversation: Annotated[int, Field(gt=0)] = Field(
+        default=2, description="User turns of each held-out conversation used as prompts."
+    )
+    prompt_files: list[str] = Field(
+        default_factory=list, description="JSONL prompt files (messages, MT-bench turns, ...), each reported apart."
+    )
+    max_new_tokens: Annotated[int, Field(gt=0)] = 256
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = Field(
+        default=0.0, description="0: greedy verification; above: speculative sampling (rejection with residual)."
+    )
+    seed: int = 0
+    export_format: Literal["sglang", "speculators"] = Field(
+        default="sglang", description="Which exported directory is loaded and measured."
+    )
+
+    @model_validator(mode="after")
+    def _gate_k_measured(self) -> EvaluateConfig:
+        if self.gate_k not in self.ks:
+            raise ValueError(f"gate_k ({self.gate_k}) must be one of ks {self.ks}")
+        return self
+
+
 class Eagle3Config(_Model):
     """The whole run. `root` is where the file lives; every relative path is resolved against it."""
 
@@ -191,6 +224,7 @@ class Eagle3Config(_Model):
     tokenize: TokenizeConfig = TokenizeConfig()
     extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
     @model_validator(mode="after")
     def _regeneration_fits(self) -> Eagle3Config:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_core.cli import _log, build_parser, console, print_stats, print_training, run
+from eagle3_core.cli import _log, build_parser, console, print_evaluation, print_stats, print_training, run
 from eagle3_core.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +53,11 @@ train:
   log_every: 10
   eval_every: 50
   checkpoint_every: 50
+evaluate:
+  # Every held-out conversation's first two user turns, decoded with and without the drafter (greedy).
+  ks: [3, 7]
+  max_prompts: 32
+  max_new_tokens: 48
 """
 
 
@@ -99,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     console.rule("3. conversations -> regenerated -> hidden_states (Dagster runs, one per shard)")
     materialize_shards(report.all_shards, log=_log)
-    console.rule("4. vocab_mapping -> drafter_checkpoint -> drafter_export (one Dagster run)")
+    console.rule("4. vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current")
     drafter = materialize_drafter()
     console.rule("summary")
     print_stats(cfg)
@@ -110,6 +115,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     export = drafter["drafter_export"]
     console.print(f"exports: {export['sglang_dir']} (SGLang, aux ids {export['aux_layer_ids_sglang']}) and "
                   f"{export['speculators_dir']} (vLLM/speculators, aux ids {export['aux_layer_ids_vllm']})")
+    print_evaluation(drafter["drafter_eval"], sorted(set(cfg.evaluate.ks)))
+    current = drafter["drafter_current"]
+    console.print(f"promoted (gate: {drafter['not_worse_than_current']['passed'] and 'passed'}): serve "
+                  f"{current['serve_sglang']}")
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; store: {cfg.store_root}")
     console.print(
         "Browse these runs in the Dagster UI:\n"

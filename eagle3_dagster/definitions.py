@@ -4,9 +4,14 @@ import dagster as dg
 
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 from eagle3_dagster.defs.resources import default_resources
 
 defs = dg.Definitions(
-    assets=[conversations, regenerated, hidden_states, vocab_mapping, drafter_checkpoint, drafter_export],
+    assets=[
+        conversations, regenerated, hidden_states, vocab_mapping, drafter_checkpoint, drafter_export,
+        drafter_eval, drafter_current,
+    ],
+    asset_checks=[not_worse_than_current],
     resources=default_resources(),
 )

@@ -47,20 +47,36 @@ def materialize_shards(
 
 
 def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str, dict[str, Any]]:
-    """One run through vocab_mapping -> drafter_checkpoint -> drafter_export; each asset's metadata values."""
+    """One run: vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current.
+
+    Returns each asset's metadata values, and the promotion check's under "not_worse_than_current". A drafter
+    the gate refuses fails the run at the check (drafter_current is not materialized) and raises here.
+    """
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+    from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 
     instance = instance or dg.DagsterInstance.get()
+    drafter_half = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
     result = dg.materialize(
-        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export],
-        selection=[vocab_mapping, drafter_checkpoint, drafter_export],
+        [*SHARD_ASSETS, *drafter_half, not_worse_than_current],
+        selection=drafter_half,
         instance=instance,
         resources=default_resources(),
         run_config=QUIET,
+        raise_on_error=False,
     )
-    if not result.success:
-        raise RuntimeError("the drafter run failed; see the Dagster UI for its logs")
-    return {
+    values = {
         event.asset_key.path[-1]: {k: v.value for k, v in event.metadata.items()}
         for event in (e.event_specific_data.materialization for e in result.get_asset_materialization_events())  # type: ignore[union-attr]
     }
+    for evaluation in result.get_asset_check_evaluations():
+        values[evaluation.check_name] = {"passed": evaluation.passed, **{k: v.value for k, v in evaluation.metadata.items()}}
+    gate = values.get("not_worse_than_current")
+    if gate is not None and not gate["passed"]:
+        raise RuntimeError(
+            f"drafter {gate['candidate_run']} was not promoted: AL {gate['candidate_al']} at K={gate['k']} "
+            f"against the promoted {gate['current_run']}'s {gate['current_al']} (tolerance {gate['tolerance']})"
+        )
+    if not result.success:
+        raise RuntimeError("the drafter run failed; see the Dagster UI for its logs")
+    return values

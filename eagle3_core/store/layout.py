@@ -74,3 +74,17 @@ class StoreLayout:
     @property
     def exports(self) -> Path:
         return self.root / "drafter" / "export"
+
+    def export_eval(self, run: str) -> Path:
+        """The measured acceptance of one run's export: report.json and the PNGs, beside the export."""
+        return self.exports / run / "eval"
+
+    @property
+    def drafter_current(self) -> Path:
+        """JSON record of the promoted drafter (the one to serve), written only through the promotion gate."""
+        return self.root / "drafter" / "current.json"
+
+    @property
+    def drafter_current_link(self) -> Path:
+        """Symlink to the promoted run's export directory: serve `current/sglang` or `current/speculators`."""
+        return self.root / "drafter" / "current"

@@ -1,0 +1,305 @@
+"""drafter_eval and the promotion gate: the exported drafter measured by real speculative decoding.
+
+`eval_step` loads the newest export exactly as an engine would (the exported directory, nothing from
+training), decodes the held-out prompts and every configured prompt file with and without it, and writes
+`export/<run>/eval/report.json` with the pictures. When a drafter is already promoted it is measured again
+on the same prompts in the same run, so the gate compares two numbers taken the same way.
+
+`promote_step` moves the `current` pointer to the new run only if the gate passed: its AL at `gate_k` is not
+below the promoted drafter's minus `promotion_tolerance`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_core.config import Eagle3Config
+from eagle3_core.drafting import latest_final
+from eagle3_core.errors import Eagle3Error, ExportError
+from eagle3_core.evaluate.measure import DecodeSettings, Measurement, measure
+from eagle3_core.evaluate.plots import acceptance_bars, training_curves
+from eagle3_core.evaluate.prompts import PromptSet, encode, file_prompts, heldout_prompts
+from eagle3_core.pipeline import Log, StepResult, _quiet
+from eagle3_core.store.atomic import atomic_write_json, fsync_path
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.base import check_aux_layer_ids, default_aux_layer_ids
+from eagle3_core.targets.resolve import target_dir
+from eagle3_core.train.trainer import read_metrics
+
+
+class PromotionRefused(Eagle3Error):
+    """The gate did not pass: the new drafter measured worse than the promoted one."""
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    k: int
+    candidate_run: str
+    candidate_al: float
+    current_run: str | None
+    current_al: float | None
+    tolerance: float
+    reason: str
+
+
+@dataclass
+class Target:
+    model: Any
+    tokenizer: Any
+    aux_layer_ids: tuple[int, int, int]
+    eos_ids: set[int]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def load_target(cfg: Eagle3Config, log: Log) -> Target:
+    from transformers import AutoTokenizer
+
+    from eagle3_core.targets.hf import decoder_layers, load_causal_lm, resolve_device, resolve_dtype
+    from eagle3_core.targets.regenerate import eos_token_ids
+
+    path = target_dir(cfg, log=log)
+    device = resolve_device(cfg.target.device)
+    model = load_causal_lm(path, device, resolve_dtype(cfg.target.dtype, device)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    layers = len(decoder_layers(model))
+    aux = check_aux_layer_ids(cfg.target.aux_layer_ids, layers) if cfg.target.aux_layer_ids else default_aux_layer_ids(layers)
+    return Target(model, tokenizer, aux, set(eos_token_ids(model, tokenizer)))
+
+
+def load_exported(export_dir: Path, fmt: str, target: Target) -> tuple[Any, torch.Tensor]:
+    """(drafter on the target's device and dtype, d2t) from an export directory, checked against the target."""
+    from eagle3_core.export import load_export, validate_export
+
+    validate_export(export_dir, fmt)  # type: ignore[arg-type]
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    loaded = load_export(export_dir, fmt, embed)  # type: ignore[arg-type]
+    if loaded.info.aux_layer_ids != target.aux_layer_ids:
+        raise ExportError(
+            f"{export_dir}: the drafter reads aux layers {list(loaded.info.aux_layer_ids)} but the target is "
+            f"configured with {list(target.aux_layer_ids)}; it would be served with the wrong hidden states"
+        )
+    dtype = next(target.model.parameters()).dtype
+    return loaded.drafter.to(target.device, dtype).eval(), loaded.d2t.to(target.device)
+
+
+def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
+    ev = cfg.evaluate
+    sets = [heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts)]
+    system = cfg.data.system_prompt
+    sets += [file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files]
+    return sets
+
+
+def _measure_set(cfg: Eagle3Config, target: Target, drafter: Any, d2t: torch.Tensor, prompts: PromptSet,
+                 ks: tuple[int, ...], log: Log) -> Measurement:
+    ev = cfg.evaluate
+    ids = [encode(target.tokenizer, p.messages) for p in prompts.prompts]
+    settings = DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)
+    every = max(1, len(ids) // 4)
+
+    def progress(done: int, total: int) -> None:
+        if done % every == 0 or done == total:
+            log(f"{prompts.name}: {done}/{total} prompts decoded (K={list(ks)})")
+
+    return measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, settings, progress)
+
+
+def _tau(summary: dict[str, Any], k: int) -> float | None:
+    value = summary["val"].get(f"tau_{k}")
+    return None if value is None else float(value)
+
+
+def read_current(layout: StoreLayout) -> dict[str, Any] | None:
+    return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
+
+
+def gate_decision(k: int, run: str, candidate_al: float, current: dict[str, Any] | None, tolerance: float) -> GateDecision:
+    def decide(passed: bool, reason: str) -> GateDecision:
+        return GateDecision(passed, k, run, candidate_al, current_run, current_al, tolerance, reason)
+
+    current_run = current["run"] if current else None
+    current_al = current.get("acceptance_length") if current else None
+    if math.isnan(candidate_al):
+        return decide(False, "no verification round was measured (every reply ended at once)")
+    if current is None or current_al is None:
+        return decide(True, current["reason"] if current else "no drafter is promoted yet")
+    if current_run == run:
+        return decide(True, "this run is the promoted one")
+    floor = current_al - tolerance
+    if candidate_al < floor:
+        return decide(False, f"AL {candidate_al:.3f} at K={k} is below the promoted {current_al:.3f} - {tolerance}")
+    return decide(True, f"AL {candidate_al:.3f} at K={k} >= the promoted {current_al:.3f} - {tolerance}")
+
+
+def _current_on_same_prompts(cfg: Eagle3Config, layout: StoreLayout, target: Target, prompts: PromptSet, run: str,
+                             log: Log) -> dict[str, Any] | None:
+    """The promoted drafter's AL at gate_k on these prompts, measured now (None when nothing is promoted)."""
+    current = read_current(layout)
+    if current is None or current["run"] == run:
+        return current
+    export_dir = Path(current["export_dir"]) / cfg.evaluate.export_format
+    try:
+        drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
+    except (ExportError, FileNotFoundError, ValueError) as err:
+        # a promoted drafter this target cannot run (deleted, or for another target) cannot hold a new one back
+        return {"run": current["run"], "acceptance_length": None, "reason": f"the promoted drafter cannot be measured: {err}"}
+    log(f"measuring the promoted drafter {current['run']} on the same prompts")
+    k = cfg.evaluate.gate_k
+    m = _measure_set(cfg, target, drafter, d2t, prompts, (k,), log)
+    return {"run": current["run"], "acceptance_length": m.acceptance[k].acceptance_length}
+
+
+def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+    """Measure the newest export on the held-out prompts and prompt files; write report.json and PNGs."""
+    ev = cfg.evaluate
+    layout = StoreLayout(cfg.store_root)
+    final = latest_final(layout)
+    summary = json.loads((final / "summary.json").read_text())
+    run = summary["run"]
+    export_root = layout.exports / run
+    if not (export_root / ev.export_format).is_dir():
+        raise Eagle3Error(f"{export_root / ev.export_format}: run {run} is not exported yet (materialize drafter_export)")
+    target = load_target(cfg, log)
+    drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
+    ks = tuple(sorted(set(ev.ks)))
+    sets = _prompt_sets(cfg)
+    measured = {s.name: _measure_set(cfg, target, drafter, d2t, s, ks, log) for s in sets}
+    heldout = measured["heldout"]
+    current = _current_on_same_prompts(cfg, layout, target, sets[0], run, log)
+    gate = gate_decision(ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance)
+    out = layout.export_eval(run)
+    pictures = _pictures(out, run, heldout, final.parent, summary, cfg.train.ttt_steps)
+    report = {
+        "run": run,
+        "export_dir": str(export_root),
+        "format": ev.export_format,
+        "device": str(target.device),
+        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "settings": {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1},
+        "tau": {str(k): _tau(summary, k) for k in ks},
+        "sets": {
+            s.name: {**measured[s.name].as_dict(), "rejected": s.reject_counts} for s in sets
+        },
+        "gate": asdict(gate),
+        "pictures": {name: str(p) for name, p in pictures.items()},
+    }
+    atomic_write_json(out / "report.json", report)
+    log(f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
+        f"{heldout.prompts} held-out prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}")
+    return StepResult("drafter_eval", out, _metadata(report, ev.gate_k))
+
+
+def _pictures(out: Path, run: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any],
+              steps: int) -> dict[str, Path]:
+    bars = acceptance_bars(
+        {k: a.per_position for k, a in heldout.acceptance.items()},
+        {k: a.acceptance_length for k, a in heldout.acceptance.items()},
+        out / "acceptance.png", f"drafter {run}: per-position acceptance, held-out prompts",
+    )
+    curves = training_curves(read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {run}: training")
+    return {"acceptance": bars, "training_curves": curves}
+
+
+def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
+    """Flat numbers for the asset page and the CLI: held-out AL, acceptance rate, speedup and tau per K."""
+    heldout = report["sets"]["heldout"]
+    meta: dict[str, Any] = {"run": report["run"], "prompts": heldout["prompts"], "device": report["device"],
+                            "target_tokens_per_s": heldout["target_tokens_per_s"]}
+    for k, r in heldout["by_k"].items():
+        meta[f"al_k{k}"] = r["acceptance_length"]
+        meta[f"acceptance_rate_k{k}"] = r["acceptance_rate"]
+        meta[f"speedup_k{k}"] = r["speedup"]
+        meta[f"tau_k{k}"] = report["tau"][k] if report["tau"][k] is not None else -1.0
+        if "greedy_mismatches" in r:
+            meta[f"greedy_mismatches_k{k}"] = r["greedy_mismatches"]
+    meta["per_position"] = json.dumps({k: r["per_position"] for k, r in heldout["by_k"].items()})
+    for name, s in report["sets"].items():
+        if name != "heldout":
+            meta[f"{name}_al_k{gate_k}"] = s["by_k"][str(gate_k)]["acceptance_length"]
+            meta[f"{name}_speedup_k{gate_k}"] = s["by_k"][str(gate_k)]["speedup"]
+    meta["gate_passed"] = report["gate"]["passed"]
+    return meta
+
+
+def read_report(cfg: Eagle3Config) -> dict[str, Any]:
+    """The newest run's evaluation report (written by eval_step)."""
+    layout = StoreLayout(cfg.store_root)
+    run = json.loads((latest_final(layout) / "summary.json").read_text())["run"]
+    path = layout.export_eval(run) / "report.json"
+    if not path.exists():
+        raise Eagle3Error(f"{path}: drafter {run} is not evaluated yet (materialize drafter_eval, or `eagle3 eval`)")
+    return json.loads(path.read_text())
+
+
+def gate_of(report: dict[str, Any]) -> GateDecision:
+    return GateDecision(**report["gate"])
+
+
+def promote_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+    """Point `current` at the newest evaluated run, if its gate passed; PromotionRefused otherwise."""
+    layout = StoreLayout(cfg.store_root)
+    report = read_report(cfg)
+    gate = gate_of(report)
+    if not gate.passed:
+        raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
+    record = {
+        "run": report["run"],
+        "export_dir": report["export_dir"],
+        "acceptance_length": gate.candidate_al,
+        "k": gate.k,
+        "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "replaced": gate.current_run,
+    }
+    _point(layout.drafter_current_link, Path(report["export_dir"]))
+    atomic_write_json(layout.drafter_current, record)
+    log(f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}")
+    return StepResult("drafter_current", layout.drafter_current_link, {
+        "run": report["run"], "acceptance_length": round(gate.candidate_al, 4), "k": gate.k,
+        "replaced": gate.current_run or "", "serve_sglang": str(layout.drafter_current_link / "sglang"),
+    })
+
+
+def _point(link: Path, target: Path) -> None:
+    """Replace a symlink atomically (a new link under a temporary name, renamed over the old one)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    temp = link.with_name(f".{link.name}.tmp")
+    temp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), temp)
+    os.replace(temp, link)
+    fsync_path(link.parent)
+
+
+def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = _quiet) -> StepResult:
+    """The held-out prompts (and prompt files) sent to a running SGLang server; AL and throughput it reports.
+
+    The prompts are the ones `eval_step` decodes, tokenized here with the target's chat template and sent as
+    ids, so the served drafter and the measured export see the same inputs.
+    """
+    from transformers import AutoTokenizer
+
+    from eagle3_core.evaluate.sglang_client import benchmark_sglang
+
+    ev = cfg.evaluate
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log))
+    meta: dict[str, Any] = {"url": url, "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
+    for prompts in _prompt_sets(cfg):
+        ids = [encode(tokenizer, p.messages) for p in prompts.prompts]
+        log(f"{prompts.name}: {len(ids)} prompts to {url} ({concurrency} in flight)")
+        bench = benchmark_sglang(url, ids, max_new_tokens=ev.max_new_tokens, temperature=ev.temperature,
+                                 concurrency=concurrency)
+        meta.update({f"{prompts.name}_{k.removeprefix('sglang_')}": v for k, v in bench.as_metadata().items()})
+    out = StoreLayout(cfg.store_root).root / "drafter" / "sglang_bench.json"
+    atomic_write_json(out, meta)
+    return StepResult("sglang_bench", out, meta)

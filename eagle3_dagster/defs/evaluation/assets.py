@@ -1,0 +1,65 @@
+"""drafter_eval (measured AL and speedup of the export) and drafter_current (the promoted drafter), gated by
+a blocking check: a drafter that measured worse than the promoted one stops the run before promotion."""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+
+from eagle3_core import evaluation
+from eagle3_core.evaluate.plots import markdown_image
+from eagle3_dagster.defs.drafter.assets import drafter_export
+from eagle3_dagster.defs.metadata import step_metadata
+from eagle3_dagster.defs.resources import Eagle3Resource
+
+
+@dg.asset(group_name="evaluation", deps=[drafter_export], pool="gpu", kinds={"pytorch"})
+def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
+    """The exported drafter run by speculative decoding on held-out prompts: AL, per position, speedup."""
+    result = evaluation.eval_step(eagle3.config(), context.log.info)
+    report = json.loads((result.path / "report.json").read_text())
+    pictures = {name: Path(p) for name, p in report["pictures"].items()}
+    return dg.MaterializeResult(metadata={
+        **step_metadata(result),
+        "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
+        "acceptance_plot": dg.MetadataValue.md(markdown_image(pictures["acceptance"], "per-position acceptance")),
+        "training_curves": dg.MetadataValue.md(markdown_image(pictures["training_curves"], "training curves")),
+    })
+
+
+def acceptance_table(report: dict) -> str:
+    rows = ["| prompts | K | AL | tau(K) | acceptance rate | speedup | tokens/s | per position |", "|---|---|---|---|---|---|---|---|"]
+    for name, measured in report["sets"].items():
+        for k, r in measured["by_k"].items():
+            tau = report["tau"].get(k)
+            rows.append(
+                f"| {name} ({measured['prompts']}) | {k} | {r['acceptance_length']:.3f} | "
+                f"{'n/a' if tau is None else f'{tau:.3f}'} | {r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
+                f"{r['tokens_per_s']:.1f} (target {measured['target_tokens_per_s']:.1f}) | "
+                f"{' '.join(f'{a:.2f}' for a in r['per_position'])} |"
+            )
+    return "\n".join(rows)
+
+
+@dg.asset_check(asset=drafter_eval, blocking=True, description="AL at gate_k not below the promoted drafter's minus the tolerance")
+def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
+    gate = evaluation.gate_of(evaluation.read_report(eagle3.config()))
+    return dg.AssetCheckResult(
+        passed=gate.passed,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=gate.reason,
+        metadata={
+            "k": gate.k,
+            "candidate_run": gate.candidate_run,
+            "candidate_al": round(gate.candidate_al, 4),
+            "current_run": gate.current_run or "",
+            "current_al": -1.0 if gate.current_al is None else round(gate.current_al, 4),
+            "tolerance": gate.tolerance,
+        },
+    )
+
+
+@dg.asset(group_name="evaluation", deps=[drafter_eval], kinds={"safetensors"})
+def drafter_current(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
+    """The promoted drafter: `store/drafter/current` points at its export (serve current/sglang)."""
+    return dg.MaterializeResult(metadata=step_metadata(evaluation.promote_step(eagle3.config(), context.log.info)))

@@ -1,0 +1,151 @@
+"""drafter_eval on a real trained and exported drafter of the toy target: lossless greedy decoding, measured
+acceptance, the pictures, and the promotion gate through Dagster (worse refused, better promoted)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from safetensors.torch import load_file, save_file
+
+from eagle3_core.config import load_config
+from eagle3_core.data.ingest import ingest
+from eagle3_core.drafting import export_step, train_step, vocab_step
+from eagle3_core.evaluate.measure import DecodeSettings, measure
+from eagle3_core.evaluate.prompts import encode, heldout_prompts
+from eagle3_core.evaluation import eval_step, load_exported, load_target, read_current
+from eagle3_core.pipeline import extract_step, regenerate_step
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.hf import TransformersTarget
+from tests.conftest import FIXTURES
+
+EVALUATE = "evaluate: {ks: [1, 3], gate_k: 3, max_prompts: 6, per_conversation: 1, max_new_tokens: 24}\n"
+
+
+def _config(project: Path, target: Path, *, steps: int, name: str = "eagle3.yaml") -> Path:
+    text = (
+        f"store: store\ndata: {{dataset: t, holdout_fraction: 0.1, shard_size: 100, sources: [{{kind: chitchat, limit: 200}}]}}\n"
+        f"target: {{path: {target}}}\nregenerate: {{max_new_tokens: 32, max_turns: 2, batch_size: 64}}\n"
+        f"tokenize: {{max_seq_len: 512}}\nextract: {{store_dtype: float32}}\n"
+        f"train: {{draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, epochs: 4, max_steps: {steps}, lr: 0.003, "
+        f"log_every: 5, eval_every: 100, checkpoint_every: 100, val_fraction: 0.1, seed: 3}}\n" + EVALUATE
+    )
+    project.mkdir(parents=True, exist_ok=True)
+    (project / name).write_text(text)
+    return project / name
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
+    """A store of the toy target's own greedy replies (extracted), a drafter trained on it, and its exports."""
+    project = tmp_path_factory.mktemp("evaluate") / "project"
+    cfg = load_config(_config(project, toy_target_dir, steps=40))
+    target = TransformersTarget(toy_target_dir, cfg.target)
+    for key in ingest(cfg).all_shards:
+        regenerate_step(cfg, key, target)
+        extract_step(cfg, key, target)
+    target.close()
+    vocab_step(cfg)
+    train_step(cfg, log=lambda _: None)
+    export_step(cfg)
+    return project
+
+
+def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_measured(project: Path, toy_target_dir: Path) -> None:
+    cfg = load_config(project / "eagle3.yaml")
+    cfg = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompt_files": [str(FIXTURES / "prompts.jsonl")]})})
+    result = eval_step(cfg)
+    report = json.loads((result.path / "report.json").read_text())
+    heldout, from_file = report["sets"]["heldout"], report["sets"]["prompts"]
+    assert heldout["prompts"] == 6 and from_file["prompts"] == 4
+    assert from_file["rejected"] == {"malformed_json": 1, "unknown_role": 1, "empty_content": 1, "wrong_shape": 1}
+    for measured in (heldout, from_file):
+        for k, r in measured["by_k"].items():
+            assert r["greedy_mismatches"] == 0  # lossless on every prompt, at every K
+            assert abs(sum(r["per_position"]) - (r["acceptance_length"] - 1)) < 1e-3
+            assert r["acceptance_rate"] == pytest.approx((r["acceptance_length"] - 1) / int(k), abs=1e-3)
+            assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+    assert heldout["by_k"]["3"]["acceptance_length"] > 1.3  # a trained drafter is accepted often
+    assert report["tau"]["3"] is not None and report["tau"]["1"] is not None
+    for picture in report["pictures"].values():
+        assert Path(picture).read_bytes()[:4] == b"\x89PNG"
+    meta = result.metadata
+    assert meta["al_k3"] == heldout["by_k"]["3"]["acceptance_length"]
+    assert meta["greedy_mismatches_k3"] == 0
+    assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
+
+
+def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(project: Path, toy_target_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(project / "eagle3.yaml")
+    [run] = list(StoreLayout(cfg.store_root).exports.iterdir())
+    bad = tmp_path / "bad"
+    shutil.copytree(run / "sglang", bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"].roll(7, dims=0).contiguous()  # every draft a wrong id
+    save_file(weights, str(bad / "model.safetensors"))
+    target = load_target(cfg, lambda _: None)
+    drafter, d2t = load_exported(bad, "sglang", target)
+    prompts = heldout_prompts(cfg.store_root, per_conversation=1, limit=6)
+    ids = [encode(target.tokenizer, p.messages) for p in prompts.prompts]
+    m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, DecodeSettings((3,), 24))
+    assert m.greedy_mismatches == {3: 0}
+    assert m.acceptance[3].acceptance_length < 1.15
+    assert m.acceptance[3].rounds >= m.speculative[3].tokens - 6 * 2  # nearly one round per token
+
+
+def _run_gate(config: Path) -> dg.ExecuteInProcessResult:
+    from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+    from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
+    from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
+    from eagle3_dagster.materialize import SHARD_ASSETS
+
+    resource = Eagle3Resource(config_path=str(config))
+    return dg.materialize(
+        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current,
+         not_worse_than_current],
+        selection=[drafter_eval, drafter_current],
+        instance=dg.DagsterInstance.ephemeral(),
+        resources={"eagle3": resource, "target": TargetResource(eagle3=resource)},
+        raise_on_error=False,
+    )
+
+
+def _latest(config: Path) -> str:
+    cfg = load_config(config)
+    train_step(cfg, log=lambda _: None)  # a finished run is returned, not retrained, and becomes the latest
+    return str(export_step(cfg).metadata["run"])
+
+
+def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(project: Path, toy_target_dir: Path) -> None:
+    good_config = project / "eagle3.yaml"
+    worse_config = _config(project, toy_target_dir, steps=1, name="worse.yaml")
+    layout = StoreLayout(load_config(good_config).store_root)
+    if layout.drafter_current.exists():
+        layout.drafter_current.unlink()
+
+    worse = _latest(worse_config)  # nothing promoted yet: the first evaluated drafter is promoted
+    first = _run_gate(worse_config)
+    assert first.success
+    assert read_current(layout)["run"] == worse  # type: ignore[index]
+
+    good = _latest(good_config)  # better: measured against the promoted one on the same prompts, promoted
+    second = _run_gate(good_config)
+    assert second.success
+    [check] = second.get_asset_check_evaluations()
+    assert check.passed
+    assert check.metadata["candidate_al"].value > check.metadata["current_al"].value
+    assert check.metadata["current_run"].value == worse
+    assert read_current(layout)["run"] == good  # type: ignore[index]
+    assert (layout.drafter_current_link / "sglang" / "config.json").exists()
+
+    assert _latest(worse_config) == worse  # worse again: refused, and `current` stays where it was
+    third = _run_gate(worse_config)
+    assert not third.success
+    [check] = third.get_asset_check_evaluations()
+    assert not check.passed
+    assert check.metadata["candidate_run"].value == worse and check.metadata["current_run"].value == good
+    assert check.metadata["candidate_al"].value < check.metadata["current_al"].value - 0.05
+    materialized = {e.asset_key.path[-1] for e in third.get_asset_materialization_events()}
+    assert materialized == {"drafter_eval"}  # drafter_current did not run
+    assert read_current(layout)["run"] == good  # type: ignore[index]
