@@ -76,16 +76,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (the Llama convention). x [B, heads, T, d], positions [T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+def rope_angles(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim] of rotate-half RoPE at `positions` [T] (computed in float64, then cast)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
-    half = d // 2
+    return torch.cat([angles.cos(), angles.cos()], -1).to(dtype), torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama convention). x [B, heads, T, d], positions [T]."""
+    return apply_rope(x, *rope_angles(positions, x.shape[-1], theta, x.dtype))
+
+
+Angles = tuple[torch.Tensor, torch.Tensor]  # RoPE (cos, sin), each [T, d]
 
 
 class Attention(nn.Module):
@@ -101,15 +110,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor | Angles
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, heads, T, d] and k, v [B, kv_heads, T, d], RoPE applied to q and k."""
+        """q [B, heads, T, d] and k, v [B, kv_heads, T, d], RoPE applied to q and k.
+
+        `positions` [T], or their RoPE angles already computed (a decoder keeps a table of them).
+        """
         b, t, _ = x.shape
         d = self.cfg.dim
         q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
-        return rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta), v
+        cos, sin = rope_angles(positions, d, self.cfg.rope_theta, x.dtype) if isinstance(positions, torch.Tensor) else positions
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
         """Flex attention over all steps' keys under the TTT BlockMask (GPU: masked blocks are skipped)."""
@@ -167,7 +180,7 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def qkv(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | Angles) -> tuple[torch.Tensor, ...]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
         return self.self_attn.project(x, positions)
 

@@ -29,16 +29,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3_core.draft.model import Eagle3Drafter
+from eagle3_core.draft.model import Eagle3Drafter, rope_angles
 
 
 class DraftCache:
-    """The drafter's KV cache for one sequence: keys/values [1, kv_heads, L, d], cut back on rejection."""
+    """The drafter's KV cache for one sequence: keys/values [1, kv_heads, L, d], cut back on rejection.
+
+    Decoding is launch-bound at batch 1, so a step launches as few kernels as it can: RoPE angles come from a
+    table grown on demand, and GQA is left to SDPA (`enable_gqa`) instead of copying the cache per head.
+    """
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
         self.drafter = drafter
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._cos = self._sin = torch.empty(0)
 
     @property
     def length(self) -> int:
@@ -48,18 +53,25 @@ class DraftCache:
         if self.keys is not None and self.values is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
-    def step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries (tokens [n], features h [n, H]) at `positions` appended; (draft logits [n, V], pre-norm [n, H])."""
+    def _angles(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + n > self._cos.shape[0]:
+            size = max(2 * self._cos.shape[0], start + n, 256)
+            cfg = self.drafter.cfg
+            self._cos, self._sin = rope_angles(torch.arange(size, device=like.device), cfg.dim, cfg.rope_theta, like.dtype)
+        return self._cos[start : start + n], self._sin[start : start + n]
+
+    def step(self, tokens: torch.Tensor, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries (tokens [n], features h [n, H]) at positions start.. appended; (draft logits [n, V], pre-norm [n, H])."""
         d = self.drafter
-        attn = d.midlayer.self_attn
-        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], positions)
+        n = tokens.shape[0]
+        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], self._angles(start, n, h))
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        n, total = tokens.shape[0], self.keys.shape[2]
+        total = self.keys.shape[2]
         # entry i sees every cached entry before the new block and the new block up to itself
         mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=total - n)
-        out = F.scaled_dot_product_attention(q, attn._expand(self.keys), attn._expand(self.values), attn_mask=mask)
-        prenorm = d.midlayer.finish(h[None], attn._out(out))[0]
+        out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask, enable_gqa=True)
+        prenorm = d.midlayer.finish(h[None], d.midlayer.self_attn._out(out))[0]
         return d.lm_head(d.norm(prenorm)), prenorm
 
 
@@ -184,7 +196,7 @@ def speculative_generate(
     result = SpecResult(out)
     # the drafter's extend over the prompt: entry p pairs aux(p) with the next token
     nxt = torch.cat([seq[1:], torch.tensor(out, device=device)])
-    draft_logits, h = draft.step(nxt, drafter.fc(aux), torch.arange(len(prompt), device=device))
+    draft_logits, h = draft.step(nxt, drafter.fc(aux), 0)
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
         drafts, qs = _draft_chain(draft, draft_logits[-1], h[-1:], n, k, to_target, sampling)
@@ -200,7 +212,7 @@ def speculative_generate(
         draft.crop(n)  # the drafter keeps only entries made from target features
         # entries n..n+a pair the target's aux states with the next committed token
         pairs = torch.tensor(committed, device=device)
-        draft_logits, h = draft.step(pairs, drafter.fc(vaux[: a + 1]), torch.arange(n, n + a + 1, device=device))
+        draft_logits, h = draft.step(pairs, drafter.fc(vaux[: a + 1]), n)
         out.extend(_until_stop(committed, eos_ids, max_new_tokens - len(out)))
     return result
 
@@ -213,7 +225,7 @@ def _draft_chain(
     probs: list[torch.Tensor] = []
     for j in range(k):
         if j:
-            logits, h = draft.step(to_target[ids[-1]], h, torch.tensor([n - 1 + j], device=h.device))
+            logits, h = draft.step(to_target[ids[-1]], h, n - 1 + j)
             logits = logits[-1]
         if sampling.greedy:
             ids.append(logits.argmax(-1, keepdim=True))
