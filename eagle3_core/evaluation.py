@@ -95,11 +95,17 @@ def load_exported(export_dir: Path, fmt: str, target: Target) -> tuple[Any, torc
 
 
 def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
+    """The held-out set, then each prompt file. The first set is the one the gate compares and the page leads
+    with; without held-out conversations (data.holdout_fraction 0) that is the first prompt file."""
     ev = cfg.evaluate
-    sets = [heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts)]
     system = cfg.data.system_prompt
-    sets += [file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files]
-    return sets
+    files = [file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files]
+    try:
+        return [heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts), *files]
+    except Eagle3Error:
+        if files:
+            return files
+        raise
 
 
 def _measure_set(cfg: Eagle3Config, target: Target, drafter: Any, d2t: torch.Tensor, prompts: PromptSet,
@@ -176,11 +182,13 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     ks = tuple(sorted(set(ev.ks)))
     sets = _prompt_sets(cfg)
     measured = {s.name: _measure_set(cfg, target, drafter, d2t, s, ks, log) for s in sets}
-    heldout = measured["heldout"]
+    primary = sets[0].name
+    heldout = measured[primary]
     current = _current_on_same_prompts(cfg, layout, target, sets[0], run, log)
     gate = gate_decision(ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance)
     out = layout.export_eval(run)
-    pictures = _pictures(out, run, heldout, final.parent, summary, cfg.train.ttt_steps)
+    pictures = _pictures(out, f"{run}: per-position acceptance, {primary} prompts", heldout, final.parent, summary,
+                         cfg.train.ttt_steps)
     report = {
         "run": run,
         "export_dir": str(export_root),
@@ -189,6 +197,7 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "settings": {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1},
         "tau": {str(k): _tau(summary, k) for k in ks},
+        "primary": primary,
         "sets": {
             s.name: {**measured[s.name].as_dict(), "rejected": s.reject_counts} for s in sets
         },
@@ -197,25 +206,26 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     }
     atomic_write_json(out / "report.json", report)
     log(f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
-        f"{heldout.prompts} held-out prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}")
+        f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}")
     return StepResult("drafter_eval", out, _metadata(report, ev.gate_k))
 
 
-def _pictures(out: Path, run: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any],
+def _pictures(out: Path, title: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any],
               steps: int) -> dict[str, Path]:
     bars = acceptance_bars(
         {k: a.per_position for k, a in heldout.acceptance.items()},
         {k: a.acceptance_length for k, a in heldout.acceptance.items()},
-        out / "acceptance.png", f"drafter {run}: per-position acceptance, held-out prompts",
+        out / "acceptance.png", f"drafter {title}",
     )
-    curves = training_curves(read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {run}: training")
+    curves = training_curves(read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary['run']}: training")
     return {"acceptance": bars, "training_curves": curves}
 
 
 def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
     """Flat numbers for the asset page and the CLI: held-out AL, acceptance rate, speedup and tau per K."""
-    heldout = report["sets"]["heldout"]
-    meta: dict[str, Any] = {"run": report["run"], "prompts": heldout["prompts"], "device": report["device"],
+    heldout = report["sets"][report["primary"]]
+    meta: dict[str, Any] = {"run": report["run"], "prompt_set": report["primary"], "prompts": heldout["prompts"],
+                            "device": report["device"],
                             "target_tokens_per_s": heldout["target_tokens_per_s"]}
     for k, r in heldout["by_k"].items():
         meta[f"al_k{k}"] = r["acceptance_length"]
@@ -226,7 +236,7 @@ def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
             meta[f"greedy_mismatches_k{k}"] = r["greedy_mismatches"]
     meta["per_position"] = json.dumps({k: r["per_position"] for k, r in heldout["by_k"].items()})
     for name, s in report["sets"].items():
-        if name != "heldout":
+        if name != report["primary"]:
             meta[f"{name}_al_k{gate_k}"] = s["by_k"][str(gate_k)]["acceptance_length"]
             meta[f"{name}_speedup_k{gate_k}"] = s["by_k"][str(gate_k)]["speedup"]
     meta["gate_passed"] = report["gate"]["passed"]

@@ -72,3 +72,13 @@ def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> 
     for path in (bars, curves):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert markdown_image(path, "x").startswith("![x](data:image/png;base64,iVBOR")
+
+
+def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Path) -> None:
+    from eagle3_core.evaluation import _prompt_sets
+
+    cfg = config_from_dict({"store": "store", "evaluate": {"prompt_files": [str(FIXTURES / "prompts.jsonl")]}}, tmp_path)
+    assert [s.name for s in _prompt_sets(cfg)] == ["prompts"]
+    bare = config_from_dict({"store": "store"}, tmp_path)
+    with pytest.raises(Eagle3Error, match="no held-out conversations"):
+        _prompt_sets(bare)
