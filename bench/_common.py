@@ -31,7 +31,9 @@ def save_random_target(directory: Path, *, hidden: int, layers: int, vocab: int,
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
-    train_tokenizer(CORPUS, vocab_size=300).save_pretrained(directory)  # ids are fed directly; any tokenizer loads
+    train_tokenizer(CORPUS, vocab_size=300).save_pretrained(
+        directory
+    )  # ids are fed directly; any tokenizer loads
     return directory
 
 
@@ -58,7 +60,9 @@ def plain_forward(target: TransformersTarget, batches: list[list[list[int]]]) ->
             for b, s in enumerate(batch):
                 ids[b, : len(s)] = torch.tensor(s)
                 mask[b, : len(s)] = 1
-            target.decoder(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), use_cache=False)
+            target.decoder(
+                input_ids=ids.to(target.device), attention_mask=mask.to(target.device), use_cache=False
+            )
     _sync(target)
     return time.perf_counter() - t0
 
@@ -80,9 +84,13 @@ def extract_to_shard(
     seqs = [s for b in batches for s in b]
     _sync(target)
     t0 = time.perf_counter()
-    with ShardWriter(out, sample_ids=[f"{first_id + i:064x}" for i in range(len(seqs))],
-                     lengths=[len(s) for s in seqs], hidden_size=target.info.hidden_size,
-                     metadata=metadata or {}) as writer:
+    with ShardWriter(
+        out,
+        sample_ids=[f"{first_id + i:064x}" for i in range(len(seqs))],
+        lengths=[len(s) for s in seqs],
+        hidden_size=target.info.hidden_size,
+        metadata=metadata or {},
+    ) as writer:
         start = 0
         with WriteBehind(writer, threads=threads) as behind:
             for n, batch in enumerate(batches):

@@ -80,7 +80,9 @@ def shard_metadata(target: TransformersTarget) -> dict[str, Any]:
     }
 
 
-def _extract_shards(target: TransformersTarget, spec: DataSpec, shard_dir: Path, log: Log) -> tuple[list[Path], int]:
+def _extract_shards(
+    target: TransformersTarget, spec: DataSpec, shard_dir: Path, log: Log
+) -> tuple[list[Path], int]:
     shard_dir.mkdir(parents=True, exist_ok=True)
     paths, tokens = [], 0
     for n in range(spec.shards):
@@ -88,8 +90,9 @@ def _extract_shards(target: TransformersTarget, spec: DataSpec, shard_dir: Path,
         order = length_batches([len(s) for s in seqs], spec.extract_batch_tokens, 64)
         batches = [[seqs[i] for i in b] for b in order]
         path = shard_dir / f"train-{n:05d}.safetensors"
-        seconds = extract_to_shard(target, batches, path, metadata=shard_metadata(target),
-                                   first_id=n * spec.samples_per_shard)
+        seconds = extract_to_shard(
+            target, batches, path, metadata=shard_metadata(target), first_id=n * spec.samples_per_shard
+        )
         shard_tokens = sum(len(s) for s in seqs)
         log(f"  shard {path.name}: {len(seqs)} samples, {shard_tokens:,} tokens in {seconds:.1f}s")
         paths.append(path)
@@ -100,8 +103,13 @@ def _extract_shards(target: TransformersTarget, spec: DataSpec, shard_dir: Path,
 def _build(root: Path, spec: DataSpec, log: Log) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     started = time.perf_counter()
-    target_dir = save_random_target(root / "target", hidden=spec.hidden, layers=spec.layers, vocab=spec.vocab,
-                                    intermediate=spec.intermediate)
+    target_dir = save_random_target(
+        root / "target",
+        hidden=spec.hidden,
+        layers=spec.layers,
+        vocab=spec.vocab,
+        intermediate=spec.intermediate,
+    )
     log(f"  random target saved ({time.perf_counter() - started:.0f}s)")
     target = TransformersTarget(target_dir, TargetConfig(device=spec.device))
     try:
@@ -111,8 +119,13 @@ def _build(root: Path, spec: DataSpec, log: Log) -> dict[str, Any]:
         target.close()
     mapping = build_vocab_mapping(paths, spec.vocab, spec.draft_vocab, tokenizer_fingerprint=fingerprint)
     save_vocab_mapping(mapping, root / "vocab_mapping")
-    return {"spec": asdict(spec), "shards": [p.name for p in paths], "tokens": tokens,
-            "samples": spec.shards * spec.samples_per_shard, "build_s": round(time.perf_counter() - started, 1)}
+    return {
+        "spec": asdict(spec),
+        "shards": [p.name for p in paths],
+        "tokens": tokens,
+        "samples": spec.shards * spec.samples_per_shard,
+        "build_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def training_set(workdir: Path, spec: DataSpec, log: Log = print) -> TrainingSet:
@@ -122,12 +135,19 @@ def training_set(workdir: Path, spec: DataSpec, log: Log = print) -> TrainingSet
     if marker.exists():
         log(f"reusing training set {root}")
     else:
-        log(f"building training set {root} (target hidden {spec.hidden}, {spec.layers} layers, vocab {spec.vocab})")
+        log(
+            f"building training set {root} (target hidden {spec.hidden}, {spec.layers} layers, vocab {spec.vocab})"
+        )
         info = _build(root, spec, log)
         marker.write_text(json.dumps(info, indent=1) + "\n")  # last: a crashed build is rebuilt next time
     info = json.loads(marker.read_text())
-    return TrainingSet(root / "target", [root / "shards" / name for name in info["shards"]], root / "vocab_mapping",
-                       info["tokens"], info["samples"])
+    return TrainingSet(
+        root / "target",
+        [root / "shards" / name for name in info["shards"]],
+        root / "vocab_mapping",
+        info["tokens"],
+        info["samples"],
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -159,11 +179,14 @@ class StepClock:
         return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
-def load_batches(data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig,
-                 n: int, pin: bool) -> list[Batch]:
+def load_batches(
+    data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig, n: int, pin: bool
+) -> list[Batch]:
     """The first n batches of the plan (cycled if the epoch is shorter), held in memory for the training timer."""
     chosen = [plan[i % len(plan)] for i in range(n)]
-    prefetch = Prefetcher(data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
+    prefetch = Prefetcher(
+        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    )
     try:
         return list(prefetch(chosen))
     finally:
@@ -193,8 +216,15 @@ def time_training(s: Setup, batches: list[Batch], warmup: int) -> dict[str, Any]
     seconds = time.perf_counter() - t0
     tokens = sum(b.tokens for b in timed)
     steps = clock.seconds()
-    return {"tokens": tokens, "steps": len(timed), "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1), "step_s": [round(x, 3) for x in steps],
-            "median_step_s": round(statistics.median(steps), 3), "warmup_steps": warmup,
-            "warmup_step_s": [round(x, 2) for x in warm.seconds()], "attention": s.attention,
-            "precision": "bf16 autocast" if s.autocast_bf16 else "float32"}
+    return {
+        "tokens": tokens,
+        "steps": len(timed),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "step_s": [round(x, 3) for x in steps],
+        "median_step_s": round(statistics.median(steps), 3),
+        "warmup_steps": warmup,
+        "warmup_step_s": [round(x, 2) for x in warm.seconds()],
+        "attention": s.attention,
+        "precision": "bf16 autocast" if s.autocast_bf16 else "float32",
+    }

@@ -26,7 +26,9 @@ ROUNDS = 5
 def main() -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_random_target(Path(tmp) / "target", hidden=128, layers=8, vocab=4096, intermediate=384)
+        model_dir = save_random_target(
+            Path(tmp) / "target", hidden=128, layers=8, vocab=4096, intermediate=384
+        )
         target = TransformersTarget(model_dir, TargetConfig())
         seqs = random_sequences(96, 40, 700, 4096)
         tokens = sum(len(s) for s in seqs)

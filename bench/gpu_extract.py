@@ -34,7 +34,9 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_random_target(Path(tmp) / "t", hidden=2048, layers=16, vocab=32000, intermediate=5632)
+        model_dir = save_random_target(
+            Path(tmp) / "t", hidden=2048, layers=16, vocab=32000, intermediate=5632
+        )
         target = TransformersTarget(model_dir, TargetConfig())
         result["compute_dtype"] = target.info.dtype
         result["aux_layer_ids"] = list(target.info.aux_layer_ids)
@@ -50,7 +52,10 @@ def main() -> None:
                 [alone] = target.hidden_states([seq], torch.bfloat16)
             assert isinstance(alone, HiddenStates)
             for j, k in enumerate(target.info.aux_layer_ids):
-                worst_conv = max(worst_conv, (alone.aux[:, j * h : (j + 1) * h].float() - ref[k][0].float().cpu()).abs().max().item())
+                worst_conv = max(
+                    worst_conv,
+                    (alone.aux[:, j * h : (j + 1) * h].float() - ref[k][0].float().cpu()).abs().max().item(),
+                )
             worst_conv = max(worst_conv, (alone.last.float() - ref[-1][0].float().cpu()).abs().max().item())
             scale = alone.aux.float().abs().max().item()
             worst_batch = max(worst_batch, (st.aux.float() - alone.aux.float()).abs().max().item() / scale)

@@ -64,7 +64,9 @@ def record(config: Path, seconds: dict[str, float], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stage", choices=[*STAGES, "all"], required=True)
     parser.add_argument("--config", type=Path, default=REPO / "bench" / "configs" / "h200_m.yaml")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_pipeline_h200.json")

@@ -67,10 +67,32 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "bf16_flex": ("bfloat16", "flex"),
 }
 SIZES = {  # the target and data; --tiny is for a CPU smoke test of the script itself
-    "full": {"hidden": 2048, "layers": 16, "vocab": 32000, "k": 32000, "min_len": 64, "max_len": 2048,
-             "samples_per_shard": 64, "batch_tokens": 16384, "warmup": 3, "steps": 8, "ddp_steps": 30},
-    "tiny": {"hidden": 128, "layers": 8, "vocab": 512, "k": 256, "min_len": 16, "max_len": 160,
-             "samples_per_shard": 24, "batch_tokens": 640, "warmup": 1, "steps": 2, "ddp_steps": 8},
+    "full": {
+        "hidden": 2048,
+        "layers": 16,
+        "vocab": 32000,
+        "k": 32000,
+        "min_len": 64,
+        "max_len": 2048,
+        "samples_per_shard": 64,
+        "batch_tokens": 16384,
+        "warmup": 3,
+        "steps": 8,
+        "ddp_steps": 30,
+    },
+    "tiny": {
+        "hidden": 128,
+        "layers": 8,
+        "vocab": 512,
+        "k": 256,
+        "min_len": 16,
+        "max_len": 160,
+        "samples_per_shard": 24,
+        "batch_tokens": 640,
+        "warmup": 1,
+        "steps": 2,
+        "ddp_steps": 8,
+    },
 }
 # How close the 2-process run's final validation must be to the 1-process run's (same global batches; only
 # the reduction order and bf16 rounding differ).
@@ -86,14 +108,20 @@ def parse_args() -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--all", action="store_true", help="--variants, then --ddp")
     mode.add_argument("--variants", action="store_true", help="single-GPU variants and the flex/sdpa check")
-    mode.add_argument("--ddp", action="store_true", help="DDP 2 GPUs vs 1 (a worker when torchrun started us)")
+    mode.add_argument(
+        "--ddp", action="store_true", help="DDP 2 GPUs vs 1 (a worker when torchrun started us)"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke test)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cuda")
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-gpu")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/gpu_train_h200.json on a GPU")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/gpu_train_h200.json on a GPU"
+    )
     p.add_argument("--nproc", type=int, default=2, help="DDP processes")
     for name in SIZES["full"]:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {SIZES['full'][name]}")
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {SIZES['full'][name]}"
+        )
     args = p.parse_args()
     args.workdir = args.workdir.resolve()  # run records hold paths under it; any cwd reads them back
     for name, value in SIZES["tiny" if args.tiny else "full"].items():
@@ -104,15 +132,27 @@ def parse_args() -> argparse.Namespace:
 
 # ---- data and config -----------------------------------------------------------------------------------------
 def data_spec(args: argparse.Namespace, device: torch.device) -> DataSpec:
-    return DataSpec(hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                    intermediate=intermediate_for(args.hidden), draft_vocab=args.k, shards=2,
-                    samples_per_shard=args.samples_per_shard, min_len=args.min_len, max_len=args.max_len,
-                    device="cuda" if device.type == "cuda" else "cpu")
+    return DataSpec(
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=args.vocab,
+        intermediate=intermediate_for(args.hidden),
+        draft_vocab=args.k,
+        shards=2,
+        samples_per_shard=args.samples_per_shard,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        device="cuda" if device.type == "cuda" else "cpu",
+    )
 
 
 def base_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
-    return TrainConfig(draft_vocab_size=args.k, batch_tokens=args.batch_tokens, max_len=args.max_len,
-                       device="cuda" if device.type == "cuda" else "cpu")
+    return TrainConfig(
+        draft_vocab_size=args.k,
+        batch_tokens=args.batch_tokens,
+        max_len=args.max_len,
+        device="cuda" if device.type == "cuda" else "cpu",
+    )
 
 
 def ddp_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
@@ -120,11 +160,19 @@ def ddp_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
 
     epochs is only a ceiling (max_steps ends the run; this small set needs a few epochs for it).
     """
-    return base_config(args, device).model_copy(update={
-        "attention": training_attention("flex", device), "precision": "bfloat16", "max_steps": args.ddp_steps,
-        "epochs": 100, "log_every": max(1, args.ddp_steps // 6), "eval_every": 10**6, "checkpoint_every": 10**6,
-        "val_fraction": 0.1, "seed": 0,
-    })
+    return base_config(args, device).model_copy(
+        update={
+            "attention": training_attention("flex", device),
+            "precision": "bfloat16",
+            "max_steps": args.ddp_steps,
+            "epochs": 100,
+            "log_every": max(1, args.ddp_steps // 6),
+            "eval_every": 10**6,
+            "checkpoint_every": 10**6,
+            "val_fraction": 0.1,
+            "seed": 0,
+        }
+    )
 
 
 def training_attention(attention: str, device: torch.device) -> str:
@@ -143,8 +191,16 @@ def gib(n: int) -> float:
 
 
 # ---- single GPU: variants ------------------------------------------------------------------------------------
-def run_variant(name: str, ts: TrainingSet, data: TrainingData, head: TargetHead, batches: list[Batch],
-                cfg: TrainConfig, device: torch.device, warmup: int) -> dict[str, Any]:
+def run_variant(
+    name: str,
+    ts: TrainingSet,
+    data: TrainingData,
+    head: TargetHead,
+    batches: list[Batch],
+    cfg: TrainConfig,
+    device: torch.device,
+    warmup: int,
+) -> dict[str, Any]:
     precision, attention = VARIANTS[name]
     if training_attention(attention, device) != attention:
         return {"skipped": f"{attention} has no backward on {device.type}"}
@@ -153,8 +209,10 @@ def run_variant(name: str, ts: TrainingSet, data: TrainingData, head: TargetHead
         torch.cuda.reset_peak_memory_stats(device)
     mapping = ts.mapping()
     dcfg = drafter_config_for(ts.target_dir, mapping.draft_vocab_size)
-    out = guarded(f"variant {name}",
-                  lambda: time_training(_setup(World(0, 1, device), cfg, data, head, mapping, dcfg), batches, warmup))
+    out = guarded(
+        f"variant {name}",
+        lambda: time_training(_setup(World(0, 1, device), cfg, data, head, mapping, dcfg), batches, warmup),
+    )
     if device.type == "cuda":
         out["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))
         out["peak_reserved_gib"] = gib(torch.cuda.max_memory_reserved(device))
@@ -182,12 +240,16 @@ def errors(results: Any, where: str = "") -> list[str]:
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     a, b = a.float(), b.float()
     err = (a - b).abs().max().item()
-    return {"max_abs": err, "max_rel": err / max(b.abs().max().item(), 1e-30),
-            "top1_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+    return {
+        "max_abs": err,
+        "max_rel": err / max(b.abs().max().item(), 1e-30),
+        "top1_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+    }
 
 
-def compare_attention(ts: TrainingSet, head: TargetHead, batch: Batch, device: torch.device,
-                      steps: int) -> dict[str, Any]:
+def compare_attention(
+    ts: TrainingSet, head: TargetHead, batch: Batch, device: torch.device, steps: int
+) -> dict[str, Any]:
     """Draft logits of ttt_forward under flex and under sdpa, same weights and batch, bf16 autocast and fp32."""
     mapping = ts.mapping()
     drafter = new_drafter(drafter_config_for(ts.target_dir, mapping.draft_vocab_size), head, mapping, seed=0)
@@ -202,9 +264,12 @@ def compare_attention(ts: TrainingSet, head: TargetHead, batch: Batch, device: t
             for attention in ("sdpa", "flex"):
                 logits[attention] = drafter.ttt_forward(aux, batch.input_ids, steps, attention)
         per_step = [diff(f, s) for f, s in zip(logits["flex"], logits["sdpa"], strict=True)]
-        out[name] = {"max_abs_diff": max(d["max_abs"] for d in per_step),
-                     "max_rel_diff": max(d["max_rel"] for d in per_step),
-                     "min_top1_agreement": min(d["top1_agree"] for d in per_step), "per_step": per_step}
+        out[name] = {
+            "max_abs_diff": max(d["max_abs"] for d in per_step),
+            "max_rel_diff": max(d["max_rel"] for d in per_step),
+            "min_top1_agreement": min(d["top1_agree"] for d in per_step),
+            "per_step": per_step,
+        }
         del logits
     return out
 
@@ -216,8 +281,12 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
     results: dict[str, Any] = {}
     try:
         plan = plan_epoch(data.refs, cfg.batch_tokens, cfg.max_len, cfg.seed, 0)
-        batches = load_batches(data, data.refs, plan, cfg, args.warmup + args.steps, pin=device.type == "cuda")
-        log(f"{len(batches)} batches of {sum(b.tokens for b in batches) / len(batches):,.0f} real tokens on average")
+        batches = load_batches(
+            data, data.refs, plan, cfg, args.warmup + args.steps, pin=device.type == "cuda"
+        )
+        log(
+            f"{len(batches)} batches of {sum(b.tokens for b in batches) / len(batches):,.0f} real tokens on average"
+        )
         for name in VARIANTS:
             log(f"variant {name}: {args.warmup} warm-up + {args.steps} timed steps")
             results[name] = run_variant(name, ts, data, head, batches, cfg, device, args.warmup)
@@ -225,12 +294,15 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
             log(f"  {summary_line(results[name])}")
         log("flex against sdpa: draft logits of ttt_forward")
         longest = max(batches, key=lambda b: b.input_ids.shape[1])
-        results["flex_vs_sdpa"] = guarded("flex vs sdpa", lambda: compare_attention(
-            ts, head, last_rows(longest, 4), device, cfg.ttt_steps))
+        results["flex_vs_sdpa"] = guarded(
+            "flex vs sdpa", lambda: compare_attention(ts, head, last_rows(longest, 4), device, cfg.ttt_steps)
+        )
         for p in ("bf16", "fp32") if "error" not in results["flex_vs_sdpa"] else ():
             r = results["flex_vs_sdpa"][p]
-            log(f"  {p}: max abs diff {r['max_abs_diff']:.3g}, max rel diff {r['max_rel_diff']:.3g}, "
-                f"top-1 agreement >= {r['min_top1_agreement']:.4f}")
+            log(
+                f"  {p}: max abs diff {r['max_abs_diff']:.3g}, max rel diff {r['max_rel_diff']:.3g}, "
+                f"top-1 agreement >= {r['min_top1_agreement']:.4f}"
+            )
     finally:
         data.close()
         free_memory(device)
@@ -239,16 +311,23 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
 
 def last_rows(batch: Batch, n: int) -> Batch:
     """The last (longest: a batch is sorted by length) n samples of a batch: a long sequence, little memory."""
-    return Batch(batch.input_ids[-n:], batch.loss_mask[-n:], batch.aux[-n:], batch.last[-n:],
-                 int((batch.loss_mask[-n:] > 0).sum()))
+    return Batch(
+        batch.input_ids[-n:],
+        batch.loss_mask[-n:],
+        batch.aux[-n:],
+        batch.last[-n:],
+        int((batch.loss_mask[-n:] > 0).sum()),
+    )
 
 
 def summary_line(r: dict[str, Any]) -> str:
     if "error" in r or "skipped" in r:
         return f"FAILED: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
     memory = f", peak {r['peak_allocated_gib']} GiB" if "peak_allocated_gib" in r else ""
-    return (f"{r['tokens_per_s']:,.0f} tokens/s ({r['steps']} steps, median {r['median_step_s']}s a step, "
-            f"warm-up {r['warmup_step_s']}s){memory}")
+    return (
+        f"{r['tokens_per_s']:,.0f} tokens/s ({r['steps']} steps, median {r['median_step_s']}s a step, "
+        f"warm-up {r['warmup_step_s']}s){memory}"
+    )
 
 
 # ---- DDP -----------------------------------------------------------------------------------------------------
@@ -257,13 +336,25 @@ def steady_rate(run_dir: Path) -> dict[str, Any]:
     train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     first, last = train[0], train[-1]
     rate = (last["tokens"] - first["tokens"]) / max(last["elapsed_s"] - first["elapsed_s"], 1e-9)
-    return {"tokens_per_s": round(rate, 1), "from_step": first["step"], "to_step": last["step"],
-            "train_loss": [r["loss"] for r in train], "interval_tokens_per_s": [r["tokens_per_s"] for r in train]}
+    return {
+        "tokens_per_s": round(rate, 1),
+        "from_step": first["step"],
+        "to_step": last["step"],
+        "train_loss": [r["loss"] for r in train],
+        "interval_tokens_per_s": [r["tokens_per_s"] for r in train],
+    }
 
 
 def run_record(result: Any, world: int) -> dict[str, Any]:
-    return {"world_size": world, "run_dir": str(result.run_dir), "steps": result.steps, "tokens": result.tokens,
-            "seconds": result.seconds, "val": result.val, **steady_rate(result.run_dir)}
+    return {
+        "world_size": world,
+        "run_dir": str(result.run_dir),
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": result.seconds,
+        "val": result.val,
+        **steady_rate(result.run_dir),
+    }
 
 
 def ddp_worker(args: argparse.Namespace, device: torch.device) -> None:
@@ -271,10 +362,18 @@ def ddp_worker(args: argparse.Namespace, device: torch.device) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ts = wait_for_training_set(args, device, rank)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")[:8]  # a fresh run directory per launch
-    result = train_drafter(ts.shard_paths, ts.target_dir, ts.mapping(), args.workdir / "runs" / f"ddp{world}-{run_id}",
-                           ddp_config(args, device), log=log)
+    result = train_drafter(
+        ts.shard_paths,
+        ts.target_dir,
+        ts.mapping(),
+        args.workdir / "runs" / f"ddp{world}-{run_id}",
+        ddp_config(args, device),
+        log=log,
+    )
     if rank == 0:
-        (args.workdir / f"ddp-{world}.json").write_text(json.dumps(run_record(result, world), indent=1) + "\n")
+        (args.workdir / f"ddp-{world}.json").write_text(
+            json.dumps(run_record(result, world), indent=1) + "\n"
+        )
 
 
 def wait_for_training_set(args: argparse.Namespace, device: torch.device, rank: int) -> TrainingSet:
@@ -294,8 +393,16 @@ def spawn_ddp(args: argparse.Namespace) -> dict[str, Any]:
     out = args.workdir / f"ddp-{args.nproc}.json"
     out.unlink(missing_ok=True)
     passed = [a for a in sys.argv[1:] if a not in ("--all", "--variants", "--ddp")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(Path(__file__).resolve()), "--ddp", *passed]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        str(Path(__file__).resolve()),
+        "--ddp",
+        *passed,
+    ]
     log(f"spawning: {' '.join(cmd)}")
     subprocess.run(cmd, check=True)
     record: dict[str, Any] = json.loads(out.read_text())
@@ -309,10 +416,18 @@ def agreement(one: dict[str, Any], many: dict[str, Any]) -> dict[str, Any]:
     acc_abs = max(abs(v1[k] - v2[k]) for k in v1 if k.startswith(("acc_", "full_acc_")))
     tau_abs = max(abs(v1[k] - v2[k]) for k in v1 if k.startswith("tau_"))
     train_loss_abs = max(abs(a - b) for a, b in zip(one["train_loss"], many["train_loss"], strict=False))
-    return {"val_loss_max_rel_diff": loss_rel, "val_acc_max_abs_diff": acc_abs, "val_tau_max_abs_diff": tau_abs,
-            "val_counted_equal": v1["counted"] == v2["counted"], "train_loss_max_abs_diff": train_loss_abs,
-            "final_weights": weight_diff(Path(one["run_dir"]), Path(many["run_dir"])), "tolerance": AGREE,
-            "agree": loss_rel <= AGREE["loss_rel"] and acc_abs <= AGREE["acc_abs"] and v1["counted"] == v2["counted"]}
+    return {
+        "val_loss_max_rel_diff": loss_rel,
+        "val_acc_max_abs_diff": acc_abs,
+        "val_tau_max_abs_diff": tau_abs,
+        "val_counted_equal": v1["counted"] == v2["counted"],
+        "train_loss_max_abs_diff": train_loss_abs,
+        "final_weights": weight_diff(Path(one["run_dir"]), Path(many["run_dir"])),
+        "tolerance": AGREE,
+        "agree": loss_rel <= AGREE["loss_rel"]
+        and acc_abs <= AGREE["acc_abs"]
+        and v1["counted"] == v2["counted"],
+    }
 
 
 def weight_diff(a: Path, b: Path) -> dict[str, float]:
@@ -335,25 +450,43 @@ def same_global_batches(ts: TrainingSet, cfg: TrainConfig, world: int) -> bool:
 
 def ddp(args: argparse.Namespace, ts: TrainingSet, device: torch.device) -> dict[str, Any]:
     cfg = ddp_config(args, device)
-    shutil.rmtree(args.workdir / "runs", ignore_errors=True)  # fresh runs: a finished run would just be returned
+    shutil.rmtree(
+        args.workdir / "runs", ignore_errors=True
+    )  # fresh runs: a finished run would just be returned
     same = same_global_batches(ts, cfg, args.nproc)
-    log(f"DDP: train_drafter {cfg.max_steps} steps ({cfg.attention}, bf16), 1 process here; same global batches for "
-        f"{args.nproc}: {same}")
-    one = run_record(train_drafter(ts.shard_paths, ts.target_dir, ts.mapping(), args.workdir / "runs" / "single",
-                                   cfg, log=log), 1)
+    log(
+        f"DDP: train_drafter {cfg.max_steps} steps ({cfg.attention}, bf16), 1 process here; same global batches for "
+        f"{args.nproc}: {same}"
+    )
+    one = run_record(
+        train_drafter(
+            ts.shard_paths, ts.target_dir, ts.mapping(), args.workdir / "runs" / "single", cfg, log=log
+        ),
+        1,
+    )
     free_memory(device)
     log(f"  1 process: {one['tokens_per_s']:,.0f} tokens/s (steps {one['from_step']}-{one['to_step']})")
     many = guarded("DDP run", lambda: spawn_ddp(args))
     if "error" in many:
         return {"processes": args.nproc, "one": one, "many": many}
-    log(f"  {args.nproc} processes: {many['tokens_per_s']:,.0f} tokens/s (steps {many['from_step']}-{many['to_step']})")
+    log(
+        f"  {args.nproc} processes: {many['tokens_per_s']:,.0f} tokens/s (steps {many['from_step']}-{many['to_step']})"
+    )
     agree = agreement(one, many)
-    log(f"  speed-up {many['tokens_per_s'] / one['tokens_per_s']:.2f}x; final validation: loss rel diff "
+    log(
+        f"  speed-up {many['tokens_per_s'] / one['tokens_per_s']:.2f}x; final validation: loss rel diff "
         f"{agree['val_loss_max_rel_diff']:.2e}, acc abs diff {agree['val_acc_max_abs_diff']:.2e}, "
-        f"agree: {agree['agree']}")
-    return {"processes": args.nproc, "same_global_batches": same, "one": one, "many": many,
-            "speedup": round(many["tokens_per_s"] / one["tokens_per_s"], 3), "agreement": agree,
-            "train_config": cfg.model_dump()}
+        f"agree: {agree['agree']}"
+    )
+    return {
+        "processes": args.nproc,
+        "same_global_batches": same,
+        "one": one,
+        "many": many,
+        "speedup": round(many["tokens_per_s"] / one["tokens_per_s"], 3),
+        "agreement": agree,
+        "train_config": cfg.model_dump(),
+    }
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -368,7 +501,9 @@ def write_results(path: Path, update: dict[str, Any]) -> None:
 def main() -> None:
     args = parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
-        sys.exit("bench/gpu_train.py needs a CUDA device (for a smoke test of the script: --device cpu --tiny)")
+        sys.exit(
+            "bench/gpu_train.py needs a CUDA device (for a smoke test of the script: --device cpu --tiny)"
+        )
     device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cpu":
         torch.set_num_threads(1)  # a small shared CPU box: see bench/train_throughput.py --torch-threads
@@ -379,13 +514,18 @@ def main() -> None:
     ts = training_set(args.workdir, data_spec(args, device), log)
     update: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
         "data": {"tokens": ts.tokens, "samples": ts.samples, "spec": asdict(data_spec(args, device))},
         "sizes": {k: getattr(args, k) for k in SIZES["full"]},
     }
     if args.out is None:  # only a GPU run writes into bench/results
         cuda = device.type == "cuda"
-        args.out = REPO / "bench" / "results" / "gpu_train_h200.json" if cuda else args.workdir / "gpu_train_cpu.json"
+        args.out = (
+            REPO / "bench" / "results" / "gpu_train_h200.json"
+            if cuda
+            else args.workdir / "gpu_train_cpu.json"
+        )
     if args.all or args.variants:
         update["variants"] = variants(args, ts, device)
         write_results(args.out, update)  # now too: a later failure keeps these numbers

@@ -40,8 +40,13 @@ print(json.dumps({"tokens": m["counts"]["tokens"], "bytes": m["bytes"],
 
 
 def run(model_dir: Path, out: Path, samples: int) -> dict[str, int]:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(out), str(samples)],
-                          check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model_dir), str(out), str(samples)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
@@ -49,14 +54,22 @@ def main() -> None:
     from bench._common import save_random_target
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_random_target(Path(tmp) / "target", hidden=512, layers=4, vocab=1000, intermediate=1024)
+        model_dir = save_random_target(
+            Path(tmp) / "target", hidden=512, layers=4, vocab=1000, intermediate=1024
+        )
         small = run(model_dir, Path(tmp) / "small-00000.safetensors", 32)
         large = run(model_dir, Path(tmp) / "large-00000.safetensors", 128)
     for name, r in (("small", small), ("large", large)):
-        print(f"{name}: {r['tokens']:,} tokens, shard {r['bytes'] / 2**20:,.0f} MiB, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB")
+        print(
+            f"{name}: {r['tokens']:,} tokens, shard {r['bytes'] / 2**20:,.0f} MiB, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB"
+        )
     ratio = large["peak_rss"] / small["peak_rss"]
-    print(f"shard size ratio {large['bytes'] / small['bytes']:.2f}x; peak RSS ratio large/small = {ratio:.3f} (goal <= 1.10)")
-    print(f"(max RSS of this parent process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB)")
+    print(
+        f"shard size ratio {large['bytes'] / small['bytes']:.2f}x; peak RSS ratio large/small = {ratio:.3f} (goal <= 1.10)"
+    )
+    print(
+        f"(max RSS of this parent process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB)"
+    )
     if ratio > 1.10:
         sys.exit("FAIL")
 

@@ -27,12 +27,27 @@ def write_manifests(root: Path) -> None:
         key = f"chat-{s:05d}"
         lengths = [300 + (i * 37 + s) % 900 for i in range(PER_SHARD)]
         manifest = {
-            "key": key, "file": f"{key}.safetensors", "bytes": sum(lengths) * 2 * 4 * 7168,
-            "schema": "eagle3.hidden_states/1", "store_dtype": "bfloat16", "hidden_size": 7168, "num_aux": 3,
-            "sample_ids": [f"{s:08x}{i:056x}" for i in range(PER_SHARD)], "lengths": lengths, "failed": {},
-            "counts": {"samples": PER_SHARD, "tokens": sum(lengths), "loss_tokens": sum(lengths) // 2, "failed": 0,
-                       "dropped": 0, "truncated_samples": 3, "truncated_tokens": 1234},
-            "checksum": "0" * 32, "header_checksum": "0" * 32,
+            "key": key,
+            "file": f"{key}.safetensors",
+            "bytes": sum(lengths) * 2 * 4 * 7168,
+            "schema": "eagle3.hidden_states/1",
+            "store_dtype": "bfloat16",
+            "hidden_size": 7168,
+            "num_aux": 3,
+            "sample_ids": [f"{s:08x}{i:056x}" for i in range(PER_SHARD)],
+            "lengths": lengths,
+            "failed": {},
+            "counts": {
+                "samples": PER_SHARD,
+                "tokens": sum(lengths),
+                "loss_tokens": sum(lengths) // 2,
+                "failed": 0,
+                "dropped": 0,
+                "truncated_samples": 3,
+                "truncated_tokens": 1234,
+            },
+            "checksum": "0" * 32,
+            "header_checksum": "0" * 32,
         }
         layout.hidden_states_manifest(key).write_text(json.dumps(manifest))
 
@@ -56,8 +71,11 @@ def main() -> None:
         cli_main(["--config", str(root / "eagle3.yaml"), "stats"])
         t_cli = time.perf_counter() - t0
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "eagle3_dagster.cli", "--config", str(root / "eagle3.yaml"), "stats"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(root / "eagle3.yaml"), "stats"],
+            check=True,
+            capture_output=True,
+        )
         t_proc = time.perf_counter() - t0
     samples = stats.totals["samples"]
     print(f"samples described: {samples:,} in {len(stats.shards)} manifests")

@@ -61,42 +61,73 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--samples-per-shard", type=int, default=16)
     p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=1024, help="sample lengths are uniform in [min-len, max-len)")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per step (TrainConfig.batch_tokens)")
+    p.add_argument(
+        "--max-len", type=int, default=1024, help="sample lengths are uniform in [min-len, max-len)"
+    )
+    p.add_argument(
+        "--batch-tokens", type=int, default=2048, help="padded tokens per step (TrainConfig.batch_tokens)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
     p.add_argument("--steps", type=int, default=3, help="timed training steps")
-    p.add_argument("--fed", action="store_true",
-                   help="also time train_step fed by a Prefetcher, as the trainer runs it (time spent waiting)")
+    p.add_argument(
+        "--fed",
+        action="store_true",
+        help="also time train_step fed by a Prefetcher, as the trainer runs it (time spent waiting)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
     p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="intra-op threads; default 1 on CPU (on a small shared machine, intra-op threads waiting for "
-                        "busy cores stalled every op: 13 s a step against 0.5 s with one), torch's default on GPU")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="intra-op threads; default 1 on CPU (on a small shared machine, intra-op threads waiting for "
+        "busy cores stalled every op: 13 s a step against 0.5 s with one), torch's default on GPU",
+    )
     p.add_argument("--loader-threads", type=int, default=None, help="default: TrainConfig's")
-    p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the data here; default: a temp dir")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="keep (and reuse) the data here; default: a temp dir"
+    )
     p.add_argument("--suffix", default="", help="results file bench/results/train_throughput_<suffix>.json")
     return p.parse_args()
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     extra = {} if args.loader_threads is None else {"loader_threads": args.loader_threads}
-    return TrainConfig(draft_vocab_size=args.k, batch_tokens=args.batch_tokens, max_len=args.max_len,
-                       device=args.device, attention=args.attention, precision=args.precision, **extra)
+    return TrainConfig(
+        draft_vocab_size=args.k,
+        batch_tokens=args.batch_tokens,
+        max_len=args.max_len,
+        device=args.device,
+        attention=args.attention,
+        precision=args.precision,
+        **extra,
+    )
 
 
 def data_spec(args: argparse.Namespace, device: torch.device) -> DataSpec:
-    return DataSpec(hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                    intermediate=intermediate_for(args.hidden), draft_vocab=args.k, shards=args.shards,
-                    samples_per_shard=args.samples_per_shard, min_len=args.min_len, max_len=args.max_len,
-                    device="cuda" if device.type == "cuda" else "cpu")
+    return DataSpec(
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=args.vocab,
+        intermediate=intermediate_for(args.hidden),
+        draft_vocab=args.k,
+        shards=args.shards,
+        samples_per_shard=args.samples_per_shard,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        device="cuda" if device.type == "cuda" else "cpu",
+    )
 
 
-def time_loader(data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig,
-                pin: bool) -> dict[str, Any]:
+def time_loader(
+    data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig, pin: bool
+) -> dict[str, Any]:
     """One epoch through the Prefetcher, LOADER_ROUNDS times; the median round's rate."""
     seconds, tokens, padded = [], 0, 0
-    prefetch = Prefetcher(data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
+    prefetch = Prefetcher(
+        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    )
     try:
         for _ in range(LOADER_ROUNDS):
             tokens, padded = 0, 0
@@ -108,16 +139,26 @@ def time_loader(data: TrainingData, refs: list[SampleRef], plan: list[list[int]]
     finally:
         prefetch.close()
     median = statistics.median(seconds)
-    return {"tokens": tokens, "padded_tokens": padded, "batches": len(plan), "rounds_s": [round(s, 3) for s in seconds],
-            "tokens_per_s": round(tokens / median, 1), "threads": cfg.loader_threads, "depth": cfg.prefetch_batches}
+    return {
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "batches": len(plan),
+        "rounds_s": [round(s, 3) for s in seconds],
+        "tokens_per_s": round(tokens / median, 1),
+        "threads": cfg.loader_threads,
+        "depth": cfg.prefetch_batches,
+    }
 
 
-def time_fed_training(s: Setup, data: TrainingData, refs: list[SampleRef], plan: list[list[int]],
-                      steps: int, pin: bool) -> dict[str, Any]:
+def time_fed_training(
+    s: Setup, data: TrainingData, refs: list[SampleRef], plan: list[list[int]], steps: int, pin: bool
+) -> dict[str, Any]:
     """train_step fed by a Prefetcher as `trainer._train` feeds it: tokens/s and the time spent waiting for a batch
     (loader threads and the training loop share the GIL and the host's cores)."""
     cfg, device = s.cfg, s.world.device
-    prefetch = Prefetcher(data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
+    prefetch = Prefetcher(
+        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    )
     batches = iter(prefetch([plan[i % len(plan)] for i in range(steps)]))
     tokens, waited = 0, 0.0
     try:
@@ -135,11 +176,18 @@ def time_fed_training(s: Setup, data: TrainingData, refs: list[SampleRef], plan:
         seconds = time.perf_counter() - t0
     finally:
         prefetch.close()
-    return {"tokens": tokens, "steps": steps, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "waiting_for_data_s": round(waited, 3)}
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "waiting_for_data_s": round(waited, 3),
+    }
 
 
-def measure(ts: TrainingSet, cfg: TrainConfig, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    ts: TrainingSet, cfg: TrainConfig, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     data = TrainingData(ts.shard_paths)
     try:
         refs = data.refs
@@ -148,8 +196,14 @@ def measure(ts: TrainingSet, cfg: TrainConfig, device: torch.device, args: argpa
         loader = time_loader(data, refs, plan, cfg, pin)
         batches = load_batches(data, refs, plan, cfg, args.warmup + args.steps, pin)
         mapping = ts.mapping()
-        s = _setup(World(0, 1, device), cfg, data, load_target_head(ts.target_dir), mapping,
-                   drafter_config_for(ts.target_dir, mapping.draft_vocab_size))
+        s = _setup(
+            World(0, 1, device),
+            cfg,
+            data,
+            load_target_head(ts.target_dir),
+            mapping,
+            drafter_config_for(ts.target_dir, mapping.draft_vocab_size),
+        )
         training = time_training(s, batches, args.warmup)
         if device.type == "cuda":
             training["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -161,20 +215,30 @@ def measure(ts: TrainingSet, cfg: TrainConfig, device: torch.device, args: argpa
 
 def report(result: dict[str, Any]) -> None:
     loader, training = result["loader"], result["training"]
-    print(f"data: {result['data']['tokens']:,} tokens in {result['data']['samples']} samples, "
-          f"{loader['batches']} batches/epoch (batch_tokens {result['train_config']['batch_tokens']}, "
-          f"real/padded {loader['tokens'] / loader['padded_tokens']:.2f})")
+    print(
+        f"data: {result['data']['tokens']:,} tokens in {result['data']['samples']} samples, "
+        f"{loader['batches']} batches/epoch (batch_tokens {result['train_config']['batch_tokens']}, "
+        f"real/padded {loader['tokens'] / loader['padded_tokens']:.2f})"
+    )
     print(f"{'':28}{'tokens/s':>12}  detail")
-    print(f"{'loader (Prefetcher)':28}{loader['tokens_per_s']:>12,.0f}  {loader['threads']} threads, depth "
-          f"{loader['depth']}, median of {LOADER_ROUNDS} epochs {loader['rounds_s']}s")
-    print(f"{'training (train_step)':28}{training['tokens_per_s']:>12,.0f}  {result['device']}, "
-          f"{training['attention']}, {training['precision']}, {training['steps']} steps after "
-          f"{training['warmup_steps']} warm-up, {training['seconds']}s")
+    print(
+        f"{'loader (Prefetcher)':28}{loader['tokens_per_s']:>12,.0f}  {loader['threads']} threads, depth "
+        f"{loader['depth']}, median of {LOADER_ROUNDS} epochs {loader['rounds_s']}s"
+    )
+    print(
+        f"{'training (train_step)':28}{training['tokens_per_s']:>12,.0f}  {result['device']}, "
+        f"{training['attention']}, {training['precision']}, {training['steps']} steps after "
+        f"{training['warmup_steps']} warm-up, {training['seconds']}s"
+    )
     if result["fed"]:
         fed = result["fed"]
-        print(f"{'training fed by the loader':28}{fed['tokens_per_s']:>12,.0f}  {fed['steps']} steps, "
-              f"{fed['waiting_for_data_s']}s of {fed['seconds']}s waiting for a batch")
-    print(f"loader / training = {result['ratio']:.1f}x (goal >= {GOAL:.0f}x): {'PASS' if result['pass'] else 'FAIL'}")
+        print(
+            f"{'training fed by the loader':28}{fed['tokens_per_s']:>12,.0f}  {fed['steps']} steps, "
+            f"{fed['waiting_for_data_s']}s of {fed['seconds']}s waiting for a batch"
+        )
+    print(
+        f"loader / training = {result['ratio']:.1f}x (goal >= {GOAL:.0f}x): {'PASS' if result['pass'] else 'FAIL'}"
+    )
 
 
 def main() -> None:
@@ -188,7 +252,8 @@ def main() -> None:
         ts = training_set(args.workdir or Path(tmp), data_spec(args, device))
         result: dict[str, Any] = {
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
             "data": {"tokens": ts.tokens, "samples": ts.samples},
             "args": {k: v for k, v in vars(args).items() if k != "workdir"},
             "train_config": cfg.model_dump(),

@@ -66,7 +66,9 @@ def _keys(cfg: Eagle3Config, requested: Sequence[str] | None) -> list[str]:
         return known
     unknown = sorted(set(requested) - set(known))
     if unknown:
-        raise ConfigError(f"unknown shard(s) {unknown}; the store has {len(known)} shards (run `eagle3 ingest`)")
+        raise ConfigError(
+            f"unknown shard(s) {unknown}; the store has {len(known)} shards (run `eagle3 ingest`)"
+        )
     return list(requested)
 
 
@@ -86,7 +88,10 @@ def _run_shards(args: argparse.Namespace, step_name: str) -> int:
     step = pipeline.regenerate_step if step_name == "regenerate" else pipeline.extract_step
     for key in keys:
         result = step(cfg, key, target, _log)
-        console.print(f"{step_name} {key}: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float)))
+        console.print(
+            f"{step_name} {key}: "
+            + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
+        )
     target.close()
     return 0
 
@@ -107,7 +112,11 @@ def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
     table.add_column("shard")
     for header in HEADERS:
         table.add_column(header, justify="right")
-    shown = stats.shards if len(stats.shards) <= max_rows else stats.shards[: max_rows // 2] + stats.shards[-max_rows // 2 :]
+    shown = (
+        stats.shards
+        if len(stats.shards) <= max_rows
+        else stats.shards[: max_rows // 2] + stats.shards[-max_rows // 2 :]
+    )
     for i, row in enumerate(shown):
         if len(shown) < len(stats.shards) and i == max_rows // 2:
             table.add_row(f"... {len(stats.shards) - len(shown)} more", *([""] * len(COLUMNS)))
@@ -128,8 +137,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.json:
         stats = store_stats(cfg.store_root)
-        print(json.dumps({"shards": {r.key: r.values for r in stats.shards}, "totals": stats.totals,
-                          "rejected": stats.rejected, "conversations": stats.conversations}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "shards": {r.key: r.values for r in stats.shards},
+                    "totals": stats.totals,
+                    "rejected": stats.rejected,
+                    "conversations": stats.conversations,
+                },
+                indent=1,
+            )
+        )
     else:
         print_stats(cfg, max_rows=10**9 if args.all else 40)
     return 0
@@ -168,12 +186,18 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
 def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
     acc = json.loads(str(metadata["acc_per_position"]))
-    console.print(f"drafter: run {metadata['run']}, {metadata['steps']} steps, {metadata['tokens']:,} tokens, "
-                  f"{metadata['seconds']} s")
-    console.print("validation accuracy per position: " + "  ".join(
-        f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None))
-    console.print(f"estimated acceptance length: tau(3) {metadata.get('val_tau_3', float('nan')):.2f}, "
-                  f"tau({ttt_steps}) {metadata.get(f'val_tau_{ttt_steps}', float('nan')):.2f}")
+    console.print(
+        f"drafter: run {metadata['run']}, {metadata['steps']} steps, {metadata['tokens']:,} tokens, "
+        f"{metadata['seconds']} s"
+    )
+    console.print(
+        "validation accuracy per position: "
+        + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
+    )
+    console.print(
+        f"estimated acceptance length: tau(3) {metadata.get('val_tau_3', float('nan')):.2f}, "
+        f"tau({ttt_steps}) {metadata.get(f'val_tau_{ttt_steps}', float('nan')):.2f}"
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -205,14 +229,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def print_evaluation(metadata: dict[str, object], ks: Sequence[int]) -> None:
     per_position = json.loads(str(metadata["per_position"]))
-    console.print(f"drafter {metadata['run']}: measured on {metadata['prompts']} {metadata['prompt_set']} prompts "
-                  f"({metadata['device']}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)")
+    console.print(
+        f"drafter {metadata['run']}: measured on {metadata['prompts']} {metadata['prompt_set']} prompts "
+        f"({metadata['device']}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)"
+    )
     for k in ks:
         accepts = "  ".join(f"{a:.2f}" for a in per_position[str(k)])
         tau = float(metadata[f"tau_k{k}"])  # type: ignore[arg-type]
-        console.print(f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (training estimate tau({k}) "
-                      f"{'n/a' if tau < 0 else f'{tau:.2f}'}), acceptance rate {metadata[f'acceptance_rate_k{k}']:.2f}, "
-                      f"speedup {metadata[f'speedup_k{k}']:.2f}x; per position {accepts}")
+        console.print(
+            f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (training estimate tau({k}) "
+            f"{'n/a' if tau < 0 else f'{tau:.2f}'}), acceptance rate {metadata[f'acceptance_rate_k{k}']:.2f}, "
+            f"speedup {metadata[f'speedup_k{k}']:.2f}x; per position {accepts}"
+        )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -242,7 +270,9 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         return p
 
     add("ingest", cmd_ingest, "Read the configured sources into conversation shards (new data only).")
-    p = add("toy-target", cmd_toy_target, "Build (or find cached) the small chat target the demo and tests use.")
+    p = add(
+        "toy-target", cmd_toy_target, "Build (or find cached) the small chat target the demo and tests use."
+    )
     p.add_argument("--size", choices=["xs", "m"], default="xs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="Build into this directory instead of the cache.")
@@ -251,29 +281,49 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         ("extract", cmd_extract, "Extract hidden states into safetensors shards."),
     ):
         p = add(name, fn, text)
-        p.add_argument("--shard", action="append", help="Only this shard (repeatable); default: shards not done.")
+        p.add_argument(
+            "--shard", action="append", help="Only this shard (repeatable); default: shards not done."
+        )
         p.add_argument("--force", action="store_true", help="Redo shards that are already done.")
     add("vocab", cmd_vocab, "Build the draft vocabulary over every shard (reused when nothing changed).")
     p = add("train", cmd_train, "Train the drafter on every shard; resumes a run that was cut short.")
-    p.add_argument("--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes).")
+    p.add_argument(
+        "--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes)."
+    )
     p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
     add("export", cmd_export, "Write the newest drafter in SGLang and vLLM/speculators formats, validated.")
-    p = add("eval", cmd_eval, "Measure the exported drafter by speculative decoding (AL, speedup) on held-out prompts.")
+    p = add(
+        "eval",
+        cmd_eval,
+        "Measure the exported drafter by speculative decoding (AL, speedup) on held-out prompts.",
+    )
     p.add_argument("--promote", action="store_true", help="Then promote it to `current` if the gate passes.")
-    p = add("bench-sglang", cmd_bench_sglang, "AL and throughput from a running SGLang server with EAGLE-3 enabled.")
+    p = add(
+        "bench-sglang",
+        cmd_bench_sglang,
+        "AL and throughput from a running SGLang server with EAGLE-3 enabled.",
+    )
     p.add_argument("--url", required=True, help="The server, e.g. http://127.0.0.1:30000")
     p.add_argument("--concurrency", type=int, default=1)
     p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="One row per shard even when there are many.")
-    p = add("verify", cmd_verify, "Check every shard's checksums; exit 1 if any shard is corrupt or truncated.")
+    p = add(
+        "verify", cmd_verify, "Check every shard's checksums; exit 1 if any shard is corrupt or truncated."
+    )
     p.add_argument("--shard", action="append")
-    p.add_argument("--repair", action="store_true", help="Rewrite missing or stale manifests from shard headers.")
+    p.add_argument(
+        "--repair", action="store_true", help="Rewrite missing or stale manifests from shard headers."
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
-    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters for your own target model.")
-    parser.add_argument("--config", "-c", default="eagle3.yaml", help="The run's YAML file (default: eagle3.yaml).")
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description="Train EAGLE-3 drafters for your own target model."
+    )
+    parser.add_argument(
+        "--config", "-c", default="eagle3.yaml", help="The run's YAML file (default: eagle3.yaml)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_core_commands(sub)
     return parser, sub

@@ -28,8 +28,6 @@ __all__ = ["ConfigError", "Eagle3Config", "load_config"]
 SHARD_KEY_HELP = "shard keys are '{dataset}-{index:05d}'"
 
 
-
-
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -142,14 +140,21 @@ class TrainConfig(_Model):
     draft_vocab_size: Annotated[int, Field(gt=0)] = Field(
         default=32000, description="K: the draft vocabulary's size, capped at the target's vocabulary."
     )
-    ttt_steps: Annotated[int, Field(gt=0, le=16)] = Field(default=7, description="Training-time-test unroll length.")
+    ttt_steps: Annotated[int, Field(gt=0, le=16)] = Field(
+        default=7, description="Training-time-test unroll length."
+    )
     step_weight: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
     epochs: Annotated[int, Field(gt=0)] = 2
-    max_steps: Annotated[int, Field(gt=0)] | None = Field(default=None, description="Stop after this many optimizer steps.")
-    batch_tokens: Annotated[int, Field(gt=0)] = Field(
-        default=16384, description="Padded tokens per optimizer step, summed over all ranks (the global batch)."
+    max_steps: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Stop after this many optimizer steps."
     )
-    max_len: Annotated[int, Field(gt=8)] = Field(default=4096, description="Samples are cut to this many tokens.")
+    batch_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=16384,
+        description="Padded tokens per optimizer step, summed over all ranks (the global batch).",
+    )
+    max_len: Annotated[int, Field(gt=8)] = Field(
+        default=4096, description="Samples are cut to this many tokens."
+    )
     lr: Annotated[float, Field(gt=0.0)] = 1e-4
     weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
     warmup_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.015
@@ -171,7 +176,8 @@ class TrainConfig(_Model):
         default="auto", description="auto: bf16 autocast on GPU (fp32 master weights), float32 on CPU."
     )
     attention: Literal["auto", "sdpa", "flex"] = Field(
-        default="auto", description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere."
+        default="auto",
+        description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere.",
     )
     prefetch_batches: Annotated[int, Field(gt=0)] = 4
     loader_threads: Annotated[int, Field(gt=0)] | None = Field(
@@ -185,20 +191,25 @@ class EvaluateConfig(_Model):
     ks: list[Annotated[int, Field(gt=0, le=16)]] = Field(
         default=[3, 7], min_length=1, description="Draft lengths K to measure; each reports AL and speedup."
     )
-    gate_k: Annotated[int, Field(gt=0)] = Field(default=3, description="The K whose AL the promotion gate compares.")
+    gate_k: Annotated[int, Field(gt=0)] = Field(
+        default=3, description="The K whose AL the promotion gate compares."
+    )
     promotion_tolerance: Annotated[float, Field(ge=0.0)] = Field(
-        default=0.05, description="Promote unless AL < the promoted drafter's AL (same prompts, same run) minus this."
+        default=0.05,
+        description="Promote unless AL < the promoted drafter's AL (same prompts, same run) minus this.",
     )
     max_prompts: Annotated[int, Field(gt=0)] = 64
     per_conversation: Annotated[int, Field(gt=0)] = Field(
         default=2, description="User turns of each held-out conversation used as prompts."
     )
     prompt_files: list[str] = Field(
-        default_factory=list, description="JSONL prompt files (messages, MT-bench turns, ...), each reported apart."
+        default_factory=list,
+        description="JSONL prompt files (messages, MT-bench turns, ...), each reported apart.",
     )
     max_new_tokens: Annotated[int, Field(gt=0)] = 256
     temperature: Annotated[float, Field(ge=0.0, le=5.0)] = Field(
-        default=0.0, description="0: greedy verification; above: speculative sampling (rejection with residual)."
+        default=0.0,
+        description="0: greedy verification; above: speculative sampling (rejection with residual).",
     )
     seed: int = 0
     export_format: Literal["sglang", "speculators"] = Field(

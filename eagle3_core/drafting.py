@@ -34,7 +34,9 @@ from eagle3_core.train.trainer import train_drafter
 def _shards(layout: StoreLayout) -> list[Path]:
     shards = layout.hidden_state_shards()
     if not shards:
-        raise Eagle3Error(f"{layout.hidden_states_dir}: no hidden-state shards yet (materialize hidden_states)")
+        raise Eagle3Error(
+            f"{layout.hidden_states_dir}: no hidden-state shards yet (materialize hidden_states)"
+        )
     return shards
 
 
@@ -77,7 +79,9 @@ def vocab_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
             if new:
                 meta["previous_coverage_on_new_shards"] = round(coverage_of(previous, new), 6)
                 meta["new_shards"] = len(new)
-        mapping = build_vocab_mapping(shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer)
+        mapping = build_vocab_mapping(
+            shards, vocab, cfg.train.draft_vocab_size, tokenizer_fingerprint=tokenizer
+        )
         save_vocab_mapping(mapping, layout.vocab_mapping)
         meta["rebuilt"] = True
         log(f"vocab mapping: K={mapping.draft_vocab_size}, coverage {mapping.coverage:.4f}")
@@ -101,7 +105,9 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """
     layout = StoreLayout(cfg.store_root)
     shards = _shards(layout)
-    mapping = load_vocab_mapping(layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards))
+    mapping = load_vocab_mapping(
+        layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
+    )
     result = train_drafter(shards, target_dir(cfg, log=log), mapping, layout.drafter_runs, cfg.train, log=log)
     if int(os.environ.get("RANK", "0")) == 0:
         atomic_write_json(layout.drafter_latest, {"run": result.run_dir.name, "final": str(result.final_dir)})
@@ -110,8 +116,19 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
 
 def train_distributed(config_path: Path, processes: int, log: Log = print) -> StepResult:
     """`eagle3 train` once per process under torchrun (standalone rendezvous on this host), then its result."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "eagle3_core.cli", "--config", str(config_path), "train", "--no-vocab"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "eagle3_core.cli",
+        "--config",
+        str(config_path),
+        "train",
+        "--no-vocab",
+    ]
     log(" ".join(command))
     code = subprocess.call(command)
     if code != 0:
@@ -134,7 +151,11 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         "val_samples": summary["val_samples"],
         "vocab_mapping": summary["vocab_mapping"][:12],
         "acc_per_position": json.dumps([val.get(f"acc_{k}") for k in range(steps)]),
-        **{f"val_{name}": val[name] for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}") if name in val},
+        **{
+            f"val_{name}": val[name]
+            for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}")
+            if name in val
+        },
     }
     return StepResult("drafter_checkpoint", final, meta)
 
@@ -162,15 +183,21 @@ def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     out = layout.exports / summary["run"]
     sglang = export_sglang(drafter, mapping, facts, out / "sglang")
     speculators = export_speculators(drafter, mapping, facts, out / "speculators", speculative_tokens=3)
-    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
     log(f"exported run {summary['run']}: {sglang} and {speculators}")
-    return StepResult("drafter_export", out, {
-        "run": summary["run"],
-        "sglang_dir": str(sglang),
-        "speculators_dir": str(speculators),
-        "aux_layer_ids_project": json.dumps(summary["aux_layer_ids"]),
-        "aux_layer_ids_sglang": json.dumps(sglang_ids),
-        "aux_layer_ids_vllm": json.dumps(summary["aux_layer_ids"]),
-        "draft_vocab_size": mapping.draft_vocab_size,
-        "final_state_convention": summary["final_state_convention"],
-    })
+    return StepResult(
+        "drafter_export",
+        out,
+        {
+            "run": summary["run"],
+            "sglang_dir": str(sglang),
+            "speculators_dir": str(speculators),
+            "aux_layer_ids_project": json.dumps(summary["aux_layer_ids"]),
+            "aux_layer_ids_sglang": json.dumps(sglang_ids),
+            "aux_layer_ids_vllm": json.dumps(summary["aux_layer_ids"]),
+            "draft_vocab_size": mapping.draft_vocab_size,
+            "final_state_convention": summary["final_state_convention"],
+        },
+    )

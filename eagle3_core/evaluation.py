@@ -74,7 +74,11 @@ def load_target(cfg: Eagle3Config, log: Log) -> Target:
     model = load_causal_lm(path, device, resolve_dtype(cfg.target.dtype, device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     layers = len(decoder_layers(model))
-    aux = check_aux_layer_ids(cfg.target.aux_layer_ids, layers) if cfg.target.aux_layer_ids else default_aux_layer_ids(layers)
+    aux = (
+        check_aux_layer_ids(cfg.target.aux_layer_ids, layers)
+        if cfg.target.aux_layer_ids
+        else default_aux_layer_ids(layers)
+    )
     return Target(model, tokenizer, aux, set(eos_token_ids(model, tokenizer)))
 
 
@@ -99,17 +103,29 @@ def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
     with; without held-out conversations (data.holdout_fraction 0) that is the first prompt file."""
     ev = cfg.evaluate
     system = cfg.data.system_prompt
-    files = [file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files]
+    files = [
+        file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files
+    ]
     try:
-        return [heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts), *files]
+        return [
+            heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts),
+            *files,
+        ]
     except Eagle3Error:
         if files:
             return files
         raise
 
 
-def _measure_set(cfg: Eagle3Config, target: Target, drafter: Any, d2t: torch.Tensor, prompts: PromptSet,
-                 ks: tuple[int, ...], log: Log) -> Measurement:
+def _measure_set(
+    cfg: Eagle3Config,
+    target: Target,
+    drafter: Any,
+    d2t: torch.Tensor,
+    prompts: PromptSet,
+    ks: tuple[int, ...],
+    log: Log,
+) -> Measurement:
     ev = cfg.evaluate
     ids = [encode(target.tokenizer, p.messages) for p in prompts.prompts]
     settings = DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)
@@ -131,7 +147,9 @@ def read_current(layout: StoreLayout) -> dict[str, Any] | None:
     return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
 
 
-def gate_decision(k: int, run: str, candidate_al: float, current: dict[str, Any] | None, tolerance: float) -> GateDecision:
+def gate_decision(
+    k: int, run: str, candidate_al: float, current: dict[str, Any] | None, tolerance: float
+) -> GateDecision:
     def decide(passed: bool, reason: str) -> GateDecision:
         return GateDecision(passed, k, run, candidate_al, current_run, current_al, tolerance, reason)
 
@@ -145,12 +163,15 @@ def gate_decision(k: int, run: str, candidate_al: float, current: dict[str, Any]
         return decide(True, "this run is the promoted one")
     floor = current_al - tolerance
     if candidate_al < floor:
-        return decide(False, f"AL {candidate_al:.3f} at K={k} is below the promoted {current_al:.3f} - {tolerance}")
+        return decide(
+            False, f"AL {candidate_al:.3f} at K={k} is below the promoted {current_al:.3f} - {tolerance}"
+        )
     return decide(True, f"AL {candidate_al:.3f} at K={k} >= the promoted {current_al:.3f} - {tolerance}")
 
 
-def _current_on_same_prompts(cfg: Eagle3Config, layout: StoreLayout, target: Target, prompts: PromptSet, run: str,
-                             log: Log) -> dict[str, Any] | None:
+def _current_on_same_prompts(
+    cfg: Eagle3Config, layout: StoreLayout, target: Target, prompts: PromptSet, run: str, log: Log
+) -> dict[str, Any] | None:
     """The promoted drafter's AL at gate_k on these prompts, measured now (None when nothing is promoted)."""
     current = read_current(layout)
     if current is None or current["run"] == run:
@@ -160,7 +181,11 @@ def _current_on_same_prompts(cfg: Eagle3Config, layout: StoreLayout, target: Tar
         drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
     except (ExportError, FileNotFoundError, ValueError) as err:
         # a promoted drafter this target cannot run (deleted, or for another target) cannot hold a new one back
-        return {"run": current["run"], "acceptance_length": None, "reason": f"the promoted drafter cannot be measured: {err}"}
+        return {
+            "run": current["run"],
+            "acceptance_length": None,
+            "reason": f"the promoted drafter cannot be measured: {err}",
+        }
     log(f"measuring the promoted drafter {current['run']} on the same prompts")
     k = cfg.evaluate.gate_k
     m = _measure_set(cfg, target, drafter, d2t, prompts, (k,), log)
@@ -176,7 +201,9 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     run = summary["run"]
     export_root = layout.exports / run
     if not (export_root / ev.export_format).is_dir():
-        raise Eagle3Error(f"{export_root / ev.export_format}: run {run} is not exported yet (materialize drafter_export)")
+        raise Eagle3Error(
+            f"{export_root / ev.export_format}: run {run} is not exported yet (materialize drafter_export)"
+        )
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
@@ -185,48 +212,67 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     primary = sets[0].name
     heldout = measured[primary]
     current = _current_on_same_prompts(cfg, layout, target, sets[0], run, log)
-    gate = gate_decision(ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance)
+    gate = gate_decision(
+        ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance
+    )
     out = layout.export_eval(run)
-    pictures = _pictures(out, f"{run}: per-position acceptance, {primary} prompts", heldout, final.parent, summary,
-                         cfg.train.ttt_steps)
+    pictures = _pictures(
+        out,
+        f"{run}: per-position acceptance, {primary} prompts",
+        heldout,
+        final.parent,
+        summary,
+        cfg.train.ttt_steps,
+    )
     report = {
         "run": run,
         "export_dir": str(export_root),
         "format": ev.export_format,
         "device": str(target.device),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        "settings": {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1},
+        "settings": {
+            **asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)),
+            "batch_size": 1,
+        },
         "tau": {str(k): _tau(summary, k) for k in ks},
         "primary": primary,
-        "sets": {
-            s.name: {**measured[s.name].as_dict(), "rejected": s.reject_counts} for s in sets
-        },
+        "sets": {s.name: {**measured[s.name].as_dict(), "rejected": s.reject_counts} for s in sets},
         "gate": asdict(gate),
         "pictures": {name: str(p) for name, p in pictures.items()},
     }
     atomic_write_json(out / "report.json", report)
-    log(f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
-        f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}")
+    log(
+        f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
+        f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}"
+    )
     return StepResult("drafter_eval", out, _metadata(report, ev.gate_k))
 
 
-def _pictures(out: Path, title: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any],
-              steps: int) -> dict[str, Path]:
+def _pictures(
+    out: Path, title: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any], steps: int
+) -> dict[str, Path]:
     bars = acceptance_bars(
         {k: a.per_position for k, a in heldout.acceptance.items()},
         {k: a.acceptance_length for k, a in heldout.acceptance.items()},
-        out / "acceptance.png", f"drafter {title}",
+        out / "acceptance.png",
+        f"drafter {title}",
     )
-    curves = training_curves(read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary['run']}: training")
+    curves = training_curves(
+        read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary['run']}: training"
+    )
     return {"acceptance": bars, "training_curves": curves}
 
 
 def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
     """Flat numbers for the asset page and the CLI: held-out AL, acceptance rate, speedup and tau per K."""
     heldout = report["sets"][report["primary"]]
-    meta: dict[str, Any] = {"run": report["run"], "prompt_set": report["primary"], "prompts": heldout["prompts"],
-                            "device": report["device"],
-                            "target_tokens_per_s": heldout["target_tokens_per_s"]}
+    meta: dict[str, Any] = {
+        "run": report["run"],
+        "prompt_set": report["primary"],
+        "prompts": heldout["prompts"],
+        "device": report["device"],
+        "target_tokens_per_s": heldout["target_tokens_per_s"],
+    }
     for k, r in heldout["by_k"].items():
         meta[f"al_k{k}"] = r["acceptance_length"]
         meta[f"acceptance_rate_k{k}"] = r["acceptance_rate"]
@@ -249,7 +295,9 @@ def read_report(cfg: Eagle3Config) -> dict[str, Any]:
     run = json.loads((latest_final(layout) / "summary.json").read_text())["run"]
     path = layout.export_eval(run) / "report.json"
     if not path.exists():
-        raise Eagle3Error(f"{path}: drafter {run} is not evaluated yet (materialize drafter_eval, or `eagle3 eval`)")
+        raise Eagle3Error(
+            f"{path}: drafter {run} is not evaluated yet (materialize drafter_eval, or `eagle3 eval`)"
+        )
     return json.loads(path.read_text())
 
 
@@ -274,11 +322,20 @@ def promote_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     }
     _point(layout.drafter_current_link, Path(report["export_dir"]))
     atomic_write_json(layout.drafter_current, record)
-    log(f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}")
-    return StepResult("drafter_current", layout.drafter_current_link, {
-        "run": report["run"], "acceptance_length": round(gate.candidate_al, 4), "k": gate.k,
-        "replaced": gate.current_run or "", "serve_sglang": str(layout.drafter_current_link / "sglang"),
-    })
+    log(
+        f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
+    )
+    return StepResult(
+        "drafter_current",
+        layout.drafter_current_link,
+        {
+            "run": report["run"],
+            "acceptance_length": round(gate.candidate_al, 4),
+            "k": gate.k,
+            "replaced": gate.current_run or "",
+            "serve_sglang": str(layout.drafter_current_link / "sglang"),
+        },
+    )
 
 
 def _point(link: Path, target: Path) -> None:
@@ -307,9 +364,12 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
     for prompts in _prompt_sets(cfg):
         ids = [encode(tokenizer, p.messages) for p in prompts.prompts]
         log(f"{prompts.name}: {len(ids)} prompts to {url} ({concurrency} in flight)")
-        bench = benchmark_sglang(url, ids, max_new_tokens=ev.max_new_tokens, temperature=ev.temperature,
-                                 concurrency=concurrency)
-        meta.update({f"{prompts.name}_{k.removeprefix('sglang_')}": v for k, v in bench.as_metadata().items()})
+        bench = benchmark_sglang(
+            url, ids, max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, concurrency=concurrency
+        )
+        meta.update(
+            {f"{prompts.name}_{k.removeprefix('sglang_')}": v for k, v in bench.as_metadata().items()}
+        )
     out = StoreLayout(cfg.store_root).root / "drafter" / "sglang_bench.json"
     atomic_write_json(out, meta)
     return StepResult("sglang_bench", out, meta)

@@ -164,7 +164,9 @@ class WriteBehind:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
         self.in_flight: deque[list[Future[None]]] = deque()
 
-    def submit(self, rows: list[tuple[int, torch.Tensor, torch.Tensor, HiddenStates | SampleFailure]]) -> None:
+    def submit(
+        self, rows: list[tuple[int, torch.Tensor, torch.Tensor, HiddenStates | SampleFailure]]
+    ) -> None:
         """Rows of one batch: (sample index, input_ids [T], loss_mask [T], its states or failure)."""
         futures = [self.pool.submit(self._write, *row) for row in rows]
         self.in_flight.append(futures)
@@ -172,7 +174,9 @@ class WriteBehind:
             for f in self.in_flight.popleft():
                 f.result()
 
-    def _write(self, i: int, ids: torch.Tensor, mask: torch.Tensor, states: HiddenStates | SampleFailure) -> None:
+    def _write(
+        self, i: int, ids: torch.Tensor, mask: torch.Tensor, states: HiddenStates | SampleFailure
+    ) -> None:
         if isinstance(states, SampleFailure):
             self.writer.mark_failed(i, states.reason)
         else:
@@ -195,7 +199,9 @@ class WriteBehind:
 
 def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
     layout = StoreLayout(cfg.store_root)
-    counts: Counter[str] = Counter(dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0))
+    counts: Counter[str] = Counter(
+        dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0)
+    )
     dropped: dict[str, str] = {}
     rows = _extraction_input(cfg, key, counts)
     chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)
@@ -225,9 +231,13 @@ def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: L
     ) as writer:
         done = 0
         with WriteBehind(writer) as behind:
-            for batch in length_batches([s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size):
+            for batch in length_batches(
+                [s.length for s in samples], cfg.extract.max_batch_tokens, cfg.extract.max_batch_size
+            ):
                 states = target.hidden_states([samples[i].input_ids.tolist() for i in batch], store_dtype)
-                behind.submit([(i, *_row_tensors(samples[i]), st) for i, st in zip(batch, states, strict=True)])
+                behind.submit(
+                    [(i, *_row_tensors(samples[i]), st) for i, st in zip(batch, states, strict=True)]
+                )
                 done += len(batch)
                 log(f"{key}: {done}/{len(samples)} samples extracted")
         seconds = time.perf_counter() - started

@@ -104,21 +104,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     console.rule("3. conversations -> regenerated -> hidden_states (Dagster runs, one per shard)")
     materialize_shards(report.all_shards, log=_log)
-    console.rule("4. vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current")
+    console.rule(
+        "4. vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current"
+    )
     drafter = materialize_drafter()
     console.rule("summary")
     print_stats(cfg)
     vocab = drafter["vocab_mapping"]
-    console.print(f"draft vocabulary: K={vocab['draft_vocab_size']} of {vocab['target_vocab_size']}, "
-                  f"coverage {vocab['coverage']:.3f}")
+    console.print(
+        f"draft vocabulary: K={vocab['draft_vocab_size']} of {vocab['target_vocab_size']}, "
+        f"coverage {vocab['coverage']:.3f}"
+    )
     print_training(drafter["drafter_checkpoint"], cfg.train.ttt_steps)
     export = drafter["drafter_export"]
-    console.print(f"exports: {export['sglang_dir']} (SGLang, aux ids {export['aux_layer_ids_sglang']}) and "
-                  f"{export['speculators_dir']} (vLLM/speculators, aux ids {export['aux_layer_ids_vllm']})")
+    console.print(
+        f"exports: {export['sglang_dir']} (SGLang, aux ids {export['aux_layer_ids_sglang']}) and "
+        f"{export['speculators_dir']} (vLLM/speculators, aux ids {export['aux_layer_ids_vllm']})"
+    )
     print_evaluation(drafter["drafter_eval"], sorted(set(cfg.evaluate.ks)))
     current = drafter["drafter_current"]
-    console.print(f"promoted (gate: {drafter['not_worse_than_current']['passed'] and 'passed'}): serve "
-                  f"{current['serve_sglang']}")
+    console.print(
+        f"promoted (gate: {drafter['not_worse_than_current']['passed'] and 'passed'}): serve "
+        f"{current['serve_sglang']}"
+    )
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; store: {cfg.store_root}")
     console.print(
         "Browse these runs in the Dagster UI:\n"
@@ -132,7 +140,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the CLI reports its own progress
     parser, sub = build_parser()
-    p = sub.add_parser("demo", help="Run the whole pipeline on the embedded default (chitchat, toy target, CPU).")
+    p = sub.add_parser(
+        "demo", help="Run the whole pipeline on the embedded default (chitchat, toy target, CPU)."
+    )
     p.add_argument("--workdir", default="demo")
     p.add_argument("--conversations", type=int, default=640, help="How many chitchat conversations to use.")
     p.add_argument("--shard-size", type=int, default=128)

@@ -9,8 +9,14 @@ from eagle3_dagster.defs.resources import default_resources
 
 defs = dg.Definitions(
     assets=[
-        conversations, regenerated, hidden_states, vocab_mapping, drafter_checkpoint, drafter_export,
-        drafter_eval, drafter_current,
+        conversations,
+        regenerated,
+        hidden_states,
+        vocab_mapping,
+        drafter_checkpoint,
+        drafter_export,
+        drafter_eval,
+        drafter_current,
     ],
     asset_checks=[not_worse_than_current],
     resources=default_resources(),

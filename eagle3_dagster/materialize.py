@@ -39,7 +39,11 @@ def materialize_shards(
     for i, key in enumerate(todo, start=1):
         log(f"run {i}/{len(todo)}: shard {key}")
         result = dg.materialize(
-            SHARD_ASSETS, partition_key=key, instance=instance, resources=default_resources(), run_config=QUIET
+            SHARD_ASSETS,
+            partition_key=key,
+            instance=instance,
+            resources=default_resources(),
+            run_config=QUIET,
         )
         if not result.success:
             raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
@@ -67,10 +71,15 @@ def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str,
     )
     values = {
         event.asset_key.path[-1]: {k: v.value for k, v in event.metadata.items()}
-        for event in (e.event_specific_data.materialization for e in result.get_asset_materialization_events())  # type: ignore[union-attr]
+        for event in (
+            e.step_materialization_data.materialization for e in result.get_asset_materialization_events()
+        )
     }
     for evaluation in result.get_asset_check_evaluations():
-        values[evaluation.check_name] = {"passed": evaluation.passed, **{k: v.value for k, v in evaluation.metadata.items()}}
+        values[evaluation.check_name] = {
+            "passed": evaluation.passed,
+            **{k: v.value for k, v in evaluation.metadata.items()},
+        }
     gate = values.get("not_worse_than_current")
     if gate is not None and not gate["passed"]:
         raise RuntimeError(

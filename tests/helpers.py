@@ -21,7 +21,9 @@ CORPUS = [
 ] * 20
 
 
-def save_tiny_llama(directory: Path, *, layers: int = 8, hidden: int = 32, vocab: int = 256, seed: int = 0) -> Path:
+def save_tiny_llama(
+    directory: Path, *, layers: int = 8, hidden: int = 32, vocab: int = 256, seed: int = 0
+) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,

@@ -99,7 +99,9 @@ def build_conversation(
     for i, (role, content) in enumerate(turns):
         r = normalise_role(role)
         if not isinstance(content, str):
-            raise RowRejected("wrong_shape", f"turn {i}: content must be a string, got {type(content).__name__}")
+            raise RowRejected(
+                "wrong_shape", f"turn {i}: content must be a string, got {type(content).__name__}"
+            )
         c = normalise_content(content)
         if not c:
             raise RowRejected("empty_content", f"turn {i} ({r}) is empty")
@@ -113,7 +115,9 @@ def build_conversation(
         raise RowRejected("wrong_shape", "the first non-system turn must be the user's")
     for i, ((r_prev, _), (r, _)) in enumerate(itertools.pairwise(dialogue)):
         if r == r_prev:
-            raise RowRejected("wrong_shape", f"turns {i} and {i + 1} are both {r}: user and assistant must alternate")
+            raise RowRejected(
+                "wrong_shape", f"turns {i} and {i + 1} are both {r}: user and assistant must alternate"
+            )
     conv = Conversation(tuple(normal))
     if require_assistant and conv.assistant_turns == 0:
         raise RowRejected("no_assistant_turn", "no assistant turn and regeneration is off")

@@ -129,7 +129,9 @@ def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> In
             new.append(report)
             totals.update(report.rejected)
             rows_read += rows
-            log(f"{report.key}: {report.samples} samples, {sum(report.rejected.values())} rejected ({source.name})")
+            log(
+                f"{report.key}: {report.samples} samples, {sum(report.rejected.values())} rejected ({source.name})"
+            )
     return IngestReport(new, ledger.shard_keys, rows_read, dict(totals))
 
 
@@ -182,7 +184,9 @@ def _ingest_source(
         pending.first_line = pending.first_line or row.location.line
         pending.last_line = row.location.line
         try:
-            conv = parse_row(row, source, require_assistant=require_assistant, system_prompt=cfg.data.system_prompt)
+            conv = parse_row(
+                row, source, require_assistant=require_assistant, system_prompt=cfg.data.system_prompt
+            )
             if conv.sample_id in seen:
                 raise RowRejected("duplicate", f"same conversation as sample {conv.sample_id[:12]}")
         except RowRejected as rej:
@@ -260,7 +264,9 @@ def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, 
     layout = StoreLayout(store_root)
     manifest_path = layout.conversations_manifest(key)
     if not manifest_path.exists():
-        raise FileNotFoundError(f"conversation shard {key} is not in the store {store_root}: run `eagle3 ingest`")
+        raise FileNotFoundError(
+            f"conversation shard {key} is not in the store {store_root}: run `eagle3 ingest`"
+        )
     manifest = json.loads(manifest_path.read_text())
     samples = read_jsonl(layout.conversations(key))
     if [s["id"] for s in samples] != manifest["sample_ids"]:

@@ -141,7 +141,9 @@ def record_turns(record: Any, fmt: SourceFormat) -> list[tuple[object, object]]:
     if not isinstance(prompt, str):
         raise RowRejected("wrong_shape", "'prompt' must be a string")
     system = record.get("system")
-    turns: list[tuple[object, object]] = [("system", system)] if isinstance(system, str) and system.strip() else []
+    turns: list[tuple[object, object]] = (
+        [("system", system)] if isinstance(system, str) and system.strip() else []
+    )
     return [*turns, ("user", prompt)]
 
 
@@ -149,7 +151,9 @@ def _detect_format(record: dict[str, Any]) -> SourceFormat:
     for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("prompt", "prompt")):
         if key in record:
             return fmt  # type: ignore[return-value]
-    raise RowRejected("wrong_shape", f"no 'messages', 'conversations' or 'prompt' field (keys: {sorted(record)[:8]})")
+    raise RowRejected(
+        "wrong_shape", f"no 'messages', 'conversations' or 'prompt' field (keys: {sorted(record)[:8]})"
+    )
 
 
 def _pairs(turns: Any, field: str, role_key: str, content_key: str) -> list[tuple[object, object]]:
@@ -158,7 +162,9 @@ def _pairs(turns: Any, field: str, role_key: str, content_key: str) -> list[tupl
     out: list[tuple[object, object]] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise RowRejected("wrong_shape", f"{field}[{i}] must be an object with '{role_key}' and '{content_key}'")
+            raise RowRejected(
+                "wrong_shape", f"{field}[{i}] must be an object with '{role_key}' and '{content_key}'"
+            )
         out.append((turn[role_key], _text_content(turn[content_key], i)))
     return out
 

@@ -76,11 +76,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_angles(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, dim] of rotate-half RoPE at `positions` [T] (computed in float64, then cast)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
-    return torch.cat([angles.cos(), angles.cos()], -1).to(dtype), torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    return torch.cat([angles.cos(), angles.cos()], -1).to(dtype), torch.cat(
+        [angles.sin(), angles.sin()], -1
+    ).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
-        cos, sin = rope_angles(positions, d, self.cfg.rope_theta, x.dtype) if isinstance(positions, torch.Tensor) else positions
+        cos, sin = (
+            rope_angles(positions, d, self.cfg.rope_theta, x.dtype)
+            if isinstance(positions, torch.Tensor)
+            else positions
+        )
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
@@ -129,7 +137,10 @@ class Attention(nn.Module):
         return self._out(_flex_attention(q.is_cuda)(q, k, v, block_mask=block_mask, enable_gqa=True))
 
     def attend_ttt(
-        self, q: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor], chain: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        q: torch.Tensor,
+        prefix: tuple[torch.Tensor, torch.Tensor],
+        chain: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """The TTT mask without building it: q [B, heads, T, d] attends causally to step 0's keys (`prefix`)
         and, entry by entry, to its own keys of steps 1..k (`chain`), returning [B, T, H].
@@ -143,7 +154,9 @@ class Attention(nn.Module):
         ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, T, k, d]
         cv = torch.stack([self._expand(v) for _, v in chain], dim=3)
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, heads, T, T]
+        prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(
+            ~causal, float("-inf")
+        )  # [B, heads, T, T]
         chain_scores = (q.unsqueeze(3) * ck).sum(-1) * scale  # [B, heads, T, k]
         weights = torch.softmax(torch.cat([prefix_scores, chain_scores], dim=-1).float(), dim=-1).to(q.dtype)
         out = weights[..., :t] @ pv + (weights[..., t:].unsqueeze(-1) * cv).sum(3)
@@ -180,7 +193,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def qkv(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | Angles) -> tuple[torch.Tensor, ...]:
+    def qkv(
+        self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | Angles
+    ) -> tuple[torch.Tensor, ...]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
         return self.self_attn.project(x, positions)
 
@@ -204,7 +219,9 @@ def ttt_block_mask(length: int, step: int, device: torch.device) -> Any:
     def allowed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return ((kv < length) & (kv <= q)) | ((kv >= length) & (kv % length == q))
 
-    return create_block_mask(allowed, B=None, H=None, Q_LEN=length, KV_LEN=(step + 1) * length, device=str(device))
+    return create_block_mask(
+        allowed, B=None, H=None, Q_LEN=length, KV_LEN=(step + 1) * length, device=str(device)
+    )
 
 
 @cache
@@ -259,7 +276,10 @@ class Eagle3Drafter(nn.Module):
             q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, positions)
             kvs.append((key, value))
             if attention == "flex":
-                keys, values = torch.cat([kv[0] for kv in kvs], dim=2), torch.cat([kv[1] for kv in kvs], dim=2)
+                keys, values = (
+                    torch.cat([kv[0] for kv in kvs], dim=2),
+                    torch.cat([kv[1] for kv in kvs], dim=2),
+                )
                 attn_out = attn.attend_flex(q, keys, values, ttt_block_mask(t, k, aux.device))
             else:
                 attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])

@@ -83,7 +83,9 @@ def _shard_infos(shard_paths: Sequence[Path]) -> list[_ShardInfo]:
     infos = []
     for path in shard_paths:
         meta = decode_metadata(read_header(Path(path))[0])
-        infos.append(_ShardInfo(Path(path), Path(path).stem, meta["checksum"], meta.get("tokenizer_fingerprint")))
+        infos.append(
+            _ShardInfo(Path(path), Path(path).stem, meta["checksum"], meta.get("tokenizer_fingerprint"))
+        )
     keys = [i.key for i in infos]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
@@ -105,7 +107,9 @@ def _common_tokenizer(infos: list[_ShardInfo]) -> str:
     return next(iter(groups))
 
 
-def _fingerprint(tokenizer_fingerprint: str, shard_set: list[tuple[str, str]], k: int, target_vocab_size: int) -> str:
+def _fingerprint(
+    tokenizer_fingerprint: str, shard_set: list[tuple[str, str]], k: int, target_vocab_size: int
+) -> str:
     blob = json.dumps(
         {
             "schema": SCHEMA,
@@ -201,7 +205,9 @@ def build_vocab_mapping(
     ascending order instead of failing; `padded` says how many.
     """
     if draft_vocab_size <= 0 or target_vocab_size <= 0:
-        raise ValueError(f"vocab sizes must be positive (draft {draft_vocab_size}, target {target_vocab_size})")
+        raise ValueError(
+            f"vocab sizes must be positive (draft {draft_vocab_size}, target {target_vocab_size})"
+        )
     infos = _shard_infos(shard_paths)
     _checked_tokenizer(infos, tokenizer_fingerprint)
     k = min(draft_vocab_size, target_vocab_size)
@@ -255,7 +261,9 @@ def _read_files(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     header_len = int.from_bytes(blob[:8], "little")
     metadata = json.loads(blob[8 : 8 + header_len]).get("__metadata__", {})
     if metadata.get("schema") != SCHEMA:
-        raise ValueError(f"{directory / TENSORS_FILE}: not a vocab mapping (schema {metadata.get('schema')!r})")
+        raise ValueError(
+            f"{directory / TENSORS_FILE}: not a vocab mapping (schema {metadata.get('schema')!r})"
+        )
     info: dict[str, Any] = json.loads(metadata["info"])
     side = json.loads((directory / INFO_FILE).read_text())
     if side.get("fingerprint") != info["fingerprint"]:

@@ -71,7 +71,11 @@ class Measurement:
                     "per_position": [round(x, 4) for x in a.per_position],
                     "tokens_per_s": round(self.speculative[k].tokens_per_s, 2),
                     "speedup": round(self.speedup(k), 4),
-                    **({"greedy_mismatches": self.greedy_mismatches[k]} if k in self.greedy_mismatches else {}),
+                    **(
+                        {"greedy_mismatches": self.greedy_mismatches[k]}
+                        if k in self.greedy_mismatches
+                        else {}
+                    ),
                 }
                 for k, a in self.acceptance.items()
             },
@@ -107,7 +111,9 @@ def measure(
         return target_generate(model, p, settings.max_new_tokens, eos_ids, sampling)
 
     def spec(p: list[int], k: int) -> Any:
-        return speculative_generate(model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling)
+        return speculative_generate(
+            model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling
+        )
 
     with _attention_without_cudnn():
         return _measure(target, spec, device, prompts, settings, progress)

@@ -24,8 +24,9 @@ def _save(fig: Figure, out: Path) -> Path:
     return out
 
 
-def acceptance_bars(per_position: Mapping[int, Sequence[float]], lengths: Mapping[int, float], out: Path,
-                    title: str) -> Path:
+def acceptance_bars(
+    per_position: Mapping[int, Sequence[float]], lengths: Mapping[int, float], out: Path, title: str
+) -> Path:
     """Unconditional acceptance of each draft position, one group of bars per K, AL in the legend."""
     fig = Figure(figsize=(7, 3.6))
     ax = fig.subplots()
@@ -52,17 +53,28 @@ def training_curves(records: Sequence[Mapping[str, Any]], steps: int, out: Path,
     loss_ax, acc_ax = fig.subplots(1, 2)
     for rows, style, name in ((train, "-", "train"), (val, "o--", "val")):
         if rows:
-            loss_ax.plot([r["step"] for r in rows], [r["loss_0"] for r in rows], style, label=f"{name} loss_0")
+            loss_ax.plot(
+                [r["step"] for r in rows], [r["loss_0"] for r in rows], style, label=f"{name} loss_0"
+            )
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("soft cross-entropy (nats)")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
     for k in range(steps):  # train as thin lines, validation as dots, one colour per TTT position
         if train:
-            acc_ax.plot([r["step"] for r in train], [r[f"acc_{k}"] for r in train], "-", color=f"C{k}", alpha=0.5,
-                        linewidth=1, label=None if val else f"acc_{k}")
+            acc_ax.plot(
+                [r["step"] for r in train],
+                [r[f"acc_{k}"] for r in train],
+                "-",
+                color=f"C{k}",
+                alpha=0.5,
+                linewidth=1,
+                label=None if val else f"acc_{k}",
+            )
         if val:
-            acc_ax.plot([r["step"] for r in val], [r[f"acc_{k}"] for r in val], "o", color=f"C{k}", label=f"acc_{k}")
+            acc_ax.plot(
+                [r["step"] for r in val], [r[f"acc_{k}"] for r in val], "o", color=f"C{k}", label=f"acc_{k}"
+            )
     acc_ax.set_xlabel("step")
     acc_ax.set_ylabel("top-1 accuracy (conditional; dots: val)")
     acc_ax.set_ylim(0, 1)

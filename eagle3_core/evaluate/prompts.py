@@ -62,7 +62,9 @@ def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> P
                 sample = json.loads(line)
                 if sample.get("split") != "heldout":
                     continue
-                conv = build_conversation([(m["role"], m["content"]) for m in sample["messages"]], require_assistant=False)
+                conv = build_conversation(
+                    [(m["role"], m["content"]) for m in sample["messages"]], require_assistant=False
+                )
                 for turn, messages in enumerate(_user_prefixes(conv, per_conversation)):
                     prompts.append(EvalPrompt(f"{sample['id'][:16]}/{turn}", messages))
                     if len(prompts) == limit:
@@ -76,7 +78,11 @@ def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> P
 
 
 def _turns(record: Any) -> list[tuple[object, object]]:
-    if isinstance(record, dict) and "turns" in record and not {"messages", "conversations", "prompt"} & set(record):
+    if (
+        isinstance(record, dict)
+        and "turns" in record
+        and not {"messages", "conversations", "prompt"} & set(record)
+    ):
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise RowRejected("wrong_shape", "'turns' must be a non-empty list of strings")

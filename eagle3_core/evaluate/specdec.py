@@ -57,7 +57,9 @@ class DraftCache:
         if start + n > self._cos.shape[0]:
             size = max(2 * self._cos.shape[0], start + n, 256)
             cfg = self.drafter.cfg
-            self._cos, self._sin = rope_angles(torch.arange(size, device=like.device), cfg.dim, cfg.rope_theta, like.dtype)
+            self._cos, self._sin = rope_angles(
+                torch.arange(size, device=like.device), cfg.dim, cfg.rope_theta, like.dtype
+            )
         return self._cos[start : start + n], self._sin[start : start + n]
 
     def step(self, tokens: torch.Tensor, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +71,11 @@ class DraftCache:
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         total = self.keys.shape[2]
         # entry i sees every cached entry before the new block and the new block up to itself
-        mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=total - n)
+        mask = (
+            None
+            if n == 1
+            else torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=total - n)
+        )
         out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask, enable_gqa=True)
         prenorm = d.midlayer.finish(h[None], d.midlayer.self_attn._out(out))[0]
         return d.lm_head(d.norm(prenorm)), prenorm
@@ -97,7 +103,9 @@ class Sampling:
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One id per row of probs [..., V]."""
-        return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.generator).reshape(probs.shape[:-1])
+        return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.generator).reshape(
+            probs.shape[:-1]
+        )
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1) if self.greedy else self.draw(self.probs(logits))
@@ -114,7 +122,10 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[in
 
 
 def verify_sampled(
-    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
 ) -> tuple[int, list[int]]:
     """Speculative sampling of one round.
 
@@ -159,12 +170,16 @@ def cached_forward(model: Any, ids: torch.Tensor, kv: Any, **kwargs: Any) -> Any
     before = kv.get_seq_length()
     out = model(input_ids=ids[None], use_cache=True, **{_cache_argument(model): kv}, **kwargs)
     if kv.get_seq_length() != before + ids.numel():
-        raise RuntimeError(f"the target's KV cache went from {before} to {kv.get_seq_length()} entries over "
-                           f"{ids.numel()} tokens: the model did not use the cache it was given")
+        raise RuntimeError(
+            f"the target's KV cache went from {before} to {kv.get_seq_length()} entries over "
+            f"{ids.numel()} tokens: the model did not use the cache it was given"
+        )
     return out
 
 
-def _target_forward(model: Any, ids: torch.Tensor, kv: Any, aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_forward(
+    model: Any, ids: torch.Tensor, kv: Any, aux_layer_ids: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits [n, V] and aux states [n, 3H] of `ids` appended to the KV cache."""
     out = cached_forward(model, ids, kv, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[k][0] for k in aux_layer_ids], dim=-1)
@@ -200,13 +215,18 @@ def speculative_generate(
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
         drafts, qs = _draft_chain(draft, draft_logits[-1], h[-1:], n, k, to_target, sampling)
-        vlogits, vaux = _target_forward(model, torch.cat([torch.tensor(out[-1:], device=device), drafts]), kv,
-                                        aux_layer_ids)
+        vlogits, vaux = _target_forward(
+            model, torch.cat([torch.tensor(out[-1:], device=device), drafts]), kv, aux_layer_ids
+        )
         if sampling.greedy:
             a, committed = verify_greedy(drafts, vlogits)
         else:
-            a, committed = verify_sampled(drafts, _on_target_ids(qs, to_target, vlogits.shape[-1]),
-                                          sampling.probs(vlogits), sampling.generator)
+            a, committed = verify_sampled(
+                drafts,
+                _on_target_ids(qs, to_target, vlogits.shape[-1]),
+                sampling.probs(vlogits),
+                sampling.generator,
+            )
         result.accepted.append(a)
         _crop(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
         draft.crop(n)  # the drafter keeps only entries made from target features
@@ -218,7 +238,13 @@ def speculative_generate(
 
 
 def _draft_chain(
-    draft: DraftCache, logits: torch.Tensor, h: torch.Tensor, n: int, k: int, to_target: torch.Tensor, sampling: Sampling
+    draft: DraftCache,
+    logits: torch.Tensor,
+    h: torch.Tensor,
+    n: int,
+    k: int,
+    to_target: torch.Tensor,
+    sampling: Sampling,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K drafts as target ids [K] (and, when sampling, their draft-vocab distributions [K, Vd])."""
     ids: list[torch.Tensor] = []

@@ -15,7 +15,9 @@ def shard_key(dataset: str, index: int) -> str:
 
 def check_shard_key(key: str) -> str:
     if not SHARD_KEY.match(key):
-        raise ValueError(f"{key!r} is not a shard key (expected '{{dataset}}-{{index:05d}}', e.g. 'chat-00003')")
+        raise ValueError(
+            f"{key!r} is not a shard key (expected '{{dataset}}-{{index:05d}}', e.g. 'chat-00003')"
+        )
     return key
 
 

@@ -95,7 +95,9 @@ def plan_slots(lengths: list[int], hidden_size: int, num_aux: int, store_dtype: 
     return slots
 
 
-def estimate_shard_bytes(lengths: list[int], hidden_size: int, num_aux: int = 3, store_dtype: str = "bfloat16") -> int:
+def estimate_shard_bytes(
+    lengths: list[int], hidden_size: int, num_aux: int = 3, store_dtype: str = "bfloat16"
+) -> int:
     slots = plan_slots(lengths, hidden_size, num_aux, store_dtype)
     return sum(s.nbytes for s in slots.values()) + _reserved_header_bytes(len(lengths)) + 8
 
@@ -171,7 +173,9 @@ class ShardWriter:
         )
         self.temp = temp_path_for(path)
         self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._header_room = self._header_len(self._header(placeholder=True)) + _reserved_header_bytes(len(lengths))
+        self._header_room = self._header_len(self._header(placeholder=True)) + _reserved_header_bytes(
+            len(lengths)
+        )
         self._header_room += (-(8 + self._header_room)) % DATA_ALIGN
         self._data_start = 8 + self._header_room
         self._preallocate(self._data_start + sum(s.nbytes for s in self.slots.values()))
@@ -222,7 +226,10 @@ class ShardWriter:
         try:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as err:
-            if err.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: the filesystem cannot; fall back to a sparse file
+            if err.errno not in (
+                95,
+                22,
+            ):  # EOPNOTSUPP / EINVAL: the filesystem cannot; fall back to a sparse file
                 raise
             os.ftruncate(self._fd, size)
 
@@ -232,7 +239,12 @@ class ShardWriter:
         os.pwrite(self._fd, data, self._data_start + slot.start + first_row * slot.row_bytes)
 
     def write_sample(
-        self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, last: torch.Tensor
+        self,
+        index: int,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
     ) -> None:
         """Write sample `index`: input_ids/loss_mask [T], aux [T, 3H], last [T, H] (any float dtype/device)."""
         n = self.lengths[index]
@@ -242,7 +254,12 @@ class ShardWriter:
             "aux_hidden_states": (n, self.num_aux * self.hidden_size),
             "last_hidden_states": (n, self.hidden_size),
         }
-        tensors = {"input_ids": input_ids, "loss_mask": loss_mask, "aux_hidden_states": aux, "last_hidden_states": last}
+        tensors = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "aux_hidden_states": aux,
+            "last_hidden_states": last,
+        }
         h = _digest()
         first = int(self.offsets[index])
         for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
@@ -302,7 +319,9 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None:
             self.abort()
         elif self._fd >= 0:
@@ -423,7 +442,10 @@ class ShardReader:
         j = self._index[i]
         first, rows = self._rows(j)
         h = _digest() if verify else None
-        tensors = [self._tensor(n, first, rows, h) for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")]
+        tensors = [
+            self._tensor(n, first, rows, h)
+            for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
+        ]
         if h is not None and h.hexdigest() != self._digests[j]:
             raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
         return ShardSample(self._all_ids[j], *tensors)
@@ -444,9 +466,13 @@ class ShardReader:
             dest = out[name]
             n = dest.shape[0]
             if dest.dtype != DTYPES[_dtype_name(self.header[name]["dtype"])][0] or n > rows:
-                raise ValueError(f"{self.path}: cannot copy {name} ({rows} rows) into {dest.dtype} x {n} rows")
+                raise ValueError(
+                    f"{self.path}: cannot copy {name} ({rows} rows) into {dest.dtype} x {n} rows"
+                )
             row_bytes = len(raw) // rows
-            dest.view(torch.uint8).numpy().reshape(n, row_bytes)[:] = np.frombuffer(raw[: n * row_bytes], np.uint8).reshape(n, row_bytes)
+            dest.view(torch.uint8).numpy().reshape(n, row_bytes)[:] = np.frombuffer(
+                raw[: n * row_bytes], np.uint8
+            ).reshape(n, row_bytes)
         if h.hexdigest() != self._digests[j]:
             raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
 

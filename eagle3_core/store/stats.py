@@ -91,7 +91,9 @@ def verify_shard(path: Path) -> VerifyResult:
     )
 
     if TEMP_MARK in path.name:
-        return VerifyResult(path, [f"{path}: temporary file of an unfinished write (removed by the next write)"])
+        return VerifyResult(
+            path, [f"{path}: temporary file of an unfinished write (removed by the next write)"]
+        )
     try:
         with ShardReader(path) as reader:
             problems = reader.verify()
@@ -99,7 +101,9 @@ def verify_shard(path: Path) -> VerifyResult:
         return VerifyResult(path, [str(err)])
     manifest_path = path.with_suffix(".json")
     if not manifest_path.exists():
-        problems.append(f"{manifest_path}: manifest missing (`eagle3 verify --repair` rewrites it from the header)")
+        problems.append(
+            f"{manifest_path}: manifest missing (`eagle3 verify --repair` rewrites it from the header)"
+        )
     elif not problems:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("header_checksum") != manifest_from_header(path)["header_checksum"]:

@@ -32,7 +32,9 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, int, 
     if len(ids) != 3 or len(set(ids)) != 3:
         raise ValueError(f"target.aux_layer_ids must be three distinct layers, got {list(ids)}")
     if not all(0 <= k < num_layers for k in ids):
-        raise ValueError(f"target.aux_layer_ids {list(ids)} must lie in [0, {num_layers - 1}] for {num_layers} layers")
+        raise ValueError(
+            f"target.aux_layer_ids {list(ids)} must lie in [0, {num_layers - 1}] for {num_layers} layers"
+        )
     return (ids[0], ids[1], ids[2])
 
 

@@ -25,7 +25,12 @@ from eagle3_core.targets.base import (
     default_aux_layer_ids,
 )
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -69,7 +74,9 @@ def target_fingerprint(model_dir: Path) -> str:
             h.update((model_dir / name).read_bytes())
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
-        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (pickled .bin weights are not loaded)")
+        raise FileNotFoundError(
+            f"{model_dir} has no *.safetensors weights (pickled .bin weights are not loaded)"
+        )
     for path in weights:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -90,7 +97,9 @@ def decoder_layers(model: Any) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (expected model.get_decoder().layers)")
+        raise TypeError(
+            f"{type(model).__name__}: cannot find the decoder layers (expected model.get_decoder().layers)"
+        )
     return layers
 
 

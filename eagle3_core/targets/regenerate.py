@@ -135,7 +135,11 @@ class Regenerator:
     def _finish(d: _Dialogue, counts: Counter[str]) -> dict[str, Any]:
         if d.stop:
             counts[f"stopped_{d.stop}"] += 1
-        row = {"id": d.sample["id"], "source": d.sample.get("source"), "turns_regenerated": d.turns_regenerated}
+        row = {
+            "id": d.sample["id"],
+            "source": d.sample.get("source"),
+            "turns_regenerated": d.turns_regenerated,
+        }
         if d.turns_regenerated == 0:
             counts["errors"] += 1
             return {**row, "error": d.stop or "no_user_turn", "messages": []}
@@ -151,5 +155,7 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
         elif isinstance(value, list):
             ids.extend(value)
     if not ids:
-        raise ValueError("the target has no eos token id (generation_config.eos_token_id or tokenizer.eos_token)")
+        raise ValueError(
+            "the target has no eos token id (generation_config.eos_token_id or tokenizer.eos_token)"
+        )
     return list(dict.fromkeys(ids))

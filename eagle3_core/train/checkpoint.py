@@ -65,7 +65,9 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()
+    ]
     return sorted(found)
 
 

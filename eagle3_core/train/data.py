@@ -25,8 +25,14 @@ from eagle3_core.store.shards import DTYPES, ShardReader
 
 # Header facts every shard of one training run must share: mixing them would train on two different targets,
 # layer choices or conventions at once.
-SHARED_FACTS = ("hidden_size", "num_aux", "aux_layer_ids", "aux_layer_convention", "final_state_convention",
-                "tokenizer_fingerprint")
+SHARED_FACTS = (
+    "hidden_size",
+    "num_aux",
+    "aux_layer_ids",
+    "aux_layer_convention",
+    "final_state_convention",
+    "tokenizer_fingerprint",
+)
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,12 @@ class TrainingData:
 
         def fill(i: int) -> None:
             ref, n = refs[i], lengths[i]
-            rows = {"input_ids": input_ids[i, :n], "loss_mask": loss_mask[i, :n],
-                    "aux_hidden_states": aux[i, :n], "last_hidden_states": last[i, :n]}
+            rows = {
+                "input_ids": input_ids[i, :n],
+                "loss_mask": loss_mask[i, :n],
+                "aux_hidden_states": aux[i, :n],
+                "last_hidden_states": last[i, :n],
+            }
             self.readers[ref.shard].copy_sample_into(ref.index, rows)
             for padding in (input_ids[i, n:], loss_mask[i, n:], aux[i, n:], last[i, n:]):
                 padding.zero_()
@@ -168,15 +178,28 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
-        return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
-                     self.aux.to(device, non_blocking=nb), self.last.to(device, non_blocking=nb), self.tokens)
+        return Batch(
+            self.input_ids.to(device, non_blocking=nb),
+            self.loss_mask.to(device, non_blocking=nb),
+            self.aux.to(device, non_blocking=nb),
+            self.last.to(device, non_blocking=nb),
+            self.tokens,
+        )
 
 
 class Prefetcher:
     """Loads and collates batches on background threads, `depth` ahead, yielding them in order."""
 
-    def __init__(self, data: TrainingData, refs: Sequence[SampleRef], max_len: int, *, threads: int | None, depth: int,
-                 pin: bool = False) -> None:
+    def __init__(
+        self,
+        data: TrainingData,
+        refs: Sequence[SampleRef],
+        max_len: int,
+        *,
+        threads: int | None,
+        depth: int,
+        pin: bool = False,
+    ) -> None:
         self.data, self.refs, self.max_len, self.pin = data, refs, max_len, pin
         self.depth = depth
         # Hashing and copying release the GIL, so sample copies scale with cores (on a GPU host a token is

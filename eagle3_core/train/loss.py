@@ -28,7 +28,9 @@ class TTTTargets:
         return self.masks.sum(dim=(1, 2)).to(torch.float64)
 
 
-def ttt_targets(target_logits: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int) -> TTTTargets:
+def ttt_targets(
+    target_logits: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int
+) -> TTTTargets:
     """target_logits [B, T, V_target], loss_mask [B, T], t2d bool [V_target] -> the teacher and the masks."""
     teacher_logp = F.log_softmax(target_logits[..., t2d].float(), dim=-1)
     in_draft = t2d[target_logits.argmax(-1)]  # [B, T]: the target's top token is draftable
@@ -111,7 +113,9 @@ def ttt_loss(
     steps, t = len(draft_logits), targets.teacher_logp.shape[1]
     norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
     total = torch.zeros((), device=targets.teacher_logp.device)
-    sums = torch.zeros(4, steps, dtype=torch.float64, device=total.device)  # stays on device: no sync per step
+    sums = torch.zeros(
+        4, steps, dtype=torch.float64, device=total.device
+    )  # stays on device: no sync per step
     teacher_top = targets.teacher_logp.argmax(-1)  # [B, T]
     all_right = torch.ones_like(targets.masks[0])
     for k, logits in enumerate(draft_logits):

@@ -96,7 +96,9 @@ def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor
     """Load saved trainable weights; anything but the (shared, frozen) embedding missing or extra is an error."""
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if unexpected or set(missing) != {"embed_tokens.weight"}:
-        raise Eagle3Error(f"{where}: drafter weights do not match (missing {missing}, unexpected {unexpected})")
+        raise Eagle3Error(
+            f"{where}: drafter weights do not match (missing {missing}, unexpected {unexpected})"
+        )
 
 
 # ---- the run's identity and schedule -----------------------------------------------------------------------
@@ -120,14 +122,20 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-MIN_BATCH = 8  # samples per global batch: every rank of up to 8 gets one, and the plan is the same for 1..8 ranks
+MIN_BATCH = (
+    8  # samples per global batch: every rank of up to 8 gets one, and the plan is the same for 1..8 ranks
+)
 
 
 def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, list[int]]]:
     """(epoch, batch) for every optimizer step of the run, fixed by the seed (and by the world size only
     beyond MIN_BATCH ranks, so 1 and 2 processes see the same global batches)."""
     min_batch = max(MIN_BATCH, world)
-    steps = [(e, b) for e in range(cfg.epochs) for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, e, min_batch)]
+    steps = [
+        (e, b)
+        for e in range(cfg.epochs)
+        for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, e, min_batch)
+    ]
     return steps[: cfg.max_steps] if cfg.max_steps is not None else steps
 
 
@@ -240,24 +248,54 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def _setup(world: World, cfg: TrainConfig, data: TrainingData, head: TargetHead, mapping: VocabMapping,
-           dcfg: DrafterConfig) -> Setup:
+def _setup(
+    world: World,
+    cfg: TrainConfig,
+    data: TrainingData,
+    head: TargetHead,
+    mapping: VocabMapping,
+    dcfg: DrafterConfig,
+) -> Setup:
     cuda = world.device.type == "cuda"
     bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
-    attention: AttentionBackend = "flex" if cfg.attention == "flex" or (cfg.attention == "auto" and cuda) else "sdpa"
+    attention: AttentionBackend = (
+        "flex" if cfg.attention == "flex" or (cfg.attention == "auto" and cuda) else "sdpa"
+    )
     if attention == "flex" and not cuda:
-        raise Eagle3Error("train.attention 'flex' needs a GPU (torch has no flex attention backward on CPU); use sdpa")
+        raise Eagle3Error(
+            "train.attention 'flex' needs a GPU (torch has no flex attention backward on CPU); use sdpa"
+        )
     head_dtype = torch.bfloat16 if bf16 else torch.float32
-    head = TargetHead(head.embed, head.lm_head.to(world.device, head_dtype),
-                      None if head.final_norm is None else head.final_norm.to(world.device, head_dtype), head.rms_norm_eps)
+    head = TargetHead(
+        head.embed,
+        head.lm_head.to(world.device, head_dtype),
+        None if head.final_norm is None else head.final_norm.to(world.device, head_dtype),
+        head.rms_norm_eps,
+    )
     drafter = new_drafter(dcfg, head, mapping, cfg.seed).to(world.device)
     model: nn.Module = drafter
     if world.distributed:
         model = DistributedDataParallel(drafter, device_ids=[world.device] if cuda else None)
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    return Setup(world, cfg, data, head, mapping, drafter, model, optimizer, mapping.t2d.to(world.device), attention,
-                 bf16, data.facts["final_state_convention"])
+    optimizer = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.95),
+    )
+    return Setup(
+        world,
+        cfg,
+        data,
+        head,
+        mapping,
+        drafter,
+        model,
+        optimizer,
+        mapping.t2d.to(world.device),
+        attention,
+        bf16,
+        data.facts["final_state_convention"],
+    )
 
 
 def _check_inputs(data: TrainingData, mapping: VocabMapping, dcfg: DrafterConfig) -> None:
@@ -265,14 +303,20 @@ def _check_inputs(data: TrainingData, mapping: VocabMapping, dcfg: DrafterConfig
     if facts["tokenizer_fingerprint"] != mapping.tokenizer_fingerprint:
         raise Eagle3Error("the vocab mapping was built for another tokenizer than the shards'; rebuild it")
     if mapping.target_vocab_size != dcfg.target_vocab_size:
-        raise Eagle3Error(f"vocab mapping over {mapping.target_vocab_size} ids, target vocab {dcfg.target_vocab_size}")
+        raise Eagle3Error(
+            f"vocab mapping over {mapping.target_vocab_size} ids, target vocab {dcfg.target_vocab_size}"
+        )
     if facts["hidden_size"] != dcfg.target_hidden_size:
-        raise Eagle3Error(f"shards hold hidden size {facts['hidden_size']}, the target has {dcfg.target_hidden_size}")
+        raise Eagle3Error(
+            f"shards hold hidden size {facts['hidden_size']}, the target has {dcfg.target_hidden_size}"
+        )
     if facts["final_state_convention"] not in ("pre_norm", "post_norm"):
         raise Eagle3Error(f"shards record no final-state convention ({facts['final_state_convention']!r})")
 
 
-def _write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: dict[str, Any]) -> Path:
+def _write_final(
+    run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: dict[str, Any]
+) -> Path:
     """final/: weights, drafter config, the vocab mapping it is bound to, and the summary; whole or absent."""
     from safetensors.torch import save_file
 
@@ -280,7 +324,10 @@ def _write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, s
     temp = run_dir / f"{FINAL}{TEMP_MARK}{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
-    save_file({n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()}, str(temp / "drafter.safetensors"))
+    save_file(
+        {n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()},
+        str(temp / "drafter.safetensors"),
+    )
     atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
     save_vocab_mapping(mapping, temp / "vocab_mapping")
     atomic_write_json(temp / "summary.json", summary)
@@ -292,8 +339,17 @@ def _write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, s
 
 def _result_from_final(run_dir: Path, resumed_from: int | None) -> TrainResult:
     summary = json.loads((run_dir / FINAL / "summary.json").read_text())
-    return TrainResult(run_dir, run_dir / FINAL, summary["steps"], summary["tokens"], summary["seconds"],
-                       summary["val"], resumed_from, DrafterConfig(**summary["drafter_config"]), summary)
+    return TrainResult(
+        run_dir,
+        run_dir / FINAL,
+        summary["steps"],
+        summary["tokens"],
+        summary["seconds"],
+        summary["val"],
+        resumed_from,
+        DrafterConfig(**summary["drafter_config"]),
+        summary,
+    )
 
 
 def train_drafter(
@@ -308,14 +364,23 @@ def train_drafter(
     world = init_world(cfg.device)
     data = TrainingData(shard_paths)
     try:
-        return _train(world, data, target_dir, mapping, runs_dir, cfg, log if world.is_main else (lambda _: None))
+        return _train(
+            world, data, target_dir, mapping, runs_dir, cfg, log if world.is_main else (lambda _: None)
+        )
     finally:
         data.close()
         close_world(world)
 
 
-def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMapping, runs_dir: Path,
-           cfg: TrainConfig, log: Log) -> TrainResult:
+def _train(
+    world: World,
+    data: TrainingData,
+    target_dir: Path,
+    mapping: VocabMapping,
+    runs_dir: Path,
+    cfg: TrainConfig,
+    log: Log,
+) -> TrainResult:
     dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size)
     _check_inputs(data, mapping, dcfg)
     run_dir = runs_dir / run_id(cfg, mapping, str(data.facts["target_fingerprint"]), dcfg)
@@ -337,7 +402,9 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
         torch.set_rng_state(torch.tensor(ckpt.state["rng_cpu"], dtype=torch.uint8))
         step, tokens, resumed_from = ckpt.step, ckpt.state["tokens"], ckpt.step
         if world.is_main:  # the saved sums are over all ranks already: one rank carries them on
-            interval = TTTStats(torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64, device=world.device))
+            interval = TTTStats(
+                torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64, device=world.device)
+            )
             interval_tokens = ckpt.state["interval_tokens"]
         metrics.cut_to(ckpt.state["metrics_bytes"])
         log(f"resuming run {run_dir.name} from step {step}")
@@ -345,12 +412,18 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
         metrics.cut_to(0)  # a run that never checkpointed starts its log afresh
     world.barrier()
 
-    log(f"training run {run_dir.name}: {len(train_refs)} samples ({len(val_refs)} validation), {len(plan)} steps, "
+    log(
+        f"training run {run_dir.name}: {len(train_refs)} samples ({len(val_refs)} validation), {len(plan)} steps, "
         f"{world.size} process(es) on {world.device}, attention {s.attention}, "
-        f"{'bf16 autocast' if s.autocast_bf16 else 'float32'}")
+        f"{'bf16 autocast' if s.autocast_bf16 else 'float32'}"
+    )
     pin = world.device.type == "cuda"
-    prefetch = Prefetcher(data, train_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
-    val_prefetch = Prefetcher(data, val_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin)
+    prefetch = Prefetcher(
+        data, train_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    )
+    val_prefetch = Prefetcher(
+        data, val_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    )
     started = time.perf_counter()
     interval_started = started
     try:
@@ -366,18 +439,35 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
                 reduced, n = _reduce_interval(world, interval, interval_tokens)
                 tokens += n
                 weighted = sum(cfg.step_weight**k * x for k, x in enumerate(reduced.step_losses))
-                metrics.write({"kind": "train", "step": step, "epoch": epoch, "lr": lr, "loss": round(weighted, 6),
-                               **reduced.report(), "tokens": tokens,
-                               "tokens_per_s": round(n / max(now - interval_started, 1e-9), 1),
-                               "elapsed_s": round(now - started, 2)})
-                log(f"step {step}/{len(plan)} loss {weighted:.3f} acc_0 {reduced.acc[0]:.3f} "
-                    f"tau_{cfg.ttt_steps} {reduced.tau(cfg.ttt_steps):.2f} {n / max(now - interval_started, 1e-9):,.0f} tok/s")
-                interval, interval_tokens, interval_started = TTTStats.zeros(cfg.ttt_steps, world.device), 0, now
+                metrics.write(
+                    {
+                        "kind": "train",
+                        "step": step,
+                        "epoch": epoch,
+                        "lr": lr,
+                        "loss": round(weighted, 6),
+                        **reduced.report(),
+                        "tokens": tokens,
+                        "tokens_per_s": round(n / max(now - interval_started, 1e-9), 1),
+                        "elapsed_s": round(now - started, 2),
+                    }
+                )
+                log(
+                    f"step {step}/{len(plan)} loss {weighted:.3f} acc_0 {reduced.acc[0]:.3f} "
+                    f"tau_{cfg.ttt_steps} {reduced.tau(cfg.ttt_steps):.2f} {n / max(now - interval_started, 1e-9):,.0f} tok/s"
+                )
+                interval, interval_tokens, interval_started = (
+                    TTTStats.zeros(cfg.ttt_steps, world.device),
+                    0,
+                    now,
+                )
             if step % cfg.eval_every == 0 or step == len(plan):
                 val = validate(s, val_refs, val_prefetch) if val_refs else TTTStats.zeros(cfg.ttt_steps)
                 metrics.write({"kind": "val", "step": step, **val.report()})
-                log(f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
-                    f"tau_{cfg.ttt_steps} {val.tau(cfg.ttt_steps):.2f}")
+                log(
+                    f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
+                    f"tau_{cfg.ttt_steps} {val.tau(cfg.ttt_steps):.2f}"
+                )
             if step % cfg.checkpoint_every == 0 or step == len(plan):
                 _checkpoint(s, run_dir, step, tokens, interval, interval_tokens, metrics)
     finally:
@@ -387,19 +477,31 @@ def _train(world: World, data: TrainingData, target_dir: Path, mapping: VocabMap
     final_val = [r for r in read_metrics(run_dir) if r["kind"] == "val"] if world.is_main else []
     val_report = {k: v for k, v in final_val[-1].items() if k not in ("kind", "step")} if final_val else {}
     summary = {
-        "run": run_dir.name, "steps": step, "tokens": tokens, "seconds": round(seconds, 2), "val": val_report,
-        "drafter_config": dcfg.model_dump(), "vocab_mapping": mapping.fingerprint,
-        "target_fingerprint": data.facts["target_fingerprint"], "aux_layer_ids": data.facts["aux_layer_ids"],
+        "run": run_dir.name,
+        "steps": step,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "val": val_report,
+        "drafter_config": dcfg.model_dump(),
+        "vocab_mapping": mapping.fingerprint,
+        "target_fingerprint": data.facts["target_fingerprint"],
+        "aux_layer_ids": data.facts["aux_layer_ids"],
         "aux_layer_convention": data.facts["aux_layer_convention"],
         "final_state_convention": data.facts["final_state_convention"],
-        "train_samples": len(train_refs), "val_samples": len(val_refs), "world_size": world.size,
-        "attention": s.attention, "bf16": s.autocast_bf16, "train_config": cfg.model_dump(),
+        "train_samples": len(train_refs),
+        "val_samples": len(val_refs),
+        "world_size": world.size,
+        "attention": s.attention,
+        "bf16": s.autocast_bf16,
+        "train_config": cfg.model_dump(),
     }
     if world.is_main:
         _write_final(run_dir, s.drafter, mapping, summary)
         log(f"run {run_dir.name} finished: {run_dir / FINAL}")
     world.barrier()
-    return TrainResult(run_dir, run_dir / FINAL, step, tokens, round(seconds, 2), val_report, resumed_from, dcfg, summary)
+    return TrainResult(
+        run_dir, run_dir / FINAL, step, tokens, round(seconds, 2), val_report, resumed_from, dcfg, summary
+    )
 
 
 def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTTStats, int]:
@@ -409,8 +511,15 @@ def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTT
     return TTTStats(sums), int(n.item())
 
 
-def _checkpoint(s: Setup, run_dir: Path, step: int, tokens: int, interval: TTTStats, interval_tokens: int,
-                metrics: MetricsLog) -> None:
+def _checkpoint(
+    s: Setup,
+    run_dir: Path,
+    step: int,
+    tokens: int,
+    interval: TTTStats,
+    interval_tokens: int,
+    metrics: MetricsLog,
+) -> None:
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, interval, interval_tokens)
     if s.world.is_main:
@@ -421,7 +530,9 @@ def _checkpoint(s: Setup, run_dir: Path, step: int, tokens: int, interval: TTTSt
             "metrics_bytes": metrics.durable_size(),
             "rng_cpu": torch.get_rng_state().tolist(),
         }
-        save_checkpoint(run_dir, step, trainable_state(s.drafter), s.optimizer.state_dict(), state, s.cfg.keep_checkpoints)
+        save_checkpoint(
+            run_dir, step, trainable_state(s.drafter), s.optimizer.state_dict(), state, s.cfg.keep_checkpoints
+        )
     s.world.barrier()
 
 

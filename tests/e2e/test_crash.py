@@ -23,7 +23,16 @@ def test_sigkill_mid_extraction_then_resume(tmp_path: Path, toy_target_dir: Path
     assert eagle3(config, "ingest").returncode == 0
     layout = StoreLayout(tmp_path / "store")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(config), "extract", "--shard", "k-00000"],
+        [
+            sys.executable,
+            "-m",
+            "eagle3_dagster.cli",
+            "--config",
+            str(config),
+            "extract",
+            "--shard",
+            "k-00000",
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -38,7 +38,9 @@ def test_materialize_one_shard_through_all_three_assets(tmp_path: Path) -> None:
     assert result.success
     meta = {
         m.asset_key.path[-1]: m.metadata
-        for m in (e.event_specific_data.materialization for e in result.get_asset_materialization_events())  # type: ignore[union-attr]
+        for m in (
+            e.step_materialization_data.materialization for e in result.get_asset_materialization_events()
+        )
     }
     conv = meta["conversations"]
     assert conv["samples"].value == 4  # rows 1, 7 (a prompt: regeneration answers it), 9, 11

@@ -52,14 +52,25 @@ def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> P
     return project
 
 
-def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_measured(project: Path, toy_target_dir: Path) -> None:
+def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_measured(
+    project: Path, toy_target_dir: Path
+) -> None:
     cfg = load_config(project / "eagle3.yaml")
-    cfg = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompt_files": [str(FIXTURES / "prompts.jsonl")]})})
+    cfg = cfg.model_copy(
+        update={
+            "evaluate": cfg.evaluate.model_copy(update={"prompt_files": [str(FIXTURES / "prompts.jsonl")]})
+        }
+    )
     result = eval_step(cfg)
     report = json.loads((result.path / "report.json").read_text())
     heldout, from_file = report["sets"]["heldout"], report["sets"]["prompts"]
     assert heldout["prompts"] == 6 and from_file["prompts"] == 4
-    assert from_file["rejected"] == {"malformed_json": 1, "unknown_role": 1, "empty_content": 1, "wrong_shape": 1}
+    assert from_file["rejected"] == {
+        "malformed_json": 1,
+        "unknown_role": 1,
+        "empty_content": 1,
+        "wrong_shape": 1,
+    }
     for measured in (heldout, from_file):
         for k, r in measured["by_k"].items():
             assert r["greedy_mismatches"] == 0  # lossless on every prompt, at every K
@@ -76,19 +87,25 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
     assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
 
 
-def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(project: Path, toy_target_dir: Path, tmp_path: Path) -> None:
+def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(
+    project: Path, toy_target_dir: Path, tmp_path: Path
+) -> None:
     cfg = load_config(project / "eagle3.yaml")
     [run] = list(StoreLayout(cfg.store_root).exports.iterdir())
     bad = tmp_path / "bad"
     shutil.copytree(run / "sglang", bad)
     weights = load_file(str(bad / "model.safetensors"))
-    weights["lm_head.weight"] = weights["lm_head.weight"].roll(7, dims=0).contiguous()  # every draft a wrong id
+    weights["lm_head.weight"] = (
+        weights["lm_head.weight"].roll(7, dims=0).contiguous()
+    )  # every draft a wrong id
     save_file(weights, str(bad / "model.safetensors"))
     target = load_target(cfg, lambda _: None)
     drafter, d2t = load_exported(bad, "sglang", target)
     prompts = heldout_prompts(cfg.store_root, per_conversation=1, limit=6)
     ids = [encode(target.tokenizer, p.messages) for p in prompts.prompts]
-    m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, DecodeSettings((3,), 24))
+    m = measure(
+        target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, DecodeSettings((3,), 24)
+    )
     assert m.greedy_mismatches == {3: 0}
     assert m.acceptance[3].acceptance_length < 1.15
     assert m.acceptance[3].rounds >= m.speculative[3].tokens - 6 * 2  # nearly one round per token
@@ -102,8 +119,15 @@ def _run_gate(config: Path) -> dg.ExecuteInProcessResult:
 
     resource = Eagle3Resource(config_path=str(config))
     return dg.materialize(
-        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current,
-         not_worse_than_current],
+        [
+            *SHARD_ASSETS,
+            vocab_mapping,
+            drafter_checkpoint,
+            drafter_export,
+            drafter_eval,
+            drafter_current,
+            not_worse_than_current,
+        ],
         selection=[drafter_eval, drafter_current],
         instance=dg.DagsterInstance.ephemeral(),
         resources={"eagle3": resource, "target": TargetResource(eagle3=resource)},
@@ -117,7 +141,9 @@ def _latest(config: Path) -> str:
     return str(export_step(cfg).metadata["run"])
 
 
-def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(project: Path, toy_target_dir: Path) -> None:
+def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(
+    project: Path, toy_target_dir: Path
+) -> None:
     good_config = project / "eagle3.yaml"
     worse_config = _config(project, toy_target_dir, steps=1, name="worse.yaml")
     layout = StoreLayout(load_config(good_config).store_root)

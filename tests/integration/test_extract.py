@@ -28,13 +28,21 @@ def target(tiny_target_dir: Path) -> TransformersTarget:
 def _conversations(path: Path, n: int) -> None:
     with open(path, "w") as f:
         for i in range(n):
-            turns = [{"role": "user", "content": "hello " * (i % 7 + 1)}, {"role": "assistant", "content": f"reply {i} " * (i % 5 + 1)}]
+            turns = [
+                {"role": "user", "content": "hello " * (i % 7 + 1)},
+                {"role": "assistant", "content": f"reply {i} " * (i % 5 + 1)},
+            ]
             if i % 3 == 0:
-                turns += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the end " * (i % 4 + 1)}]
+                turns += [
+                    {"role": "user", "content": "and then?"},
+                    {"role": "assistant", "content": "the end " * (i % 4 + 1)},
+                ]
             f.write(json.dumps({"messages": turns}) + "\n")
 
 
-def test_stored_aux_rows_are_output_hidden_states_k(tmp_path: Path, tiny_target_dir: Path, target: TransformersTarget) -> None:
+def test_stored_aux_rows_are_output_hidden_states_k(
+    tmp_path: Path, tiny_target_dir: Path, target: TransformersTarget
+) -> None:
     _conversations(tmp_path / "c.jsonl", 12)
     cfg = load_config(
         write_config(
@@ -56,8 +64,12 @@ def test_stored_aux_rows_are_output_hidden_states_k(tmp_path: Path, tiny_target_
             with torch.inference_mode():
                 ref = target.model(s.input_ids.long()[None], output_hidden_states=True).hidden_states
             for j, k in enumerate((1, 4, 6)):
-                torch.testing.assert_close(s.aux_hidden_states[:, j * 32 : (j + 1) * 32], ref[k][0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(s.last_hidden_states, ref[-1][0], rtol=1e-5, atol=1e-5)  # normed: post_norm
+                torch.testing.assert_close(
+                    s.aux_hidden_states[:, j * 32 : (j + 1) * 32], ref[k][0], rtol=1e-5, atol=1e-5
+                )
+            torch.testing.assert_close(
+                s.last_hidden_states, ref[-1][0], rtol=1e-5, atol=1e-5
+            )  # normed: post_norm
             assert int(s.loss_mask.sum()) > 0
 
 

@@ -21,7 +21,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TransformersT
     target_dir = save_tiny_chat_target(root / "target")
     with open(root / "c.jsonl", "w") as f:
         for i in range(10):
-            turns = [{"role": "user", "content": f"hello number {i}"}, {"role": "assistant", "content": "original reply"}]
+            turns = [
+                {"role": "user", "content": f"hello number {i}"},
+                {"role": "assistant", "content": "original reply"},
+            ]
             turns += [{"role": "user", "content": "tell me more"}] * (i % 2)  # odd rows end with a user turn
             f.write(json.dumps({"messages": turns}) + "\n")
     config = write_config(
@@ -41,7 +44,9 @@ def test_every_assistant_turn_is_the_targets_and_ids_are_kept(setup: tuple[Path,
     train = [s for s in samples if s["split"] == "train"]
     result = regenerate_step(cfg, "r-00000", target)
     rows = read_jsonl(result.path)
-    assert [r["id"] for r in rows] == [s["id"] for s in train]  # keyed by sample id: none skipped, none doubled
+    assert [r["id"] for r in rows] == [
+        s["id"] for s in train
+    ]  # keyed by sample id: none skipped, none doubled
     assert result.metadata["heldout_skipped"] == len(samples) - len(train)
     for row, original in zip(rows, train, strict=True):
         if "error" in row:

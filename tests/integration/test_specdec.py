@@ -18,8 +18,15 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> object:
 
 def _drafter(t2d_ids: torch.Tensor, seed: int) -> tuple[Eagle3Drafter, torch.Tensor]:
     torch.manual_seed(seed)
-    cfg = DrafterConfig(target_hidden_size=32, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                        target_vocab_size=64, draft_vocab_size=t2d_ids.numel())
+    cfg = DrafterConfig(
+        target_hidden_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        target_vocab_size=64,
+        draft_vocab_size=t2d_ids.numel(),
+    )
     drafter = Eagle3Drafter(cfg).double().eval()
     return drafter, t2d_ids - torch.arange(t2d_ids.numel())
 
@@ -48,6 +55,7 @@ def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: obj
 
 
 # ---- speculative sampling (temperature > 0) -----------------------------------------------------------
+
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """p-value of Pearson's chi-square test of observed counts against expected probabilities."""
@@ -83,23 +91,34 @@ def _peaked(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     return model
 
 
-def test_speculative_sampling_matches_the_target_distribution_through_real_models(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_speculative_sampling_matches_the_target_distribution_through_real_models(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """A tiny target (vocabulary 8) and a random drafter over 5 of its tokens: the first token produced by a
     verification round (the second generated token) follows the target's own two-step marginal."""
     path = save_tiny_llama(tmp_path_factory.mktemp("sample") / "t", layers=6, hidden=16, vocab=8, seed=3)
     model = _peaked(load_causal_lm(path, torch.device("cpu"), torch.float64), 60.0)
     torch.manual_seed(1)
-    cfg = DrafterConfig(target_hidden_size=16, hidden_size=16, intermediate_size=32, num_heads=4, num_kv_heads=2,
-                        target_vocab_size=8, draft_vocab_size=5)
+    cfg = DrafterConfig(
+        target_hidden_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        target_vocab_size=8,
+        draft_vocab_size=5,
+    )
     drafter = _peaked(Eagle3Drafter(cfg).double().eval(), 30.0)
     d2t = torch.tensor([0, 1, 3, 4, 6]) - torch.arange(5)
     prompt, temperature = [1, 5, 2], 1.0
     with torch.no_grad():
         first = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-        second = torch.stack([
-            torch.softmax(model(input_ids=torch.tensor([[*prompt, u]])).logits[0, -1] / temperature, -1)
-            for u in range(8)
-        ])
+        second = torch.stack(
+            [
+                torch.softmax(model(input_ids=torch.tensor([[*prompt, u]])).logits[0, -1] / temperature, -1)
+                for u in range(8)
+            ]
+        )
     expected = first @ second  # P(second token = v) = sum_u p(u) p(v | u)
     sampling = Sampling(temperature, torch.Generator().manual_seed(0))
     counts = torch.zeros(8, dtype=torch.float64)

@@ -32,7 +32,8 @@ def _config(directory: Path, target: Path, train: str = TRAIN) -> Path:
     return write_config(
         directory,
         f"store: store\ndata: {{dataset: t, holdout_fraction: 0.0, shard_size: 60, sources: [{{kind: chitchat, limit: 120}}]}}\n"
-        f"target: {{path: {target}}}\nregenerate: {{enabled: false}}\nextract: {{store_dtype: float32}}\n" + train,
+        f"target: {{path: {target}}}\nregenerate: {{enabled: false}}\nextract: {{store_dtype: float32}}\n"
+        + train,
     )
 
 
@@ -60,8 +61,12 @@ def _copy(shard_store: tuple[Path, Path], dest: Path, train: str = TRAIN) -> Pat
 
 
 def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eagle3_core.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_core.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _final_weights(project: Path) -> dict[str, torch.Tensor]:
@@ -78,7 +83,9 @@ def _without_timing(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
-def test_training_learns_and_a_finished_run_is_not_trained_again(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+def test_training_learns_and_a_finished_run_is_not_trained_again(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
     cfg = load_config(_copy(shard_store, tmp_path / "p"))
     vocab = vocab_step(cfg)
     assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is True
@@ -96,20 +103,28 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(shard_store: tu
         assert abs(r["tau_7"] - expected) < 1e-4
         assert all(r[f"full_acc_{k}"] <= r[f"acc_{k}"] + 1e-9 for k in range(7))
     again = train_step(cfg, log=lambda _: None)
-    assert again.metadata["run"] == first.metadata["run"] and again.metadata["steps"] == first.metadata["steps"]
+    assert (
+        again.metadata["run"] == first.metadata["run"] and again.metadata["steps"] == first.metadata["steps"]
+    )
     assert len(read_metrics(_run_dir(tmp_path / "p"))) == len(records)  # nothing trained twice
 
 
-def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
     straight = _copy(shard_store, tmp_path / "straight")
     done = eagle3(straight, "train")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "acc_0" in done.stdout and "tau(3)" in done.stdout
 
     crashed = _copy(shard_store, tmp_path / "crashed")
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3_core.cli", "--config", str(crashed), "train"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3_core.cli", "--config", str(crashed), "train"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     for line in proc.stdout:  # past the first checkpoint (step 10) and between two of them
         if line.startswith("step 14/"):
@@ -128,12 +143,18 @@ def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(shard_store: t
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
-    assert _without_timing(read_metrics(run_dir)) == _without_timing(read_metrics(_run_dir(tmp_path / "straight")))
+    assert _without_timing(read_metrics(run_dir)) == _without_timing(
+        read_metrics(_run_dir(tmp_path / "straight"))
+    )
 
 
-def test_two_process_ddp_under_torchrun_matches_one_process(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
-    short = "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 8, lr: 0.003, log_every: 2, " \
-            "eval_every: 8, checkpoint_every: 4, val_fraction: 0.15, seed: 7}\n"
+def test_two_process_ddp_under_torchrun_matches_one_process(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    short = (
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 8, lr: 0.003, log_every: 2, "
+        "eval_every: 8, checkpoint_every: 4, val_fraction: 0.15, seed: 7}\n"
+    )
     one = _copy(shard_store, tmp_path / "one", train=short)
     two = _copy(shard_store, tmp_path / "two", train=short)
     single = eagle3(one, "train")
@@ -152,7 +173,9 @@ def test_two_process_ddp_under_torchrun_matches_one_process(shard_store: tuple[P
         assert abs(ra["loss_0"] - rb["loss_0"]) < 1e-4 and abs(ra["acc_0"] - rb["acc_0"]) < 1e-6
 
 
-def test_a_vocab_mapping_older_than_the_shards_is_refused(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_vocab_mapping_older_than_the_shards_is_refused(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
     from eagle3_core.errors import StaleVocabMappingError
 
     cfg = load_config(_copy(shard_store, tmp_path / "p"))
@@ -174,8 +197,10 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
     from eagle3_dagster.materialize import SHARD_ASSETS
 
-    short = "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, " \
-            "eval_every: 4, checkpoint_every: 4, val_fraction: 0.15}\n"
+    short = (
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, "
+        "eval_every: 4, checkpoint_every: 4, val_fraction: 0.15}\n"
+    )
     config = _copy(shard_store, tmp_path / "p", train=short)
     eagle3_resource = Eagle3Resource(config_path=str(config))
     result = dg.materialize(
@@ -187,7 +212,9 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     assert result.success
     meta = {
         e.asset_key.path[-1]: e.metadata
-        for e in (x.event_specific_data.materialization for x in result.get_asset_materialization_events())  # type: ignore[union-attr]
+        for e in (
+            x.step_materialization_data.materialization for x in result.get_asset_materialization_events()
+        )
     }
     assert meta["vocab_mapping"]["draft_vocab_size"].value == 512
     assert 0.5 < meta["vocab_mapping"]["coverage"].value <= 1.0
@@ -203,7 +230,9 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     assert loaded.info.aux_layer_ids == (2, 4, 5)
 
 
-def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(shard_store: tuple[Path, Path], tmp_path: Path) -> None:
+def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
     from eagle3_core.errors import ShardCorruptError
     from eagle3_core.train.data import TrainingData
 

@@ -37,7 +37,9 @@ def test_invalid_values_name_the_field(tmp_path: Path, text: str, field: str, fr
 
 def test_cross_field_check_names_both_fields(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"regenerate.max_new_tokens .* tokenize.max_seq_len"):
-        load_config(write_config(tmp_path, "regenerate: {max_new_tokens: 600}\ntokenize: {max_seq_len: 512}\n"))
+        load_config(
+            write_config(tmp_path, "regenerate: {max_new_tokens: 600}\ntokenize: {max_seq_len: 512}\n")
+        )
 
 
 def test_missing_file_and_bad_yaml_are_clear(tmp_path: Path) -> None:

@@ -15,14 +15,27 @@ from tests.conftest import FIXTURES
 
 def test_a_prompt_file_in_every_format_keeps_bad_rows_with_their_reason() -> None:
     prompts = file_prompts(FIXTURES / "prompts.jsonl", limit=100)
-    assert [p.id for p in prompts.prompts] == ["prompts.jsonl:1", "prompts.jsonl:2", "prompts.jsonl:3", "prompts.jsonl:4"]
+    assert [p.id for p in prompts.prompts] == [
+        "prompts.jsonl:1",
+        "prompts.jsonl:2",
+        "prompts.jsonl:3",
+        "prompts.jsonl:4",
+    ]
     mt_bench, plain, with_reply, sharegpt = (p.messages for p in prompts.prompts)
     assert mt_bench == [{"role": "user", "content": "Write a short note to a friend about your weekend."}]
     assert plain == [{"role": "user", "content": "hello how are you today"}]
     # a full conversation is a prompt for its last reply: the trailing assistant turn is dropped
-    assert with_reply == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what did you do this weekend"}]
+    assert with_reply == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "what did you do this weekend"},
+    ]
     assert sharegpt[-1]["role"] == "user"
-    assert prompts.reject_counts == {"malformed_json": 1, "unknown_role": 1, "empty_content": 1, "wrong_shape": 1}
+    assert prompts.reject_counts == {
+        "malformed_json": 1,
+        "unknown_role": 1,
+        "empty_content": 1,
+        "wrong_shape": 1,
+    }
     assert {r["id"] for r in prompts.rejected} == {f"prompts.jsonl:{n}" for n in (5, 6, 7, 8)}
 
 
@@ -64,10 +77,16 @@ def test_gate_k_must_be_one_of_the_measured_ks(tmp_path: Path) -> None:
 
 
 def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> None:
-    bars = acceptance_bars({3: [0.7, 0.5, 0.3], 7: [0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.0]}, {3: 2.5, 7: 2.9},
-                           tmp_path / "a.png", "t")
-    records = [{"kind": "train", "step": s, "loss_0": 5 - s / 10, **{f"acc_{k}": 0.1 * s / 10 for k in range(3)}}
-               for s in range(1, 11)] + [{"kind": "val", "step": 10, "loss_0": 4.2, "acc_0": 0.5, "acc_1": 0.4, "acc_2": 0.3}]
+    bars = acceptance_bars(
+        {3: [0.7, 0.5, 0.3], 7: [0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.0]},
+        {3: 2.5, 7: 2.9},
+        tmp_path / "a.png",
+        "t",
+    )
+    records = [
+        {"kind": "train", "step": s, "loss_0": 5 - s / 10, **{f"acc_{k}": 0.1 * s / 10 for k in range(3)}}
+        for s in range(1, 11)
+    ] + [{"kind": "val", "step": 10, "loss_0": 4.2, "acc_0": 0.5, "acc_1": 0.4, "acc_2": 0.3}]
     curves = training_curves(records, 3, tmp_path / "c.png", "t")
     for path in (bars, curves):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -77,7 +96,9 @@ def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> 
 def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Path) -> None:
     from eagle3_core.evaluation import _prompt_sets
 
-    cfg = config_from_dict({"store": "store", "evaluate": {"prompt_files": [str(FIXTURES / "prompts.jsonl")]}}, tmp_path)
+    cfg = config_from_dict(
+        {"store": "store", "evaluate": {"prompt_files": [str(FIXTURES / "prompts.jsonl")]}}, tmp_path
+    )
     assert [s.name for s in _prompt_sets(cfg)] == ["prompts"]
     bare = config_from_dict({"store": "store"}, tmp_path)
     with pytest.raises(Eagle3Error, match="no held-out conversations"):

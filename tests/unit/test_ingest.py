@@ -60,7 +60,12 @@ def test_prompt_only_rows_are_the_point_when_regenerating(tmp_path: Path) -> Non
 
 def test_formats_normalise_to_the_same_sample_id(tmp_path: Path) -> None:
     rows = [
-        {"messages": [{"role": "user", "content": " hi\r\n"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]},
+        {
+            "messages": [
+                {"role": "user", "content": " hi\r\n"},
+                {"role": "assistant", "content": [{"type": "text", "text": "yo"}]},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo "}]},
     ]
     (tmp_path / "a.jsonl").write_text(json.dumps(rows[0]) + "\n")
@@ -68,20 +73,29 @@ def test_formats_normalise_to_the_same_sample_id(tmp_path: Path) -> None:
     report = ingest(load_config(_config(tmp_path, "[{path: a.jsonl}, {path: b.parquet}]")))
     assert report.rejected == {"duplicate": 1}
     expected = build_conversation([("user", "hi"), ("assistant", "yo")], require_assistant=True).sample_id
-    samples, _ = load_conversation_shard(load_config(tmp_path / "eagle3.yaml").store_root, report.new_shards[0].key)
+    samples, _ = load_conversation_shard(
+        load_config(tmp_path / "eagle3.yaml").store_root, report.new_shards[0].key
+    )
     assert samples[0]["id"] == expected
 
 
 def _jsonl(path: Path, start: int, n: int) -> None:
     with open(path, "a") as f:
         for i in range(start, start + n):
-            row = {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            row = {
+                "messages": [
+                    {"role": "user", "content": f"question {i}"},
+                    {"role": "assistant", "content": f"answer {i}"},
+                ]
+            }
             f.write(json.dumps(row) + "\n")
 
 
 def test_appending_a_file_leaves_existing_shards_byte_identical(tmp_path: Path) -> None:
     _jsonl(tmp_path / "a.jsonl", 0, 25)
-    cfg = load_config(_config(tmp_path, "[{path: 'data*.jsonl'}, {path: a.jsonl}]".replace("data*", "a"), shard_size=10))
+    cfg = load_config(
+        _config(tmp_path, "[{path: 'data*.jsonl'}, {path: a.jsonl}]".replace("data*", "a"), shard_size=10)
+    )
     first = ingest(cfg)
     assert [s.samples for s in first.new_shards] == [10, 10, 5]
     layout = StoreLayout(cfg.store_root)
@@ -117,7 +131,11 @@ def test_a_changed_source_is_refused(tmp_path: Path) -> None:
 
 def test_heldout_split_is_fixed_by_sample_id(tmp_path: Path) -> None:
     _jsonl(tmp_path / "a.jsonl", 0, 400)
-    cfg = load_config(write_config(tmp_path, "store: store\ndata: {dataset: t, holdout_fraction: 0.1, sources: [{path: a.jsonl}]}\n"))
+    cfg = load_config(
+        write_config(
+            tmp_path, "store: store\ndata: {dataset: t, holdout_fraction: 0.1, sources: [{path: a.jsonl}]}\n"
+        )
+    )
     report = ingest(cfg)
     samples, _ = load_conversation_shard(cfg.store_root, report.new_shards[0].key)
     held = [s for s in samples if s["split"] == "heldout"]
@@ -126,7 +144,12 @@ def test_heldout_split_is_fixed_by_sample_id(tmp_path: Path) -> None:
 
 
 def test_chitchat_source(tmp_path: Path) -> None:
-    cfg = load_config(write_config(tmp_path, "store: store\ndata: {dataset: c, shard_size: 16, sources: [{kind: chitchat, limit: 40}]}\n"))
+    cfg = load_config(
+        write_config(
+            tmp_path,
+            "store: store\ndata: {dataset: c, shard_size: 16, sources: [{kind: chitchat, limit: 40}]}\n",
+        )
+    )
     report = ingest(cfg)
     assert report.rows_read == 40
     total = sum(s.samples for s in report.new_shards) + sum(report.rejected.values())

@@ -34,10 +34,19 @@ def _samples(lengths: list[int], seed: int = 0) -> list[tuple[torch.Tensor, ...]
     ]
 
 
-def _write(path: Path, lengths: list[int], dtype: str = "float32", order: list[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
+def _write(
+    path: Path, lengths: list[int], dtype: str = "float32", order: list[int] | None = None
+) -> list[tuple[torch.Tensor, ...]]:
     data = _samples(lengths)
     ids = [f"{i:064x}" for i in range(len(lengths))]
-    with ShardWriter(path, sample_ids=ids, lengths=lengths, hidden_size=H, store_dtype=dtype, metadata={"aux_layer_ids": [2, 4, 5]}) as w:
+    with ShardWriter(
+        path,
+        sample_ids=ids,
+        lengths=lengths,
+        hidden_size=H,
+        store_dtype=dtype,
+        metadata={"aux_layer_ids": [2, 4, 5]},
+    ) as w:
         for i in order or range(len(lengths)):
             w.write_sample(i, *data[i])
         w.finalize({"truncated_samples": 1})
@@ -59,7 +68,13 @@ def test_round_trip_out_of_order_and_readable_by_safetensors(tmp_path: Path) -> 
     assert tensors["offsets"].tolist() == [0, 7, 10, 21, 22]
     assert torch.equal(tensors["aux_hidden_states"][10:21], data[2][2])
     manifest = json.loads(path.with_suffix(".json").read_text())
-    assert manifest["counts"] == {"truncated_samples": 1, "samples": 4, "tokens": 22, "loss_tokens": sum(int(d[1].sum()) for d in data), "failed": 0}
+    assert manifest["counts"] == {
+        "truncated_samples": 1,
+        "samples": 4,
+        "tokens": 22,
+        "loss_tokens": sum(int(d[1].sum()) for d in data),
+        "failed": 0,
+    }
     assert manifest["lengths"] == lengths and "sample_digests" not in manifest
 
 
@@ -76,7 +91,9 @@ def test_failed_samples_are_invisible_and_counted(tmp_path: Path) -> None:
     path = tmp_path / "t-00000.safetensors"
     data = _samples([4, 5, 6])
     ids = [f"{i:064x}" for i in range(3)]
-    with ShardWriter(path, sample_ids=ids, lengths=[4, 5, 6], hidden_size=H, store_dtype="float32", metadata={}) as w:
+    with ShardWriter(
+        path, sample_ids=ids, lengths=[4, 5, 6], hidden_size=H, store_dtype="float32", metadata={}
+    ) as w:
         w.write_sample(0, *data[0])
         w.mark_failed(1, "fewer hidden-state rows than tokens")
         w.write_sample(2, *data[2])
@@ -90,9 +107,10 @@ def test_failed_samples_are_invisible_and_counted(tmp_path: Path) -> None:
 
 def test_unfinished_writer_leaves_nothing(tmp_path: Path) -> None:
     path = tmp_path / "t-00000.safetensors"
-    with pytest.raises(RuntimeError, match="never written"), ShardWriter(
-        path, sample_ids=["a" * 64, "b" * 64], lengths=[2, 2], hidden_size=H, metadata={}
-    ) as w:
+    with (
+        pytest.raises(RuntimeError, match="never written"),
+        ShardWriter(path, sample_ids=["a" * 64, "b" * 64], lengths=[2, 2], hidden_size=H, metadata={}) as w,
+    ):
         w.write_sample(0, *_samples([2])[0])
         w.finalize()
     assert list(tmp_path.iterdir()) == []
@@ -132,7 +150,14 @@ def test_disk_preflight_names_bytes_needed_and_free(tmp_path: Path) -> None:
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     tokens = int(free / (4 * 4 * H)) + 1000  # float32 rows of 4H: more than the disk holds
     with pytest.raises(DiskSpaceError, match=r"needs about [\d,]+ bytes .* has [\d,]+ bytes .* free"):
-        ShardWriter(tmp_path / "t-00000.safetensors", sample_ids=["a" * 64], lengths=[tokens], hidden_size=H, store_dtype="float32", metadata={})
+        ShardWriter(
+            tmp_path / "t-00000.safetensors",
+            sample_ids=["a" * 64],
+            lengths=[tokens],
+            hidden_size=H,
+            store_dtype="float32",
+            metadata={},
+        )
     assert list(tmp_path.iterdir()) == []
     assert estimate_shard_bytes([tokens], H, 3, "float32") > free
 

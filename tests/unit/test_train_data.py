@@ -75,8 +75,10 @@ def test_learning_rate_warms_up_then_decays_to_zero() -> None:
 
 def test_checkpoints_are_whole_or_absent_and_pruned(tmp_path: Path) -> None:
     w = {"fc.weight": torch.randn(3, 4)}
-    opt = {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(3, 4)}},
-           "param_groups": [{"lr": 0.1, "params": [0]}]}
+    opt = {
+        "state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(3, 4)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
     for step in (10, 20, 30):
         save_checkpoint(tmp_path, step, w, opt, {"tokens": step}, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]

@@ -6,8 +6,13 @@ import torch
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter, rope, ttt_mask
 
 CFG = DrafterConfig(
-    target_hidden_size=24, hidden_size=16, intermediate_size=40, num_heads=4, num_kv_heads=2,
-    target_vocab_size=50, draft_vocab_size=30,
+    target_hidden_size=24,
+    hidden_size=16,
+    intermediate_size=40,
+    num_heads=4,
+    num_kv_heads=2,
+    target_vocab_size=50,
+    draft_vocab_size=30,
 )
 
 
@@ -93,7 +98,9 @@ def test_ttt_mask_shape_and_blocks() -> None:
     m = ttt_mask(4, 2)
     assert m.shape == (4, 12)
     assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
-    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(
+        m[:, 8:], torch.eye(4, dtype=torch.bool)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -51,7 +51,10 @@ def test_stats_of_two_halves_add_up_to_the_whole_and_a_global_normaliser_splits_
     whole_loss, whole = ttt_loss(draft, whole_targets)
     halves = [ttt_targets(target_logits[i : i + 2], loss_mask[i : i + 2], t2d, steps=3) for i in (0, 2)]
     norm = whole_targets.counts()
-    parts = [ttt_loss([d[i : i + 2] for d in draft], h, normalizer=norm) for i, h in zip((0, 2), halves, strict=True)]
+    parts = [
+        ttt_loss([d[i : i + 2] for d in draft], h, normalizer=norm)
+        for i, h in zip((0, 2), halves, strict=True)
+    ]
     summed = (parts[0][1] + parts[1][1]).sums
     assert torch.equal(summed[1:], whole.sums[1:])  # counts add exactly
     torch.testing.assert_close(summed[0], whole.sums[0], rtol=1e-6, atol=1e-6)

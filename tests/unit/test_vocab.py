@@ -25,12 +25,19 @@ TOK = "a" * 64
 Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
 
-def _write(path: Path, samples: list[Sample], *, tokenizer: str | None = TOK, failed: tuple[int, ...] = ()) -> Path:
+def _write(
+    path: Path, samples: list[Sample], *, tokenizer: str | None = TOK, failed: tuple[int, ...] = ()
+) -> Path:
     """A shard of the given token rows (hidden states random); samples in `failed` are marked failed."""
     ids = [f"{path.stem}-{i}".ljust(64, "0") for i in range(len(samples))]
     metadata = {} if tokenizer is None else {"tokenizer_fingerprint": tokenizer}
     with ShardWriter(
-        path, sample_ids=ids, lengths=[len(s[0]) for s in samples], hidden_size=H, store_dtype="float32", metadata=metadata
+        path,
+        sample_ids=ids,
+        lengths=[len(s[0]) for s in samples],
+        hidden_size=H,
+        store_dtype="float32",
+        metadata=metadata,
     ) as w:
         for i, (input_ids, mask) in enumerate(samples):
             if i in failed:
@@ -169,7 +176,9 @@ def test_tokenizer_fingerprints_must_agree(tmp_path: Path) -> None:
 
 
 def test_coverage_on_new_data_with_unseen_tokens(tmp_path: Path) -> None:
-    m = build_vocab_mapping([_write(tmp_path / "a-00000.safetensors", HAND)], 12, 2, tokenizer_fingerprint=TOK)
+    m = build_vocab_mapping(
+        [_write(tmp_path / "a-00000.safetensors", HAND)], 12, 2, tokenizer_fingerprint=TOK
+    )
     new = _write(tmp_path / "b-00000.safetensors", [([5, 11, 11, 7, 10], [1, 1, 1, 0, 1])])
     assert coverage_of(m, [new]) == pytest.approx(1 / 4)  # 5 is drafted; 11, 11, 10 are not; 7 is unmasked
     other = _write(tmp_path / "c-00000.safetensors", HAND, tokenizer="c" * 64)
@@ -178,7 +187,9 @@ def test_coverage_on_new_data_with_unseen_tokens(tmp_path: Path) -> None:
 
 
 def test_save_load_round_trip_and_stale_refusal(tmp_path: Path) -> None:
-    m = build_vocab_mapping([_write(tmp_path / "a-00000.safetensors", HAND)], 12, 3, tokenizer_fingerprint=TOK)
+    m = build_vocab_mapping(
+        [_write(tmp_path / "a-00000.safetensors", HAND)], 12, 3, tokenizer_fingerprint=TOK
+    )
     out = save_vocab_mapping(m, tmp_path / "mapping")
     assert sorted(p.name for p in out.iterdir()) == [INFO_FILE, TENSORS_FILE]  # no temporaries left
     tensors = load_file(str(out / TENSORS_FILE))  # the plain safetensors reader sees the serving tensors

@@ -14,6 +14,7 @@ def conversations(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
     result = pipeline.conversations_step(eagle3.config(), context.partition_key)
     return dg.MaterializeResult(metadata=step_metadata(result))
 
+
 @dg.asset(partitions_def=shards, group_name="data", deps=[conversations], pool="gpu", kinds={"pytorch"})
 def regenerated(
     context: dg.AssetExecutionContext, eagle3: Eagle3Resource, target: TargetResource
@@ -25,10 +26,15 @@ def regenerated(
     result = pipeline.regenerate_step(cfg, context.partition_key, target.get(context.log), context.log.debug)
     return dg.MaterializeResult(metadata=step_metadata(result))
 
-@dg.asset(partitions_def=shards, group_name="data", deps=[regenerated], pool="gpu", kinds={"pytorch", "safetensors"})
+
+@dg.asset(
+    partitions_def=shards, group_name="data", deps=[regenerated], pool="gpu", kinds={"pytorch", "safetensors"}
+)
 def hidden_states(
     context: dg.AssetExecutionContext, eagle3: Eagle3Resource, target: TargetResource
 ) -> dg.MaterializeResult:
     """The shard's aux-layer and final hidden states from the target, one safetensors file."""
-    result = pipeline.extract_step(eagle3.config(), context.partition_key, target.get(context.log), context.log.debug)
+    result = pipeline.extract_step(
+        eagle3.config(), context.partition_key, target.get(context.log), context.log.debug
+    )
     return dg.MaterializeResult(metadata=step_metadata(result))

@@ -19,16 +19,25 @@ def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> d
     result = evaluation.eval_step(eagle3.config(), context.log.info)
     report = json.loads((result.path / "report.json").read_text())
     pictures = {name: Path(p) for name, p in report["pictures"].items()}
-    return dg.MaterializeResult(metadata={
-        **step_metadata(result),
-        "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
-        "acceptance_plot": dg.MetadataValue.md(markdown_image(pictures["acceptance"], "per-position acceptance")),
-        "training_curves": dg.MetadataValue.md(markdown_image(pictures["training_curves"], "training curves")),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **step_metadata(result),
+            "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
+            "acceptance_plot": dg.MetadataValue.md(
+                markdown_image(pictures["acceptance"], "per-position acceptance")
+            ),
+            "training_curves": dg.MetadataValue.md(
+                markdown_image(pictures["training_curves"], "training curves")
+            ),
+        }
+    )
 
 
 def acceptance_table(report: dict) -> str:
-    rows = ["| prompts | K | AL | tau(K) | acceptance rate | speedup | tokens/s | per position |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| prompts | K | AL | tau(K) | acceptance rate | speedup | tokens/s | per position |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, measured in report["sets"].items():
         for k, r in measured["by_k"].items():
             tau = report["tau"].get(k)
@@ -41,7 +50,11 @@ def acceptance_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-@dg.asset_check(asset=drafter_eval, blocking=True, description="AL at gate_k not below the promoted drafter's minus the tolerance")
+@dg.asset_check(
+    asset=drafter_eval,
+    blocking=True,
+    description="AL at gate_k not below the promoted drafter's minus the tolerance",
+)
 def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
     gate = evaluation.gate_of(evaluation.read_report(eagle3.config()))
     return dg.AssetCheckResult(
@@ -62,4 +75,6 @@ def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
 @dg.asset(group_name="evaluation", deps=[drafter_eval], kinds={"safetensors"})
 def drafter_current(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The promoted drafter: `store/drafter/current` points at its export (serve current/sglang)."""
-    return dg.MaterializeResult(metadata=step_metadata(evaluation.promote_step(eagle3.config(), context.log.info)))
+    return dg.MaterializeResult(
+        metadata=step_metadata(evaluation.promote_step(eagle3.config(), context.log.info))
+    )
