@@ -107,14 +107,37 @@ def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
         file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files
     ]
     try:
-        return [
+        sets = [
             heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts),
             *files,
         ]
     except Eagle3Error:
-        if files:
-            return files
-        raise
+        if not files:
+            raise
+        sets = files
+    seen: set[str] = set()
+    for s in sets:  # two files with one stem (or a file called heldout) keep apart in the report
+        base, n = s.name, 1
+        while s.name in seen:
+            n += 1
+            s.name = f"{base}_{n}"
+        seen.add(s.name)
+    return sets
+
+
+def encode_fitting(tokenizer: Any, prompts: PromptSet, room: int) -> list[list[int]]:
+    """Token ids of the prompts that leave room for the reply within the context extraction used; the others
+    are kept in `prompts.rejected` as too_long."""
+    ids = []
+    for p in prompts.prompts:
+        encoded = encode(tokenizer, p.messages)
+        if len(encoded) <= room:
+            ids.append(encoded)
+        elif not any(r["id"] == p.id for r in prompts.rejected):
+            prompts.rejected.append(
+                {"id": p.id, "reason": "too_long", "detail": f"{len(encoded)} > {room} tokens"}
+            )
+    return ids
 
 
 def _measure_set(
@@ -127,7 +150,7 @@ def _measure_set(
     log: Log,
 ) -> Measurement:
     ev = cfg.evaluate
-    ids = [encode(target.tokenizer, p.messages) for p in prompts.prompts]
+    ids = encode_fitting(target.tokenizer, prompts, cfg.tokenize.max_seq_len - ev.max_new_tokens)
     settings = DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)
     every = max(1, len(ids) // 4)
 

@@ -8,7 +8,7 @@ import pytest
 from eagle3_core.config import config_from_dict
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.evaluate.plots import acceptance_bars, markdown_image, training_curves
-from eagle3_core.evaluate.prompts import file_prompts
+from eagle3_core.evaluate.prompts import encode, file_prompts
 from eagle3_core.evaluation import gate_decision
 from tests.conftest import FIXTURES
 
@@ -103,3 +103,29 @@ def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Pa
     bare = config_from_dict({"store": "store"}, tmp_path)
     with pytest.raises(Eagle3Error, match="no held-out conversations"):
         _prompt_sets(bare)
+
+
+def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_kept_aside(
+    tmp_path: Path,
+) -> None:
+    from eagle3_core.evaluation import _prompt_sets, encode_fitting
+    from eagle3_core.toy.tokenizer import train_tokenizer
+    from tests.helpers import CORPUS
+
+    copy = tmp_path / "other" / "prompts.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes((FIXTURES / "prompts.jsonl").read_bytes())
+    files = [str(FIXTURES / "prompts.jsonl"), str(copy)]
+    sets = _prompt_sets(config_from_dict({"store": "store", "evaluate": {"prompt_files": files}}, tmp_path))
+    assert [s.name for s in sets] == ["prompts", "prompts_2"]
+
+    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
+    prompts = sets[0]
+    lengths = [len(encode(tokenizer, p.messages)) for p in prompts.prompts]
+    room = sorted(lengths)[1]  # the two shortest fit
+    ids = encode_fitting(tokenizer, prompts, room)
+    assert len(ids) == sum(n <= room for n in lengths) and all(len(i) <= room for i in ids)
+    too_long = [r for r in prompts.rejected if r["reason"] == "too_long"]
+    assert len(too_long) == len(lengths) - len(ids) > 0
+    encode_fitting(tokenizer, prompts, room)  # measuring the same set again records nothing twice
+    assert len([r for r in prompts.rejected if r["reason"] == "too_long"]) == len(too_long)
