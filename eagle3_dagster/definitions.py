@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from eagle3_dagster.defs.automation import automation_sensor
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
@@ -19,5 +20,6 @@ defs = dg.Definitions(
         drafter_current,
     ],
     asset_checks=[not_worse_than_current],
+    sensors=[automation_sensor],
     resources=default_resources(),
 )

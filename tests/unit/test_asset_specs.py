@@ -23,9 +23,12 @@ def current_specs() -> dict[str, Any]:
         partitions = node.partitions_def
         assets[key.to_user_string()] = {
             "deps": sorted(p.to_user_string() for p in node.parent_keys),
-            "partitions": getattr(partitions, "name", None) or (None if partitions is None else str(partitions)),
+            "partitions": getattr(partitions, "name", None)
+            or (None if partitions is None else str(partitions)),
             "pools": sorted(node.pools or []),
-            "automation_condition": None if node.automation_condition is None else str(node.automation_condition),
+            "automation_condition": None
+            if node.automation_condition is None
+            else str(node.automation_condition),
             "group": node.group_name,
             "kinds": sorted(node.kinds),
         }

@@ -5,6 +5,7 @@ import json
 import dagster as dg
 
 from eagle3_core import drafting
+from eagle3_dagster.defs.automation import after_its_parent, when_every_shard_is_done
 from eagle3_dagster.defs.data.assets import hidden_states
 from eagle3_dagster.defs.metadata import step_metadata
 from eagle3_dagster.defs.resources import Eagle3Resource
@@ -12,14 +13,25 @@ from eagle3_dagster.defs.resources import Eagle3Resource
 ALL_SHARDS = dg.AssetDep(hidden_states, partition_mapping=dg.AllPartitionMapping())
 
 
-@dg.asset(group_name="drafter", deps=[ALL_SHARDS], kinds={"safetensors"})
+@dg.asset(
+    group_name="drafter",
+    deps=[ALL_SHARDS],
+    kinds={"safetensors"},
+    automation_condition=when_every_shard_is_done(),
+)
 def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """Top-K loss-masked target tokens over all shards (d2t, t2d), fingerprinted by tokenizer, shards and K."""
     result = drafting.vocab_step(eagle3.config(), context.log.info)
     return dg.MaterializeResult(metadata=step_metadata(result))
 
 
-@dg.asset(group_name="drafter", deps=[ALL_SHARDS, vocab_mapping], pool="gpu", kinds={"pytorch"})
+@dg.asset(
+    group_name="drafter",
+    deps=[ALL_SHARDS, vocab_mapping],
+    pool="gpu",
+    kinds={"pytorch"},
+    automation_condition=when_every_shard_is_done(),
+)
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
     cfg = eagle3.config()
@@ -32,7 +44,12 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
     return dg.MaterializeResult(metadata={**step_metadata(result), "accuracy": dg.MetadataValue.md(table)})
 
 
-@dg.asset(group_name="drafter", deps=[drafter_checkpoint], kinds={"safetensors"})
+@dg.asset(
+    group_name="drafter",
+    deps=[drafter_checkpoint],
+    kinds={"safetensors"},
+    automation_condition=after_its_parent(),
+)
 def drafter_export(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key."""
     result = drafting.export_step(eagle3.config(), context.log.info)

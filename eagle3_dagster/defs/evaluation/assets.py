@@ -8,12 +8,19 @@ import dagster as dg
 
 from eagle3_core import evaluation
 from eagle3_core.evaluate.plots import markdown_image
+from eagle3_dagster.defs.automation import after_its_parent
 from eagle3_dagster.defs.drafter.assets import drafter_export
 from eagle3_dagster.defs.metadata import step_metadata
 from eagle3_dagster.defs.resources import Eagle3Resource
 
 
-@dg.asset(group_name="evaluation", deps=[drafter_export], pool="gpu", kinds={"pytorch"})
+@dg.asset(
+    group_name="evaluation",
+    deps=[drafter_export],
+    pool="gpu",
+    kinds={"pytorch"},
+    automation_condition=after_its_parent(),
+)
 def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The exported drafter run by speculative decoding on held-out prompts: AL, per position, speedup."""
     result = evaluation.eval_step(eagle3.config(), context.log.info)
@@ -72,7 +79,12 @@ def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
     )
 
 
-@dg.asset(group_name="evaluation", deps=[drafter_eval], kinds={"safetensors"})
+@dg.asset(
+    group_name="evaluation",
+    deps=[drafter_eval],
+    kinds={"safetensors"},
+    automation_condition=after_its_parent(),
+)
 def drafter_current(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The promoted drafter: `store/drafter/current` points at its export (serve current/sglang)."""
     return dg.MaterializeResult(
