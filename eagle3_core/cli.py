@@ -230,7 +230,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def print_evaluation(metadata: dict[str, object], ks: Sequence[int]) -> None:
     per_position = json.loads(str(metadata["per_position"]))
     console.print(
-        f"drafter {metadata['run']}: measured on {metadata['prompts']} {metadata['prompt_set']} prompts "
+        f"drafter {metadata['run']}: measured on {metadata['prompts']} {str(metadata['prompt_set']).replace('heldout', 'held-out')} prompts "
         f"({metadata['device']}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)"
     )
     for k in ks:

@@ -3,6 +3,7 @@ a blocking check: a drafter that measured worse than the promoted one stops the 
 
 import json
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -40,7 +41,7 @@ def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> d
     )
 
 
-def acceptance_table(report: dict) -> str:
+def acceptance_table(report: dict[str, Any]) -> str:
     rows = [
         "| prompts | K | AL | tau(K) | acceptance rate | speedup | tokens/s | per position |",
         "|---|---|---|---|---|---|---|---|",
