@@ -30,7 +30,6 @@ from eagle3_core.evaluate.prompts import PromptSet, encode, file_prompts, heldou
 from eagle3_core.pipeline import Log, StepResult, _quiet
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.base import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.trainer import read_metrics
 
@@ -64,22 +63,15 @@ class Target:
 
 
 def load_target(cfg: Eagle3Config, log: Log) -> Target:
-    from transformers import AutoTokenizer
-
-    from eagle3_core.targets.hf import decoder_layers, load_causal_lm, resolve_device, resolve_dtype
+    """The target as extraction loads it (device, dtype and aux layers from the same config)."""
+    from eagle3_core.targets.hf import TransformersTarget
     from eagle3_core.targets.regenerate import eos_token_ids
 
-    path = target_dir(cfg, log=log)
-    device = resolve_device(cfg.target.device)
-    model = load_causal_lm(path, device, resolve_dtype(cfg.target.dtype, device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    layers = len(decoder_layers(model))
-    aux = (
-        check_aux_layer_ids(cfg.target.aux_layer_ids, layers)
-        if cfg.target.aux_layer_ids
-        else default_aux_layer_ids(layers)
+    loaded = TransformersTarget(target_dir(cfg, log=log), cfg.target)
+    model = loaded.model.eval()
+    return Target(
+        model, loaded.tokenizer, loaded.info.aux_layer_ids, set(eos_token_ids(model, loaded.tokenizer))
     )
-    return Target(model, tokenizer, aux, set(eos_token_ids(model, tokenizer)))
 
 
 def load_exported(export_dir: Path, fmt: str, target: Target) -> tuple[Any, torch.Tensor]:

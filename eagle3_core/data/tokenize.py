@@ -248,3 +248,13 @@ def mask_from_offsets(offsets: npt.NDArray[np.int64], spans: Sequence[Span]) -> 
 
 def _first_difference(a: str, b: str) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def generation_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` in the chat template with the generation prompt: what the target answers.
+
+    Regeneration and evaluation both render prompts here, so a drafter is measured on the prompts its
+    training replies were generated from.
+    """
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

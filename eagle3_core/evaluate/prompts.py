@@ -20,6 +20,7 @@ from typing import Any
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation
 from eagle3_core.data.sources import decode_record, jsonl_rows, record_turns
+from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import StoreLayout
 
@@ -118,5 +119,4 @@ def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) ->
 
 def encode(tokenizer: Any, messages: Messages) -> list[int]:
     """Token ids of the chat template with the generation prompt, exactly as regeneration renders prompts."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return generation_prompt_ids(tokenizer, messages)

@@ -19,6 +19,7 @@ import torch
 
 from eagle3_core.config import RegenerateConfig
 from eagle3_core.data.conversation import normalise_content
+from eagle3_core.data.tokenize import generation_prompt_ids
 
 
 @dataclass
@@ -85,9 +86,9 @@ class Regenerator:
         return result
 
     def _prompt_ids(self, d: _Dialogue) -> list[int]:
-        messages = [*d.done, {"role": "user", "content": d.pending_users[0]}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return generation_prompt_ids(
+            self.tokenizer, [*d.done, {"role": "user", "content": d.pending_users[0]}]
+        )
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]]) -> tuple[list[tuple[str, bool]], int]:
