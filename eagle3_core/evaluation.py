@@ -385,6 +385,6 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
         meta.update(
             {f"{prompts.name}_{k.removeprefix('sglang_')}": v for k, v in bench.as_metadata().items()}
         )
-    out = StoreLayout(cfg.store_root).root / "drafter" / "sglang_bench.json"
+    out = StoreLayout(cfg.store_root).sglang_bench
     atomic_write_json(out, meta)
     return StepResult("sglang_bench", out, meta)

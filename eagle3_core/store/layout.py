@@ -90,3 +90,8 @@ class StoreLayout:
     def drafter_current_link(self) -> Path:
         """Symlink to the promoted run's export directory: serve `current/sglang` or `current/speculators`."""
         return self.root / "drafter" / "current"
+
+    @property
+    def sglang_bench(self) -> Path:
+        """The last `eagle3 bench-sglang` result (AL and throughput a live server reported)."""
+        return self.root / "drafter" / "sglang_bench.json"

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ class FakeSGLang:
     error_body: bytes = b""
     delay_s: float = 0.0
     barrier: threading.Barrier | None = None  # set: requests must arrive this many at a time
+    default: Any = None  # the answer to a prompt of any other length (its prompt_tokens set to match)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -62,7 +64,12 @@ class _Handler(BaseHTTPRequestHandler):
         time.sleep(fake.delay_s)
         if fake.status != 200:
             return self._send(fake.status, fake.error_body)
-        self._send(200, json.dumps(fake.responses[len(body["input_ids"])]).encode())
+        n = len(body["input_ids"])
+        response = fake.responses.get(n) or {
+            **fake.default,
+            "meta_info": {**fake.default["meta_info"], "prompt_tokens": n},
+        }
+        self._send(200, json.dumps(response).encode())
 
     def _send(self, status: int, payload: bytes) -> None:
         self.send_response(status)
@@ -194,3 +201,36 @@ def test_a_server_that_does_not_answer_in_time(sglang: FakeSGLang) -> None:
     sglang.delay_s = 1.0
     with pytest.raises(SGLangError, match=r"did not answer within 0.2 s"):
         benchmark_sglang(sglang.url, prompts(1), max_new_tokens=8, timeout_s=0.2)
+
+
+def test_bench_sglang_sends_the_held_out_prompts_of_the_store_and_records_the_result(
+    sglang: FakeSGLang, tmp_path: Path, toy_target_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from eagle3_core.config import load_config
+    from eagle3_core.data.ingest import ingest
+    from eagle3_core.evaluate.prompts import encode, heldout_prompts
+    from eagle3_core.evaluation import sglang_bench_step
+    from tests.conftest import write_config
+
+    config = write_config(
+        tmp_path,
+        "store: store\ndata: {dataset: t, holdout_fraction: 0.2, sources: [{kind: chitchat, limit: 60}]}\n"
+        f"target: {{path: {toy_target_dir}}}\nevaluate: {{max_prompts: 5, max_new_tokens: 64}}\n",
+    )
+    cfg = load_config(config)
+    ingest(cfg)
+    sglang.default = load(SPEC[0])
+    result = sglang_bench_step(cfg, sglang.url, concurrency=2)
+    tokenizer = AutoTokenizer.from_pretrained(toy_target_dir)
+    expected = [
+        encode(tokenizer, p.messages)
+        for p in heldout_prompts(cfg.store_root, per_conversation=2, limit=5).prompts
+    ]
+    assert len(expected) == 5
+    assert sorted(r["input_ids"] for r in sglang.received) == sorted(expected)
+    assert all(r["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 64} for r in sglang.received)
+    assert result.metadata["heldout_requests"] == 5
+    assert result.metadata["heldout_acceptance_length"] == 3.2  # 128 tokens over 40 verify steps, each answer
+    assert json.loads(result.path.read_text()) == result.metadata
