@@ -137,18 +137,18 @@ def _measure_set(
     target: Target,
     drafter: Any,
     d2t: torch.Tensor,
-    prompts: PromptSet,
+    name: str,
+    ids: list[list[int]],
     ks: tuple[int, ...],
     log: Log,
 ) -> Measurement:
     ev = cfg.evaluate
-    ids = encode_fitting(target.tokenizer, prompts, cfg.tokenize.max_seq_len - ev.max_new_tokens)
     settings = DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)
     every = max(1, len(ids) // 4)
 
     def progress(done: int, total: int) -> None:
         if done % every == 0 or done == total:
-            log(f"{prompts.name}: {done}/{total} prompts decoded (K={list(ks)})")
+            log(f"{name}: {done}/{total} prompts decoded (K={list(ks)})")
 
     return measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, settings, progress)
 
@@ -185,7 +185,13 @@ def gate_decision(
 
 
 def _current_on_same_prompts(
-    cfg: Eagle3Config, layout: StoreLayout, target: Target, prompts: PromptSet, run: str, log: Log
+    cfg: Eagle3Config,
+    layout: StoreLayout,
+    target: Target,
+    name: str,
+    ids: list[list[int]],
+    run: str,
+    log: Log,
 ) -> dict[str, Any] | None:
     """The promoted drafter's AL at gate_k on these prompts, measured now (None when nothing is promoted)."""
     current = read_current(layout)
@@ -203,7 +209,7 @@ def _current_on_same_prompts(
         }
     log(f"measuring the promoted drafter {current['run']} on the same prompts")
     k = cfg.evaluate.gate_k
-    m = _measure_set(cfg, target, drafter, d2t, prompts, (k,), log)
+    m = _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log)
     return {"run": current["run"], "acceptance_length": m.acceptance[k].acceptance_length}
 
 
@@ -223,10 +229,16 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
     sets = _prompt_sets(cfg)
-    measured = {s.name: _measure_set(cfg, target, drafter, d2t, s, ks, log) for s in sets}
+    room = cfg.tokenize.max_seq_len - ev.max_new_tokens
+    encoded = {
+        s.name: encode_fitting(target.tokenizer, s, room) for s in sets
+    }  # once: both drafters use them
+    measured = {
+        name: _measure_set(cfg, target, drafter, d2t, name, ids, ks, log) for name, ids in encoded.items()
+    }
     primary = sets[0].name
     heldout = measured[primary]
-    current = _current_on_same_prompts(cfg, layout, target, sets[0], run, log)
+    current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, log)
     gate = gate_decision(
         ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance
     )

@@ -45,10 +45,6 @@ class DraftCache:
         self.values: torch.Tensor | None = None
         self._cos = self._sin = torch.empty(0)
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
     def crop(self, length: int) -> None:
         if self.keys is not None and self.values is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
@@ -303,7 +299,3 @@ def target_generate(
         out.append(int(nxt))
         ids = nxt.reshape(1)
     return out
-
-
-def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    return target_generate(model, prompt, max_new_tokens, eos_ids)

@@ -5,7 +5,7 @@ import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.evaluate.acceptance import acceptance
-from eagle3_core.evaluate.specdec import Sampling, greedy_generate, speculative_generate, verify_sampled
+from eagle3_core.evaluate.specdec import Sampling, speculative_generate, target_generate, verify_sampled
 from eagle3_core.targets.hf import load_causal_lm
 from tests.helpers import save_tiny_llama
 
@@ -37,7 +37,7 @@ def test_a_random_drafter_changes_nothing_in_the_output(target: object, k: int) 
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         prompt = torch.randint(0, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-        expected = greedy_generate(target, prompt, 24, eos_ids=set())
+        expected = target_generate(target, prompt, 24, eos_ids=set())
         got = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 24, k, eos_ids=set())
         assert got.tokens == expected
         assert sum(a + 1 for a in got.accepted) >= len(expected) - 1  # every round commits accepted + 1
@@ -50,7 +50,7 @@ def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: obj
     report = acceptance(result.accepted, k=4)
     assert report.rounds == len(result.accepted)
     assert abs(sum(report.per_position) - (report.acceptance_length - 1)) < 1e-12
-    assert result.tokens == greedy_generate(target, prompt, 30, eos_ids=set())
+    assert result.tokens == target_generate(target, prompt, 30, eos_ids=set())
     assert sum(a + 1 for a in result.accepted) >= 30 - 1
 
 
