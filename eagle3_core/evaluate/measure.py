@@ -2,8 +2,10 @@
 
 For every prompt, in turn: the target alone and speculative decoding at each K, the order rotated from one
 prompt to the next. Interleaving the paths per prompt keeps slow drift (clocks, caches, other load) out of
-the ratio, and rotating them spreads whatever the first decode of a prompt pays over every path. Every path runs the same machinery
-(transformers eager forward, DynamicCache, batch 1); on a GPU each timing is closed by a synchronisation.
+the ratio, and rotating them spreads whatever the first decode of a prompt pays over every path. The target
+runs the same way in every path (transformers eager forward, DynamicCache, batch 1); on a GPU the drafter's
+rounds replay as CUDA graphs (see specdec), captured during the warm-up; each timing is closed by a
+synchronisation.
 The first prompt is decoded once by every path, untimed, as warm-up. cuDNN's attention is kept out: it builds
 an execution plan for every new sequence length (milliseconds each), which bills whichever path meets a
 length first (on an H200 with the m toy target, the target alone ran at 49.8 tokens/s with it and 106.8
@@ -26,7 +28,7 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import Acceptance, acceptance
-from eagle3_core.evaluate.specdec import Sampling, speculative_generate, target_generate
+from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, speculative_generate, target_generate
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,13 @@ def measure(
     def target(p: list[int]) -> list[int]:
         return target_generate(model, p, settings.max_new_tokens, eos_ids, sampling)
 
+    # one drafter cache for every prompt and K: its CUDA graphs are captured once, during the warm-up
+    longest = max((len(p) for p in prompts), default=0)
+    decoder = DraftDecoder(drafter, longest + settings.max_new_tokens + max(settings.ks) + 1, graphs=True)
+
     def spec(p: list[int], k: int) -> Any:
         return speculative_generate(
-            model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling
+            model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling, decoder
         )
 
     with _attention_without_cudnn():

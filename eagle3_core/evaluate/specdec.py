@@ -6,8 +6,8 @@ The drafter runs as the engines run it (REFERENCE.md, "How the engines run a dra
     decode  draft j feeds (embed(d_j), h = previous pre-norm output) at position n-1+j
     verify  one target forward over [seq[n], d_1..d_K]; accept a prefix of the drafts, then one more token
             from the target (its own next token, or a draw from the residual where a draft was rejected)
-    commit  both caches cut back to the committed length; the drafter's cache is extended over the accepted
-            positions from the target's aux states, so committed draft entries never come from its own outputs
+    commit  the target's cache is cut back to the committed length; the drafter's next extend overwrites its
+            cache from the committed position on, so committed draft entries never come from its own outputs
 
 Temperature 0 accepts draft i while it equals the target's argmax (the output is the target's greedy output,
 token for token). Temperature > 0 is standard speculative sampling (Leviathan et al. 2023, Chen et al. 2023):
@@ -17,7 +17,10 @@ token is then distributed exactly as the target's own sample. q lives on the dra
 scattered onto the target's ids (zero elsewhere): target tokens outside the draft vocabulary come only from
 the residual.
 
-One host synchronisation per round (the accept count); the drafts stay on the device while drafting.
+One host synchronisation per round (the accept count); the drafts stay on the device while drafting. At
+batch 1 a decode step is launch-bound, so on a GPU the drafter's whole round (extend over the committed
+tokens, then the K-1 chained steps) replays as one CUDA graph, as SGLang runs its draft decode. The graph and
+the eager path run the same code (`DraftDecoder._round`), so the CPU tests check what the GPU replays.
 """
 
 from __future__ import annotations
@@ -32,49 +35,125 @@ import torch.nn.functional as F
 from eagle3_core.draft.model import Eagle3Drafter, rope_angles
 
 
-class DraftCache:
-    """The drafter's KV cache for one sequence: keys/values [1, kv_heads, L, d], cut back on rejection.
+class DraftDecoder:
+    """The drafter with a KV cache of fixed capacity ([1, kv_heads, capacity, d]) for one sequence at a time.
 
-    Decoding is launch-bound at batch 1, so a step launches as few kernels as it can: RoPE angles come from a
-    table grown on demand, and GQA is left to SDPA (`enable_gqa`) instead of copying the cache per head.
+    Entry i of the cache is RoPE position i. A write at positions start.. makes every later entry stale, and
+    the attention mask (slot <= position) never lets a query see one, so rejection needs no crop. Fixed
+    shapes and addresses are what lets a greedy round be captured once per (K, committed count) and replayed.
     """
 
-    def __init__(self, drafter: Eagle3Drafter) -> None:
-        self.drafter = drafter
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self._cos = self._sin = torch.empty(0)
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, graphs: bool = False) -> None:
+        cfg = drafter.cfg
+        weight = drafter.lm_head.weight
+        self.drafter, self.capacity = drafter, capacity
+        shape = (1, cfg.num_kv_heads, capacity, cfg.dim)
+        # zeros, not empty: a masked slot's value still meets a zero weight, and 0 * NaN would leak
+        self.keys = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.slots = torch.arange(capacity, device=weight.device)
+        self.cos, self.sin = rope_angles(self.slots, cfg.dim, cfg.rope_theta, weight.dtype)
+        self.graphs = graphs and weight.is_cuda
+        self._captured: dict[tuple[int, int], _CapturedRound] = {}
 
-    def crop(self, length: int) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-    def _angles(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if start + n > self._cos.shape[0]:
-            size = max(2 * self._cos.shape[0], start + n, 256)
-            cfg = self.drafter.cfg
-            self._cos, self._sin = rope_angles(
-                torch.arange(size, device=like.device), cfg.dim, cfg.rope_theta, like.dtype
-            )
-        return self._cos[start : start + n], self._sin[start : start + n]
-
-    def step(self, tokens: torch.Tensor, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries (tokens [n], features h [n, H]) at positions start.. appended; (draft logits [n, V], pre-norm [n, H])."""
+    def step(
+        self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries (tokens [n], features h [n, H]) written at positions [n]; (draft logits [n, Vd], pre-norm [n, H])."""
         d = self.drafter
-        n = tokens.shape[0]
-        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], self._angles(start, n, h))
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        total = self.keys.shape[2]
-        # entry i sees every cached entry before the new block and the new block up to itself
-        mask = (
-            None
-            if n == 1
-            else torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=total - n)
-        )
+        angles = self.cos[positions], self.sin[positions]
+        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], angles)
+        self.keys.index_copy_(2, positions, k)
+        self.values.index_copy_(2, positions, v)
+        mask = self.slots[None, :] <= positions[:, None]  # [n, capacity]: the entries up to each query's own
         out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask, enable_gqa=True)
         prenorm = d.midlayer.finish(h[None], d.midlayer.self_attn._out(out))[0]
         return d.lm_head(d.norm(prenorm)), prenorm
+
+    def draft(
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        start: int,
+        k: int,
+        to_target: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Extend over committed (tokens [m], aux [m, 3H_t]) at positions start.., then draft K target ids [K].
+
+        Returns the drafts and, when sampling, their draft-vocabulary distributions [K, Vd].
+        """
+        m = tokens.shape[0]
+        if start + m + k - 1 > self.capacity:
+            raise ValueError(
+                f"the drafter's cache holds {self.capacity} entries; this round needs {start + m + k - 1}"
+            )
+        if self.graphs and sampling.greedy and m <= k + 1:
+            key = (k, m)
+            if key not in self._captured:
+                self._captured[key] = _CapturedRound(self, k, m, to_target)
+            return self._captured[key].replay(tokens, aux, start), None
+        positions = torch.arange(start, start + m, device=tokens.device)
+        return self._round(tokens, aux, positions, k, to_target, sampling)
+
+    def _round(
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        positions: torch.Tensor,
+        k: int,
+        to_target: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, h = self.step(tokens, self.drafter.fc(aux), positions)
+        logits, h, position = logits[-1], h[-1:], positions[-1:]
+        ids: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for j in range(k):
+            if j:
+                position = position + 1
+                logits, h = self.step(to_target[ids[-1]], h, position)
+                logits = logits[-1]
+            if sampling.greedy:
+                ids.append(logits.argmax(-1, keepdim=True))
+            else:
+                probs.append(sampling.probs(logits))
+                ids.append(sampling.draw(probs[-1])[None])
+        return to_target[torch.cat(ids)], torch.stack(probs) if probs else None
+
+
+class _CapturedRound:
+    """One greedy drafter round (extend over m committed tokens, K drafts) as a CUDA graph on static buffers."""
+
+    def __init__(self, decoder: DraftDecoder, k: int, m: int, to_target: torch.Tensor) -> None:
+        device = decoder.keys.device
+        width = decoder.drafter.fc.in_features
+        self.tokens = torch.zeros(m, dtype=torch.long, device=device)
+        self.aux = torch.zeros(m, width, dtype=decoder.keys.dtype, device=device)
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
+        self.to_target = to_target
+
+        def body() -> torch.Tensor:
+            positions = self.start + torch.arange(m, device=device)
+            return decoder._round(self.tokens, self.aux, positions, k, self.to_target, Sampling())[0]
+
+        # capture records launches without running them; a warm-up on a side stream runs them once first
+        # (lazy initialisation, kernel selection), as torch.cuda.graphs requires
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.drafts = body()
+
+    def replay(self, tokens: torch.Tensor, aux: torch.Tensor, start: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.aux.copy_(aux)
+        self.start.fill_(start)
+        self.graph.replay()
+        return self.drafts.clone()  # the next replay overwrites the graph's output buffer
 
 
 @dataclass
@@ -193,31 +272,36 @@ def speculative_generate(
     k: int,
     eos_ids: set[int],
     sampling: Sampling | None = None,
+    decoder: DraftDecoder | None = None,
 ) -> SpecResult:
-    """Chain speculative decoding of one prompt: greedy (the target's greedy output) or sampled (its distribution)."""
+    """Chain speculative decoding of one prompt: greedy (the target's greedy output) or sampled (its distribution).
+
+    `decoder` lets a caller keep one drafter cache (and its CUDA graphs) across prompts; its capacity must
+    cover the prompt, max_new_tokens and K.
+    """
     from transformers import DynamicCache
 
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
+    decoder = decoder or DraftDecoder(drafter, len(prompt) + max_new_tokens + k + 1)
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)  # draft id -> target id
-    kv, draft = DynamicCache(), DraftCache(drafter)
+    kv = DynamicCache()
     seq = torch.tensor(prompt, device=device)
     logits, aux = _target_forward(model, seq, kv, aux_layer_ids)
     out = [int(sampling.choose(logits[-1]))]
     result = SpecResult(out)
-    # the drafter's extend over the prompt: entry p pairs aux(p) with the next token
-    nxt = torch.cat([seq[1:], torch.tensor(out, device=device)])
-    draft_logits, h = draft.step(nxt, drafter.fc(aux), 0)
+    # the first extend covers the prompt: entry p pairs aux(p) with the next token
+    committed, committed_aux, start = torch.cat([seq[1:], seq.new_tensor(out)]), aux, 0
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
-        drafts, qs = _draft_chain(draft, draft_logits[-1], h[-1:], n, k, to_target, sampling)
+        drafts, qs = decoder.draft(committed, committed_aux, start, k, to_target, sampling)
         vlogits, vaux = _target_forward(
-            model, torch.cat([torch.tensor(out[-1:], device=device), drafts]), kv, aux_layer_ids
+            model, torch.cat([seq.new_tensor(out[-1:]), drafts]), kv, aux_layer_ids
         )
         if sampling.greedy:
-            a, committed = verify_greedy(drafts, vlogits)
+            a, accepted = verify_greedy(drafts, vlogits)
         else:
-            a, committed = verify_sampled(
+            a, accepted = verify_sampled(
                 drafts,
                 _on_target_ids(qs, to_target, vlogits.shape[-1]),
                 sampling.probs(vlogits),
@@ -225,37 +309,10 @@ def speculative_generate(
             )
         result.accepted.append(a)
         _crop(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
-        draft.crop(n)  # the drafter keeps only entries made from target features
-        # entries n..n+a pair the target's aux states with the next committed token
-        pairs = torch.tensor(committed, device=device)
-        draft_logits, h = draft.step(pairs, drafter.fc(vaux[: a + 1]), n)
-        out.extend(_until_stop(committed, eos_ids, max_new_tokens - len(out)))
+        # the next extend writes entries n..n+a: the target's aux states paired with the next committed token
+        committed, committed_aux, start = seq.new_tensor(accepted), vaux[: a + 1], n
+        out.extend(_until_stop(accepted, eos_ids, max_new_tokens - len(out)))
     return result
-
-
-def _draft_chain(
-    draft: DraftCache,
-    logits: torch.Tensor,
-    h: torch.Tensor,
-    n: int,
-    k: int,
-    to_target: torch.Tensor,
-    sampling: Sampling,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """K drafts as target ids [K] (and, when sampling, their draft-vocab distributions [K, Vd])."""
-    ids: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    for j in range(k):
-        if j:
-            logits, h = draft.step(to_target[ids[-1]], h, n - 1 + j)
-            logits = logits[-1]
-        if sampling.greedy:
-            ids.append(logits.argmax(-1, keepdim=True))
-        else:
-            probs.append(sampling.probs(logits))
-            ids.append(sampling.draw(probs[-1])[None])
-    drafts = to_target[torch.cat(ids)]
-    return drafts, torch.stack(probs) if probs else None
 
 
 def _on_target_ids(draft_probs: torch.Tensor | None, to_target: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -5,7 +5,13 @@ import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.evaluate.acceptance import acceptance
-from eagle3_core.evaluate.specdec import Sampling, speculative_generate, target_generate, verify_sampled
+from eagle3_core.evaluate.specdec import (
+    DraftDecoder,
+    Sampling,
+    speculative_generate,
+    target_generate,
+    verify_sampled,
+)
 from eagle3_core.targets.hf import load_causal_lm
 from tests.helpers import save_tiny_llama
 
@@ -52,6 +58,41 @@ def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: obj
     assert abs(sum(report.per_position) - (report.acceptance_length - 1)) < 1e-12
     assert result.tokens == target_generate(target, prompt, 30, eos_ids=set())
     assert sum(a + 1 for a in result.accepted) >= 30 - 1
+
+
+def test_a_round_after_rejected_drafts_equals_one_over_the_committed_prefix() -> None:
+    """Stale cache slots (rejected drafts, an earlier prompt) are masked, so the drafter needs no crop.
+
+    The same code runs eagerly here and as a CUDA graph on a GPU (DraftDecoder._round), so this is also what
+    the graph replays.
+    """
+    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=7)
+    to_target = torch.arange(d2t.numel()) + d2t
+    tokens = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(1))
+    aux = torch.randn(12, 3 * 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    greedy = Sampling()
+
+    fresh = DraftDecoder(drafter, capacity=24)
+    expected, _ = fresh.draft(tokens, aux, 0, 4, to_target, greedy)
+
+    reused = DraftDecoder(drafter, capacity=24)
+    reused.keys.fill_(1e4)  # whatever an earlier sequence left must never be seen
+    reused.values.fill_(-1e4)
+    reused.draft(tokens[:9], aux[:9], 0, 4, to_target, greedy)  # its 3 chained drafts fill slots 9..11
+    got, _ = reused.draft(tokens[9:], aux[9:], 9, 4, to_target, greedy)
+    assert got.tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="holds 24 entries"):
+        reused.draft(tokens[:2], aux[:2], 20, 4, to_target, greedy)
+
+
+def test_one_decoder_serves_prompts_of_different_lengths(target: object) -> None:
+    drafter, d2t = _drafter(torch.arange(64), seed=3)
+    decoder = DraftDecoder(drafter, capacity=12 + 20 + 3 + 1)
+    for prompt in ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [3, 4], [9, 1, 2, 8]):
+        alone = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 20, 3, eos_ids=set())
+        shared = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 20, 3, set(), None, decoder)
+        assert shared.tokens == alone.tokens == target_generate(target, prompt, 20, eos_ids=set())
+        assert shared.accepted == alone.accepted
 
 
 # ---- speculative sampling (temperature > 0) -----------------------------------------------------------
