@@ -127,31 +127,38 @@ class _CapturedRound:
 
     def __init__(self, decoder: DraftDecoder, k: int, m: int, to_target: torch.Tensor) -> None:
         device = decoder.keys.device
-        width = decoder.drafter.fc.in_features
+        self.decoder, self.k, self.m, self.to_target = decoder, k, m, to_target
         self.tokens = torch.zeros(m, dtype=torch.long, device=device)
-        self.aux = torch.zeros(m, width, dtype=decoder.keys.dtype, device=device)
+        self.aux = torch.zeros(m, decoder.drafter.fc.in_features, dtype=decoder.keys.dtype, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
-        self.to_target = to_target
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.drafts = torch.empty(0)
 
-        def body() -> torch.Tensor:
-            positions = self.start + torch.arange(m, device=device)
-            return decoder._round(self.tokens, self.aux, positions, k, self.to_target, Sampling())[0]
+    def _body(self) -> torch.Tensor:
+        positions = self.start + torch.arange(self.m, device=self.start.device)
+        return self.decoder._round(self.tokens, self.aux, positions, self.k, self.to_target, Sampling())[0]
 
+    def _capture(self) -> None:
         # capture records launches without running them; a warm-up on a side stream runs them once first
-        # (lazy initialisation, kernel selection), as torch.cuda.graphs requires
+        # (lazy initialisation, kernel selection), as torch.cuda.graphs requires. The warm-up writes the
+        # cache, so it runs on this round's real inputs: the replay then writes the same entries again.
+        device = self.start.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            body()
+            self._body()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.drafts = body()
+            self.drafts = self._body()
 
     def replay(self, tokens: torch.Tensor, aux: torch.Tensor, start: int) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.aux.copy_(aux)
         self.start.fill_(start)
+        if self.graph is None:
+            self._capture()
+        assert self.graph is not None
         self.graph.replay()
         return self.drafts.clone()  # the next replay overwrites the graph's output buffer
 

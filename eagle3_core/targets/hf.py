@@ -24,6 +24,7 @@ from eagle3_core.targets.base import (
     check_aux_layer_ids,
     default_aux_layer_ids,
 )
+from eagle3_core.targets.gpu_memory import release_gpu_memory
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -189,8 +190,10 @@ class TransformersTarget:
         last = _to_host(out.last_hidden_state.to(dtype))  # [B, S, H]
         return [HiddenStates(aux[b, :n], last[b, :n]) for b, n in enumerate(lengths)]
 
-    def close(self) -> None:
-        """Drop the weights and give GPU memory back (the GPU pool is shared with training)."""
+    def close(self, timeout_s: float = 60.0) -> float:
+        """Drop the weights and wait until the GPU memory is given back (the pool is shared with training).
+
+        Returns the seconds waited; raises GpuMemoryNotReleased if memory is still held after `timeout_s`.
+        """
         del self.model, self.decoder, self.layers
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        return release_gpu_memory(timeout_s)

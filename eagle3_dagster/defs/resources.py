@@ -42,9 +42,12 @@ class TargetResource(dg.ConfigurableResource):
         return self._target
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        """Give the GPUs back before the run ends, so the next run in the `gpu` pool finds them free."""
         if self._target is not None:
-            self._target.close()
+            waited = self._target.close()
             self._target = None
+            if context.log is not None:
+                context.log.info(f"target released; GPU memory given back after {waited:.1f} s")
 
 
 def default_resources() -> dict[str, Any]:

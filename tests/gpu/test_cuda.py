@@ -1,0 +1,80 @@
+"""What only a GPU can show: `pytest -m gpu tests/gpu` on a CUDA host (the H200 runs of bench/ use it).
+
+CI has no GPU, so these are deselected there by the `gpu` marker (pyproject.toml), not counted as passing.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_core.config import TargetConfig
+from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.evaluate.specdec import DraftDecoder, Sampling
+from eagle3_core.targets.gpu_memory import GpuMemoryNotReleased, held_bytes
+from eagle3_core.targets.hf import TransformersTarget
+from tests.helpers import save_tiny_chat_target
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail(
+            "the gpu tests need a CUDA device (they are deselected by default; run them on a GPU host)"
+        )
+
+
+def test_closing_the_target_gives_every_byte_back(tmp_path: Path) -> None:
+    model_dir = save_tiny_chat_target(tmp_path / "t")
+    target = TransformersTarget(model_dir, TargetConfig(path=str(model_dir), device="cuda"))
+    target.hidden_states([[1, 2, 3, 4]])
+    assert held_bytes() > 0
+    target.close()
+    assert held_bytes() == 0
+
+
+def test_a_tensor_kept_alive_fails_the_release(tmp_path: Path) -> None:
+    model_dir = save_tiny_chat_target(tmp_path / "t")
+    target = TransformersTarget(model_dir, TargetConfig(path=str(model_dir), device="cuda"))
+    kept = target.model.lm_head.weight  # a leak: someone still references the weights
+    with pytest.raises(GpuMemoryNotReleased, match="still held"):
+        target.close(timeout_s=1)
+    del kept
+
+
+def test_the_captured_round_drafts_what_the_eager_round_drafts() -> None:
+    torch.manual_seed(0)
+    cfg = DrafterConfig(
+        target_hidden_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        target_vocab_size=1000,
+        draft_vocab_size=500,
+    )
+    drafter = Eagle3Drafter(cfg).cuda().eval()
+    to_target = torch.arange(500, device="cuda") * 2
+    tokens = torch.randint(0, 1000, (40,), device="cuda")
+    aux = torch.randn(40, 3 * 256, device="cuda")
+    eager, graphed = DraftDecoder(drafter, 64), DraftDecoder(drafter, 64, graphs=True)
+    with torch.no_grad():
+        for decoder in (eager, graphed):
+            decoder.draft(tokens[:30], aux[:30], 0, 4, to_target, Sampling())
+        for start, m in (
+            (30, 1),
+            (31, 3),
+            (34, 5),
+            (39, 1),
+            (33, 2),
+        ):  # replays of captured (K, m) rounds too
+            want, _ = eager.draft(
+                tokens[start - 30 : start - 30 + m], aux[:m], start, 4, to_target, Sampling()
+            )
+            got, _ = graphed.draft(
+                tokens[start - 30 : start - 30 + m], aux[:m], start, 4, to_target, Sampling()
+            )
+            assert got.tolist() == want.tolist()
+    assert set(graphed._captured) == {(4, 1), (4, 3), (4, 5), (4, 2)}
