@@ -223,6 +223,86 @@ class EvaluateConfig(_Model):
         return self
 
 
+CRON_ALIASES = {"@hourly", "@daily", "@midnight", "@weekly", "@monthly", "@yearly", "@annually"}
+
+
+class OrchestrationConfig(_Model):
+    """What Dagster starts by itself: the inbox sensor (new files become shards) and the nightly retraining."""
+
+    inbox: str | None = Field(
+        default=None,
+        description="A directory (relative to the config file) watched for new .jsonl/.json/.parquet "
+        "conversation files; each becomes shards whose runs are requested. None: the inbox sensor is off.",
+    )
+    inbox_min_age_seconds: Annotated[float, Field(ge=0.0)] = Field(
+        default=60.0,
+        description="A file modified this recently is taken as still being written and left for a later "
+        "tick (dotfiles, _files and *.tmp/*.part/*.partial are never read: write there, then rename).",
+    )
+    inbox_interval_seconds: Annotated[int, Field(ge=5)] = Field(
+        default=30, description="Seconds between two looks at the inbox."
+    )
+    nightly_enabled: bool = Field(
+        default=True,
+        description="Start the nightly retraining schedule running (it can be toggled in the UI).",
+    )
+    nightly_cron: str = Field(
+        default="0 2 * * *",
+        description="When the drafter is retrained on every shard present (cron: minute hour day month weekday).",
+    )
+    nightly_timezone: str = Field(
+        default="UTC", description="The time zone nightly_cron is read in (IANA name)."
+    )
+
+    @field_validator("nightly_cron")
+    @classmethod
+    def _five_fields(cls, cron: str) -> str:
+        # Dagster checks the fields themselves at load; this names the field before it gets that far.
+        if cron.strip() not in CRON_ALIASES and len(cron.split()) != 5:
+            raise ValueError(f"a cron schedule has five fields (minute hour day month weekday), got {cron!r}")
+        return cron
+
+    @field_validator("nightly_timezone")
+    @classmethod
+    def _known_timezone(cls, name: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(name)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"unknown time zone {name!r} (an IANA name such as 'UTC' or 'Europe/Paris')"
+            ) from None
+        return name
+
+
+class ChecksConfig(_Model):
+    """Thresholds of the asset checks on the shards and the draft vocabulary (shown on their Dagster pages)."""
+
+    max_reject_rate: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        default=0.05,
+        description="Most a conversation shard may have of its source rows rejected (warns above).",
+    )
+    reject_rate_ignores: list[str] = Field(
+        default_factory=lambda: ["duplicate"],
+        description="Reject reasons left out of that rate (deduplication doing its job is no bad source).",
+    )
+    min_vocab_coverage: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        default=0.9,
+        description="Least share of loss tokens the draft vocabulary must cover (warns below).",
+    )
+
+    @field_validator("reject_rate_ignores")
+    @classmethod
+    def _known_reasons(cls, reasons: list[str]) -> list[str]:
+        from eagle3_core.data.conversation import REJECT_REASONS
+
+        unknown = [r for r in reasons if r not in REJECT_REASONS]
+        if unknown:
+            raise ValueError(f"unknown reject reason(s) {unknown}; the reasons are {list(REJECT_REASONS)}")
+        return reasons
+
+
 class Eagle3Config(_Model):
     """The whole run. `root` is where the file lives; every relative path is resolved against it."""
 
@@ -236,6 +316,8 @@ class Eagle3Config(_Model):
     extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    checks: ChecksConfig = ChecksConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
 
     @model_validator(mode="after")
     def _regeneration_fits(self) -> Eagle3Config:

@@ -30,3 +30,7 @@ class StaleVocabMappingError(Eagle3Error):
 
 class ExportError(Eagle3Error):
     """A drafter export is malformed: a missing or unexpected weight key, a wrong shape, an absent config field."""
+
+
+class StoreBusyError(Eagle3Error):
+    """Another process is ingesting into the same store (the inbox sensor, or a second `eagle3 ingest`)."""

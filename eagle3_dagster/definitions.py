@@ -4,9 +4,13 @@ import dagster as dg
 
 from eagle3_dagster.defs.automation import automation_sensor
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.data.checks import SHARD_CHECKS
+from eagle3_dagster.defs.data.sensors import inbox_sensor
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+from eagle3_dagster.defs.drafter.checks import vocab_coverage
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 from eagle3_dagster.defs.resources import default_resources
+from eagle3_dagster.defs.schedules import nightly_schedule
 
 defs = dg.Definitions(
     assets=[
@@ -19,7 +23,8 @@ defs = dg.Definitions(
         drafter_eval,
         drafter_current,
     ],
-    asset_checks=[not_worse_than_current],
-    sensors=[automation_sensor],
+    asset_checks=[*SHARD_CHECKS, vocab_coverage, not_worse_than_current],
+    sensors=[automation_sensor, inbox_sensor],
+    schedules=[nightly_schedule],
     resources=default_resources(),
 )

@@ -13,10 +13,13 @@ rewrites, identically, any shard files the crashed run left that the ledger does
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
-from eagle3_core.errors import ConfigError, SourceChangedError
+from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 
@@ -116,16 +119,46 @@ class _Pending:
     digest: Any = None  # the source digest after this shard's last row
 
 
+@contextmanager
+def ingest_lock(layout: StoreLayout) -> Iterator[bool]:
+    """An advisory lock on the store's ledger: a second ingester (the inbox sensor beside `eagle3 ingest`)
+    gets False at once instead of racing on ledger.json."""
+    layout.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(layout.ingest_lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> IngestReport:
     layout = StoreLayout(cfg.store_root)
+    with ingest_lock(layout) as locked:
+        if not locked:
+            raise StoreBusyError(
+                f"another process is ingesting into {layout.root} (the inbox sensor, or a second "
+                "`eagle3 ingest`); run again once it is done"
+            )
+        return _ingest_sources(cfg, layout, log)
+
+
+def _ingest_sources(cfg: Eagle3Config, layout: StoreLayout, log: Callable[[str], None]) -> IngestReport:
     ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
-    seen = _seen_sample_ids(layout, ledger)
+    seen = seen_sample_ids(layout, ledger)
     new: list[ShardReport] = []
     totals: Counter[str] = Counter()
     rows_read = 0
     for source in resolve_sources(cfg):
         entry = ledger.sources.setdefault(source.name, SourceEntry())
-        for report, rows in _ingest_source(cfg, layout, ledger, source, entry, seen):
+        for report, rows in ingest_source(cfg, layout, ledger, source, entry, seen):
             new.append(report)
             totals.update(report.rejected)
             rows_read += rows
@@ -135,7 +168,7 @@ def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> In
     return IngestReport(new, ledger.shard_keys, rows_read, dict(totals))
 
 
-def _seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
+def seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
     seen: set[str] = set()
     for key in ledger.shard_keys:
         manifest = json.loads(layout.conversations_manifest(key).read_text())
@@ -168,7 +201,7 @@ def _digest_row(digest: Any, row: RawRow) -> None:
     digest.update(row.raw)
 
 
-def _ingest_source(
+def ingest_source(
     cfg: Eagle3Config,
     layout: StoreLayout,
     ledger: Ledger,

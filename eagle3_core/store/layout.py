@@ -26,6 +26,16 @@ class StoreLayout:
     root: Path
 
     @property
+    def inbox_record(self) -> Path:
+        """Which inbox files were ingested (size, mtime, sha256, state): eagle3_core/data/inbox.py."""
+        return self.root / "inbox.json"
+
+    @property
+    def ingest_lock(self) -> Path:
+        """Held while the inbox is ingested, so two callers never write the ledger at once."""
+        return self.root / ".inbox.lock"
+
+    @property
     def ledger(self) -> Path:
         return self.root / "ledger.json"
 

@@ -16,9 +16,19 @@ def when_every_shard_is_done() -> dg.AutomationCondition:
     since it was last requested or updated. Dagster's `on_missing` would not do: it never fires for an asset
     that was already missing when the sensor first looked, which a drafter always is. A failed run is not
     retried in a loop: the inputs must become ready anew (or the asset be launched by hand)."""
-    ready = ~AC.any_deps_missing() & ~AC.any_deps_in_progress() & AC.all_deps_blocking_checks_passed()
+    ready = ~AC.any_deps_missing() & ~AC.any_deps_in_progress() & every_blocking_check_passed()
     became_ready = ready.newly_true().since(AC.newly_requested() | AC.newly_updated())
     return (AC.missing() & ~AC.in_progress() & ready & became_ready).with_label("once every shard is done")
+
+
+def every_blocking_check_passed() -> dg.AutomationCondition:
+    """No dependency has a blocking check that failed (or never ran) on any of its partitions.
+
+    Dagster's `all_deps_blocking_checks_passed` counts a partitioned dependency's checks as passed once any one
+    partition passes them, so one corrupt shard among good ones would not hold training back.
+    """
+    failed = AC.any_checks_match(~AC.check_passed() & ~AC.will_be_requested(), blocking_only=True)
+    return ~AC.any_deps_match(failed).with_label("a dependency's blocking check failed")
 
 
 def after_its_parent() -> dg.AutomationCondition:

@@ -1,0 +1,259 @@
+"""The inbox: conversation files dropped into a directory become shards, each file exactly once.
+
+Which files are read (the rule a writer must follow):
+- only regular files directly in the inbox whose name ends in .jsonl, .json or .parquet;
+- never a name starting with "." or "_", nor one ending in .tmp, .part, .partial, .crdownload, .filepart,
+  .swp or ~ (copy under such a name, then rename: a rename is atomic, so the file appears whole);
+- never a file modified less than `orchestration.inbox_min_age_seconds` ago (a writer that appends in
+  place is taken as finished once it has been quiet that long).
+
+Exactly once, across restarts: an inbox file is a file source like any other, so its rows go through the
+ingest ledger (`ledger.json`), which is committed after every shard and records how many rows of the file
+were consumed with a digest of their bytes. A crash mid-file resumes after the last whole shard; rows
+appended to a file later become new shards; a file whose consumed rows changed is refused, not re-sharded.
+On top of that, `inbox.json` in the store records each file's size, mtime and sha256: an unchanged file is
+skipped from its stat alone (no re-read every tick), and a file with the content of one already ingested
+(a renamed or re-dropped copy) is recorded as the same and not read again. A file is recorded before its
+first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
+one whose caller died before seeing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import Eagle3Config, FileSource
+from eagle3_core.data.ingest import (
+    Ledger,
+    ShardReport,
+    SourceEntry,
+    ingest_lock,
+    ingest_source,
+    seen_sample_ids,
+)
+from eagle3_core.data.sources import ResolvedSource
+from eagle3_core.errors import ConfigError, SourceChangedError
+from eagle3_core.store.atomic import atomic_write_json
+from eagle3_core.store.layout import SHARD_KEY, StoreLayout
+
+RECORD_VERSION = 1
+READ_SUFFIXES = {".jsonl", ".json", ".parquet"}
+TEMP_SUFFIXES = {".tmp", ".part", ".partial", ".crdownload", ".filepart", ".swp"}
+
+# The states of a file in inbox.json. "ingesting" is written before the file's first shard, so a crash
+# leaves it there and the next call resumes the file through the ledger.
+INGESTING, DONE, REFUSED = "ingesting", "done", "refused"
+
+
+@dataclass
+class InboxReport:
+    inbox: Path
+    new_shards: list[ShardReport] = field(default_factory=list)
+    inbox_shards: list[str] = field(default_factory=list)  # every shard ever made from the inbox, by index
+    rejected: dict[str, int] = field(default_factory=dict)  # reasons, over this call's new shards
+    ingested: list[str] = field(default_factory=list)  # files finished by this call
+    same_as: dict[str, str] = field(default_factory=dict)  # file -> the ingested file it duplicates
+    waiting: dict[str, str] = field(default_factory=dict)  # file -> why not yet (too young)
+    ignored: dict[str, str] = field(default_factory=dict)  # file -> why never (not a conversation file)
+    refused: dict[str, str] = field(default_factory=dict)  # file -> why, newly refused by this call
+    failed: dict[str, str] = field(default_factory=dict)  # file -> error; retried on the next call
+    unfinished: str | None = None  # the file the time budget stopped in; continued on the next call
+    busy: bool = False  # another process was ingesting the inbox; nothing was done
+
+    @property
+    def new_keys(self) -> list[str]:
+        return [s.key for s in self.new_shards]
+
+
+def inbox_dir(cfg: Eagle3Config) -> Path:
+    if cfg.orchestration.inbox is None:
+        raise ConfigError("orchestration.inbox is not set: name the directory to watch in eagle3.yaml")
+    return cfg.resolve(cfg.orchestration.inbox)
+
+
+def shard_index(key: str) -> int:
+    match = SHARD_KEY.match(key)
+    if match is None:
+        raise ValueError(f"{key!r} is not a shard key")
+    return int(match["index"])
+
+
+def ingest_inbox(
+    cfg: Eagle3Config,
+    *,
+    now: float | None = None,
+    max_seconds: float | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> InboxReport:
+    """Shard every new or grown file of the inbox. `max_seconds`: once a shard is made, start no new one
+    after this long (the file in progress is continued by the next call), so a sensor tick keeps its deadline."""
+    inbox = inbox_dir(cfg)
+    report = InboxReport(inbox)
+    if not inbox.is_dir():
+        raise FileNotFoundError(f"orchestration.inbox: {inbox} is not a directory")
+    layout = StoreLayout(cfg.store_root)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    with ingest_lock(layout) as locked:
+        if not locked:
+            report.busy = True
+            return report
+        _ingest_locked(cfg, layout, report, time.time() if now is None else now, max_seconds, log)
+    return report
+
+
+def _ingest_locked(
+    cfg: Eagle3Config,
+    layout: StoreLayout,
+    report: InboxReport,
+    now: float,
+    max_seconds: float | None,
+    log: Callable[[str], None],
+) -> None:
+    started = time.monotonic()
+    record_path = layout.inbox_record
+    files = _load_record(record_path)
+    ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
+    seen: set[str] | None = None  # every sample id in the store: read only when a file is to be ingested
+    totals: Counter[str] = Counter()
+    min_age = cfg.orchestration.inbox_min_age_seconds
+    for path in sorted(report.inbox.iterdir()):
+        if not _conversation_file(path, report, cfg.root):
+            continue
+        name = _source_name(path, cfg.root)
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # moved away between listing and stat
+            continue
+        if now - st.st_mtime < min_age:
+            report.waiting[name] = f"modified {now - st.st_mtime:.0f} s ago (< {min_age:g} s)"
+            continue
+        known = files.get(name)
+        stat = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if known and known["state"] != INGESTING and _same_stat(known, stat):
+            continue
+        if report.new_shards and _out_of_time(started, max_seconds):  # each call makes one shard at least
+            report.unfinished = name
+            break
+        try:
+            digest = _sha256(path)
+        except OSError as err:  # unreadable, or gone since the listing
+            report.failed[name] = f"{type(err).__name__}: {err}"
+            continue
+        if known and known["state"] != INGESTING and known["sha256"] == digest:
+            files[name] = {**known, **stat}  # touched, same bytes
+            _save_record(record_path, files)
+            continue
+        twin = None if known else _file_with_digest(files, digest)
+        if twin is not None:
+            files[name] = {"state": DONE, "sha256": digest, **stat, "same_as": twin}
+            _save_record(record_path, files)
+            report.same_as[name] = twin
+            log(f"{name}: same content as {twin}, already ingested")
+            continue
+        files[name] = {"state": INGESTING, "sha256": digest, **stat}
+        _save_record(record_path, files)
+        if seen is None:
+            seen = seen_sample_ids(layout, ledger)
+        source = ResolvedSource(name, FileSource(path=name), path)
+        entry = ledger.sources.setdefault(name, SourceEntry())
+        try:
+            for shard in _shards_within(
+                ingest_source(cfg, layout, ledger, source, entry, seen), started, max_seconds
+            ):
+                report.new_shards.append(shard)
+                totals.update(shard.rejected)
+                log(f"{shard.key}: {shard.samples} samples, {sum(shard.rejected.values())} rejected ({name})")
+        except SourceChangedError as err:
+            files[name] = {"state": REFUSED, "sha256": digest, **stat, "reason": str(err)}
+            _save_record(record_path, files)
+            report.refused[name] = str(err)
+            continue
+        except (OSError, ValueError) as err:  # unreadable, or a Parquet file that is not one (yet)
+            report.failed[name] = f"{type(err).__name__}: {err}"
+            continue
+        except _OutOfTime:
+            report.unfinished = name
+            break
+        files[name] = {"state": DONE, "sha256": digest, **stat}
+        _save_record(record_path, files)
+        report.ingested.append(name)
+    report.rejected = dict(totals)
+    report.inbox_shards = sorted(
+        (k for name in files for k in ledger.sources.get(name, SourceEntry()).shards), key=shard_index
+    )
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _shards_within(
+    shards: Iterator[tuple[ShardReport, int]], started: float, max_seconds: float | None
+) -> Iterator[ShardReport]:
+    """The source's shards, one by one, until time is up. Every shard yielded is in the ledger already; the
+    one being filled when time runs out is dropped with the source's generator, and its rows are not."""
+    for shard, _rows in shards:
+        yield shard
+        if _out_of_time(started, max_seconds):
+            raise _OutOfTime
+
+
+def _out_of_time(started: float, max_seconds: float | None) -> bool:
+    return max_seconds is not None and time.monotonic() - started >= max_seconds
+
+
+def _conversation_file(path: Path, report: InboxReport, root: Path) -> bool:
+    name = path.name
+    if name.startswith((".", "_")) or name.endswith("~") or path.suffix in TEMP_SUFFIXES:
+        return False  # a file being written, by convention: not even worth a mention
+    if not path.is_file():
+        return False
+    if path.suffix not in READ_SUFFIXES:
+        report.ignored[_source_name(path, root)] = f"not {' or '.join(sorted(READ_SUFFIXES))}"
+        return False
+    return True
+
+
+def _source_name(path: Path, root: Path) -> str:
+    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _same_stat(known: dict[str, Any], stat: dict[str, int]) -> bool:
+    return bool(known.get("size") == stat["size"] and known.get("mtime_ns") == stat["mtime_ns"])
+
+
+def _file_with_digest(files: dict[str, dict[str, Any]], digest: str) -> str | None:
+    for name, known in files.items():
+        if known["state"] == DONE and known["sha256"] == digest:
+            return str(known.get("same_as") or name)
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_record(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    return dict(raw["files"])
+
+
+def _save_record(path: Path, files: dict[str, dict[str, Any]]) -> None:
+    atomic_write_json(path, {"version": RECORD_VERSION, "files": files})

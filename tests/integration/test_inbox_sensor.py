@@ -1,0 +1,109 @@
+"""The inbox sensor of the real code location, ticked against a real (temporary SQLite) instance the way the
+daemon ticks it: a dropped file's shards are added as partitions with one run requested per shard, and a
+later tick hands over nothing twice."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.definitions.sensor_definition import SensorExecutionData
+
+from eagle3_core.config import load_config
+from eagle3_core.data.inbox import ingest_inbox
+from eagle3_dagster.definitions import defs
+from eagle3_dagster.defs.data.sensors import add_requests
+from eagle3_dagster.defs.resources import Eagle3Resource
+from tests.conftest import write_config
+
+SHARD_ASSETS = [dg.AssetKey("conversations"), dg.AssetKey("regenerated"), dg.AssetKey("hidden_states")]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "inbox").mkdir()
+    return write_config(
+        tmp_path,
+        "store: store\ndata: {dataset: t, shard_size: 2}\n"
+        "orchestration: {inbox: inbox, inbox_min_age_seconds: 0}\n",
+    )
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def _drop(config: Path, name: str, rows: range) -> None:
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) for i in rows]
+    (config.parent / "inbox" / name).write_text("".join(f"{line}\n" for line in lines))
+
+
+def _tick(instance: dg.DagsterInstance, config: Path, cursor: str | None) -> SensorExecutionData:
+    """One evaluation as the daemon runs it (run requests resolved against the job and the partitions), then
+    the partitions added as the daemon adds them."""
+    sensor = defs.resolve_sensor_def("eagle3_inbox")
+    resources = {"eagle3": Eagle3Resource(config_path=str(config))}
+    with dg.build_sensor_context(
+        instance_ref=instance.get_ref(), definitions=defs, resources=resources, cursor=cursor
+    ) as context:
+        data = sensor.evaluate_tick(context)
+    for request in data.dynamic_partitions_requests:
+        assert isinstance(request, dg.AddDynamicPartitionsRequest)
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return data
+
+
+def _added(data: SensorExecutionData) -> list[str]:
+    return [k for r in data.dynamic_partitions_requests for k in r.partition_keys or []]
+
+
+def test_a_dropped_file_adds_its_shards_and_one_run_each_and_a_second_tick_yields_nothing(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    _drop(project, "a.jsonl", range(5))
+    first = _tick(instance, project, cursor=None)
+    shards = ["t-00000", "t-00001", "t-00002"]
+    assert _added(first) == shards
+    assert instance.get_dynamic_partitions("shards") == shards
+    assert [(r.partition_key, r.run_key) for r in first.run_requests] == [(k, f"inbox:{k}") for k in shards]
+    assert all(r.asset_selection == SHARD_ASSETS for r in first.run_requests)
+    assert all(r.tags["dagster/partition"] == r.partition_key for r in first.run_requests)
+
+    second = _tick(instance, project, cursor=first.cursor)
+    assert second.run_requests == [] and _added(second) == []
+    assert second.skip_message and "no new file" in second.skip_message
+
+    _drop(project, "b.jsonl", range(5, 7))  # only the new file's shard is handed over
+    third = _tick(instance, project, cursor=second.cursor)
+    assert _added(third) == ["t-00003"] and [r.partition_key for r in third.run_requests] == ["t-00003"]
+
+
+def test_shards_a_dead_tick_made_are_handed_over_and_a_replayed_tick_repeats_its_run_keys(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    _drop(project, "a.jsonl", range(3))
+    made = ingest_inbox(load_config(project)).new_keys  # a tick that died after ingesting, before returning
+    assert made == ["t-00000", "t-00001"]
+    first = _tick(instance, project, cursor=None)
+    assert _added(first) == made
+    # The daemon died before saving the cursor: the replay asks for the same runs under the same run keys,
+    # which the daemon launches once.
+    replay = _tick(instance, project, cursor=None)
+    assert [r.run_key for r in replay.run_requests] == [r.run_key for r in first.run_requests]
+    assert instance.get_dynamic_partitions("shards") == made
+
+
+def test_partition_adds_are_batched() -> None:
+    keys = [f"t-{i:05d}" for i in range(2500)]
+    requests = add_requests(keys)
+    assert [len(r.partition_keys or []) for r in requests] == [1000, 1000, 500]
+    assert [k for r in requests for k in r.partition_keys or []] == keys
+
+
+def test_without_an_inbox_the_sensor_skips(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    config = write_config(tmp_path, "store: store\n")
+    data = _tick(instance, config, cursor=None)
+    assert data.run_requests == [] and data.skip_message == "orchestration.inbox is not set in the config"

@@ -1,0 +1,183 @@
+"""The inbox: each dropped file becomes shards exactly once (across restarts and lost records), a file still
+being written waits, bad rows are counted with their reason, and a file that changed under us is refused."""
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3_core.config import ConfigError, Eagle3Config, OrchestrationConfig, load_config
+from eagle3_core.data.inbox import ingest_inbox
+from eagle3_core.data.ingest import ingest, load_conversation_shard
+from eagle3_core.errors import StoreBusyError
+from eagle3_core.store.atomic import read_jsonl
+from eagle3_core.store.layout import StoreLayout
+from tests.conftest import write_config
+
+NAME = "inbox/a.jsonl"  # as sources are named: relative to the config's directory
+
+
+def _config(tmp_path: Path, shard_size: int = 2, extra: str = "") -> Eagle3Config:
+    (tmp_path / "inbox").mkdir(parents=True, exist_ok=True)
+    return load_config(
+        write_config(
+            tmp_path,
+            f"store: store\ndata: {{dataset: t, shard_size: {shard_size}}}\n"
+            f"orchestration: {{inbox: inbox, inbox_min_age_seconds: 60{extra}}}\n",
+        )
+    )
+
+
+def _row(i: int) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]})
+
+
+def _drop(tmp_path: Path, name: str, lines: list[str], age: float = 120.0) -> Path:
+    path = tmp_path / "inbox" / name
+    path.write_text("".join(f"{line}\n" for line in lines))
+    _age(path, age)
+    return path
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def _samples(cfg: Eagle3Config, keys: list[str]) -> list[dict[str, Any]]:
+    return [s for key in keys for s in load_conversation_shard(cfg.store_root, key)[0]]
+
+
+def _record(cfg: Eagle3Config) -> dict[str, Any]:
+    return dict(json.loads((StoreLayout(cfg.store_root).inbox_record).read_text())["files"])
+
+
+def test_a_new_file_is_sharded_once_and_its_malformed_row_is_counted_with_its_reason(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _drop(tmp_path, "a.jsonl", [_row(0), _row(1), '{"messages": [', _row(2), _row(3), _row(4)])
+    report = ingest_inbox(cfg)
+    assert report.new_keys == ["t-00000", "t-00001", "t-00002"]
+    assert report.inbox_shards == report.new_keys
+    assert report.ingested == [NAME]
+    assert report.rejected == {"malformed_json": 1}
+    assert [s["messages"][0]["content"] for s in _samples(cfg, report.new_keys)] == [
+        f"question {i}" for i in range(5)
+    ]
+    [reject] = read_jsonl(StoreLayout(cfg.store_root).rejects("t-00001"))
+    assert (reject["file"], reject["line"], reject["reason"]) == (NAME, 3, "malformed_json")
+    assert _record(cfg)[NAME]["state"] == "done"
+
+    again = ingest_inbox(cfg)
+    assert again.new_keys == [] and again.ingested == []
+    assert again.inbox_shards == report.new_keys
+
+
+def test_a_restart_mid_file_neither_skips_nor_reingests_a_row(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _drop(tmp_path, "a.jsonl", [_row(i) for i in range(7)])
+    first = ingest_inbox(cfg, max_seconds=0.0)  # the time budget stops it after one shard, as a kill would
+    assert first.new_keys == ["t-00000"] and first.unfinished == NAME
+    assert _record(cfg)[NAME]["state"] == "ingesting"
+
+    restarted = ingest_inbox(load_config(cfg.root / "eagle3.yaml"))
+    assert restarted.new_keys == ["t-00001", "t-00002", "t-00003"]
+    every = first.new_keys + restarted.new_keys
+    assert restarted.inbox_shards == every
+    contents = [s["messages"][0]["content"] for s in _samples(cfg, every)]
+    assert contents == [f"question {i}" for i in range(7)]  # each row once, in order
+
+    (
+        StoreLayout(cfg.store_root).inbox_record
+    ).unlink()  # even with the inbox record lost, the ledger knows the rows
+    lost = ingest_inbox(cfg)
+    assert lost.new_keys == []
+    assert lost.inbox_shards == every  # and the record is rebuilt with the file's shards
+
+
+def test_a_file_still_being_written_waits_and_temporary_names_are_never_read(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    young = _drop(tmp_path, "a.jsonl", [_row(0), _row(1)], age=0.0)
+    _drop(tmp_path, ".b.jsonl", [_row(2)])
+    _drop(tmp_path, "c.jsonl.part", [_row(3)])
+    _drop(tmp_path, "d.jsonl.tmp", [_row(4)])
+    _drop(tmp_path, "notes.txt", ["hello"])
+    report = ingest_inbox(cfg)
+    assert report.new_keys == []
+    assert list(report.waiting) == [NAME]
+    assert list(report.ignored) == ["inbox/notes.txt"]
+    assert not (StoreLayout(cfg.store_root).inbox_record).exists()
+
+    _age(young, 61)  # quiet for longer than inbox_min_age_seconds: taken as written
+    report = ingest_inbox(cfg)
+    assert report.new_keys == ["t-00000"] and report.ingested == [NAME]
+    assert [s["messages"][0]["content"] for s in _samples(cfg, report.new_keys)] == [
+        "question 0",
+        "question 1",
+    ]
+
+
+def test_a_copy_is_not_read_again_appended_rows_add_shards_and_a_changed_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    a = _drop(tmp_path, "a.jsonl", [_row(0), _row(1)])
+    assert ingest_inbox(cfg).new_keys == ["t-00000"]
+
+    shutil.copy2(a, tmp_path / "inbox" / "copy.jsonl")  # the same bytes dropped again under another name
+    copied = ingest_inbox(cfg)
+    assert copied.new_keys == [] and copied.same_as == {"inbox/copy.jsonl": NAME}
+
+    with a.open("a") as f:
+        f.write(f"{_row(2)}\n{_row(3)}\n")
+    _age(a, 120)
+    appended = ingest_inbox(cfg)
+    assert appended.new_keys == ["t-00001"]
+    assert [s["messages"][0]["content"] for s in _samples(cfg, appended.new_keys)] == [
+        "question 2",
+        "question 3",
+    ]
+
+    _drop(tmp_path, "a.jsonl", [_row(9), _row(1), _row(2), _row(3)])  # a consumed row rewritten
+    _drop(tmp_path, "b.jsonl", [_row(5)])
+    changed = ingest_inbox(cfg)
+    assert list(changed.refused) == [NAME] and "changed" in changed.refused[NAME]
+    assert changed.new_keys == ["t-00002"] and changed.ingested == ["inbox/b.jsonl"]  # the others go on
+    assert ingest_inbox(cfg).refused == {}  # reported once; the record keeps the reason
+    assert _record(cfg)[NAME]["state"] == "refused"
+
+
+def test_a_second_caller_is_turned_away_while_one_holds_the_inbox(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _drop(tmp_path, "a.jsonl", [_row(0)])
+    cfg.store_root.mkdir(parents=True)
+    with open(StoreLayout(cfg.store_root).ingest_lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        report = ingest_inbox(cfg)
+        with pytest.raises(StoreBusyError, match="another process is ingesting"):
+            ingest(cfg)  # `eagle3 ingest` takes the same lock
+    assert report.busy and report.new_keys == []
+    assert ingest_inbox(cfg).new_keys == ["t-00000"]
+
+
+def test_orchestration_defaults_and_invalid_values_name_the_field(tmp_path: Path) -> None:
+    defaults = OrchestrationConfig()
+    assert (defaults.inbox, defaults.nightly_cron, defaults.nightly_timezone, defaults.nightly_enabled) == (
+        None,
+        "0 2 * * *",
+        "UTC",
+        True,
+    )
+    cfg = _config(tmp_path / "proj")
+    assert cfg.resolve(cfg.orchestration.inbox or "") == (tmp_path / "proj" / "inbox").resolve()
+    for text, field in [
+        ("orchestration: {nightly_cron: '0 2 * *'}\n", "orchestration.nightly_cron"),
+        ("orchestration: {nightly_timezone: Mars/Olympus}\n", "orchestration.nightly_timezone"),
+        ("orchestration: {inbox_min_age_seconds: -1}\n", "orchestration.inbox_min_age_seconds"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{field}:"):
+            load_config(write_config(tmp_path / "bad", text))
