@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_core.cli import _log, build_parser, console, print_evaluation, print_stats, print_training, run
+from eagle3_core.cli import _log, build_parser, console, print_evaluation, print_training, run
 from eagle3_core.config import load_config
+from eagle3_dagster.ops_cli import add_ops_commands, dagster_home
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,15 +61,6 @@ evaluate:
 """
 
 
-def dagster_home(workdir: Path) -> Path:
-    """The instance lives inside the working directory (SQLite), configured by the project's dagster.yaml."""
-    home = workdir / ".dagster"
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
-    return home
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -81,9 +72,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     cfg = load_config(config_path)
 
+    import dagster as dg
+
     from eagle3_core.data.ingest import ingest
     from eagle3_core.targets.resolve import target_dir
     from eagle3_dagster.materialize import materialize_drafter, materialize_shards
+    from eagle3_dagster.ops_cli import shard_statuses, status_table
 
     console.rule("1. toy target")
     target = target_dir(cfg, log=_log)
@@ -109,7 +103,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     drafter = materialize_drafter()
     console.rule("summary")
-    print_stats(cfg)
+    with dg.DagsterInstance.get() as instance:
+        shards = shard_statuses(cfg, instance)
+    console.print(status_table(shards, f"shards in {cfg.store_root} (state from the Dagster instance)"))
     vocab = drafter["vocab_mapping"]
     console.print(
         f"draft vocabulary: K={vocab['draft_vocab_size']} of {vocab['target_vocab_size']}, "
@@ -129,9 +125,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; store: {cfg.store_root}")
     console.print(
-        "Browse these runs in the Dagster UI:\n"
-        f"  DAGSTER_HOME={os.environ['DAGSTER_HOME']} EAGLE3_CONFIG={config_path} "
-        f"{Path(sys.executable).parent / 'dagster'} dev -h 127.0.0.1 -w {REPO_ROOT / 'workspace.yaml'}",
+        "Browse these runs in the Dagster UI (http://127.0.0.1:3000):\n"
+        f"  {Path(sys.executable).parent / 'eagle3'} --config {config_path} ui",
         soft_wrap=True,
     )
     return 0
@@ -147,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=640, help="How many chitchat conversations to use.")
     p.add_argument("--shard-size", type=int, default=128)
     p.set_defaults(fn=cmd_demo)
+    add_ops_commands(sub)  # status, materialize, ui
     return run(parser, argv)
 
 

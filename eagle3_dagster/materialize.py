@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.data.checks import SHARD_CHECKS
 from eagle3_dagster.defs.resources import default_resources
 
 SHARD_ASSETS = [conversations, regenerated, hidden_states]
 SHARDS = "shards"
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CLI prints its own progress
+# The process that runs an in-process run, as "host:pid:start": a run whose process is gone (killed) stays
+# STARTED in the instance for ever; `eagle3 status` shows it as interrupted and `eagle3 materialize` fails it.
+RUNNER_TAG = "eagle3/runner"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): a PID reused by another
+    process has another. None where the process is gone or there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def runner_tag() -> str:
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or ''}"
+
+
+def runner_alive(tag: str) -> bool | None:
+    """Whether the process named by a run's RUNNER_TAG still runs; None when it ran on another host."""
+    host, pid, started = tag.rsplit(":", 2)
+    if host != socket.gethostname():
+        return None
+    if started:
+        return _start_ticks(int(pid)) == started
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:
@@ -38,16 +76,22 @@ def materialize_shards(
     todo = missing_shards(instance, keys)
     for i, key in enumerate(todo, start=1):
         log(f"run {i}/{len(todo)}: shard {key}")
-        result = dg.materialize(
-            SHARD_ASSETS,
-            partition_key=key,
-            instance=instance,
-            resources=default_resources(),
-            run_config=QUIET,
-        )
-        if not result.success:
-            raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
+        materialize_shard(key, instance)
     return todo
+
+
+def materialize_shard(key: str, instance: dg.DagsterInstance) -> None:
+    """One run, in this process, of conversations -> regenerated -> hidden_states and the shard checks."""
+    result = dg.materialize(
+        [*SHARD_ASSETS, *SHARD_CHECKS],
+        partition_key=key,
+        instance=instance,
+        resources=default_resources(),
+        run_config=QUIET,
+        tags={RUNNER_TAG: runner_tag()},
+    )
+    if not result.success:
+        raise RuntimeError(f"the run for shard {key} failed; see the Dagster UI for its logs")
 
 
 def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str, dict[str, Any]]:
@@ -57,16 +101,18 @@ def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str,
     the gate refuses fails the run at the check (drafter_current is not materialized) and raises here.
     """
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+    from eagle3_dagster.defs.drafter.checks import vocab_coverage
     from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 
     instance = instance or dg.DagsterInstance.get()
     drafter_half = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
     result = dg.materialize(
-        [*SHARD_ASSETS, *drafter_half, not_worse_than_current],
+        [*SHARD_ASSETS, *drafter_half, vocab_coverage, not_worse_than_current],
         selection=drafter_half,
         instance=instance,
         resources=default_resources(),
         run_config=QUIET,
+        tags={RUNNER_TAG: runner_tag()},
         raise_on_error=False,
     )
     values = {

@@ -1,0 +1,90 @@
+"""`eagle3 materialize` in process (no webserver) and `eagle3 status` on the toy target, through the console
+script's main(): one shard by hand, a run left STARTED by a process that died, then `--missing` fails that
+run and materializes exactly the shards not done, each once, and a second `--missing` has nothing to do."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.test_utils import create_run_for_test
+
+from eagle3_core.config import load_config
+from eagle3_core.data.ingest import ingest
+from eagle3_core.store.stats import store_stats
+from eagle3_dagster.cli import main
+from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions
+from tests.conftest import write_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:Specifying a partitions_def:dagster.PreviewWarning")
+
+
+def _status(config: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, object]]:
+    capsys.readouterr()
+    assert main(["--config", str(config), "status", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    return {row["key"]: row for row in report["shards"]}
+
+
+def test_materialize_missing_in_process(
+    tmp_path: Path, toy_target_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(
+        tmp_path,
+        "store: store\ndata: {dataset: mm, shard_size: 8, holdout_fraction: 0.0, "
+        "sources: [{kind: chitchat, limit: 40}]}\n"
+        f"target: {{path: {toy_target_dir}}}\nregenerate: {{enabled: false}}\ntokenize: {{max_seq_len: 96}}\n",
+    )
+    keys = ingest(load_config(config)).all_shards
+    assert len(keys) >= 3, keys
+    # the instance: .dagster beside the config (the CLI's rule without $DAGSTER_HOME); restored afterwards
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("EAGLE3_CONFIG", raising=False)
+    home = tmp_path / ".dagster"
+
+    assert set(s["state"] for s in _status(config, capsys).values()) == {"missing"}
+    assert (home / "dagster.yaml").exists()
+    assert main(["--config", str(config), "materialize", "--in-process", "--shards", keys[0]]) == 0
+    assert f"shard {keys[0]}: materialized" in capsys.readouterr().out
+
+    # a run the instance has as STARTED, for the second shard, whose process is gone
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        add_shard_partitions(instance, keys)
+        dead = create_run_for_test(
+            instance,
+            status=dg.DagsterRunStatus.STARTED,
+            tags={RUNNER_TAG: f"{socket.gethostname()}:{proc.pid}:1", "dagster/partition": keys[1]},
+        )
+    states = _status(config, capsys)
+    assert [states[k]["state"] for k in keys] == [
+        "materialized",
+        "interrupted",
+        *["missing"] * (len(keys) - 2),
+    ]
+
+    assert main(["--config", str(config), "materialize", "--missing", "--in-process"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"run {dead.run_id} ({keys[1]}): process gone, marked failed" in out
+    assert f"{len(keys) - 1} shard(s) to materialize: {', '.join(keys[1:])}" in out
+    assert f"{len(keys) - 1} shard(s) materialized in process" in out
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert instance.get_run_by_id(dead.run_id).status == dg.DagsterRunStatus.FAILURE  # type: ignore[union-attr]
+        records = instance.fetch_materializations(dg.AssetKey("hidden_states"), limit=100).records
+        assert sorted(str(r.partition_key) for r in records) == sorted(keys)  # each shard once
+        runs = {r.run_id: r for r in instance.get_runs()}
+        assert all(RUNNER_TAG in runs[r.run_id].tags for r in records)  # each tagged with its process
+
+    assert main(["--config", str(config), "materialize", "--missing", "--in-process"]) == 0
+    assert "nothing to materialize" in capsys.readouterr().out
+    states = _status(config, capsys)
+    figures = {row.key: row.values for row in store_stats(tmp_path / "store").shards}
+    assert {k: s["state"] for k, s in states.items()} == dict.fromkeys(keys, "materialized")
+    assert {k: s["samples"] for k, s in states.items()} == {k: figures[k]["samples"] for k in keys}
+    assert main(["--config", str(config), "materialize"]) == 2  # neither --missing nor --shards
