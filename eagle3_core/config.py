@@ -358,14 +358,35 @@ def config_from_dict(raw: dict[str, Any], root: Path, source: str = "<config>") 
         raise ConfigError(format_validation_error(err, source)) from None
 
 
-def load_config(path: str | Path) -> Eagle3Config:
+def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
+    """The config file, with `overrides` (YAML text, e.g. from the Dagster Launchpad) merged on top field by
+    field, validated as one: a bad override is refused with its field named like a bad file value."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file (create one, or pass --config)")
+    raw = _yaml_mapping(path.read_text(), str(path))
+    if overrides.strip():
+        raw = _merged(raw, _yaml_mapping(overrides, f"{path} (overrides)"))
+    return config_from_dict(
+        raw, path.resolve().parent, str(path) + (" with overrides" if overrides.strip() else "")
+    )
+
+
+def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{where}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
-    return config_from_dict(raw, path.resolve().parent, str(path))
+        raise ConfigError(f"{where}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Mappings merge key by key; anything else (lists included) is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = (
+            _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.targets.hf import TransformersTarget
@@ -20,9 +20,14 @@ class Eagle3Resource(dg.ConfigurableResource):
     """Where the run's `eagle3.yaml` is; every asset reads its configuration from there."""
 
     config_path: str = DEFAULT_CONFIG
+    overrides: str = Field(
+        default="",
+        description="YAML merged over the config file for this run (e.g. 'train: {epochs: 1}'), validated by "
+        "the same pydantic model as the CLI's: a bad value fails the run with the field named.",
+    )
 
     def config(self) -> Eagle3Config:
-        return load_config(self.config_path)
+        return load_config(self.config_path, self.overrides)
 
     def resolved_path(self) -> Path:
         return Path(self.config_path).resolve()

@@ -47,3 +47,20 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write_config(tmp_path, "data: [unclosed\n"))
+
+
+def test_launchpad_overrides_merge_field_by_field_and_are_validated_like_the_file(tmp_path: Path) -> None:
+    from eagle3_dagster.defs.resources import Eagle3Resource
+
+    path = write_config(tmp_path, "store: s\ntrain: {epochs: 5, lr: 0.01}\nevaluate: {ks: [3, 7]}\n")
+    resource = Eagle3Resource(
+        config_path=str(path), overrides="train: {epochs: 1}\nevaluate: {ks: [2], gate_k: 2}"
+    )
+    cfg = resource.config()
+    assert (cfg.train.epochs, cfg.train.lr, cfg.evaluate.ks) == (1, 0.01, [2])  # lr kept, ks replaced
+    assert cfg.store_root == tmp_path / "s"  # paths still resolve against the file
+    assert load_config(path).train.epochs == 5
+    with pytest.raises(ConfigError, match=r"(?s)with overrides.*train\.epochs"):
+        load_config(path, "train: {epochs: 0}")
+    with pytest.raises(ConfigError, match=r"\(overrides\): the top level must be a mapping"):
+        load_config(path, "- 1")
