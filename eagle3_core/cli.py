@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from eagle3_core.config import Eagle3Config, load_config
@@ -27,8 +29,44 @@ def _config(args: argparse.Namespace) -> Eagle3Config:
     return load_config(args.config)
 
 
-def _log(message: str) -> None:
-    console.print(f"[dim]{message}[/dim]")
+# The steps report progress as "what: done/total unit" lines (chat-00003: 320/489 samples extracted)
+_PROGRESS_LINE = re.compile(r"^(?P<task>.+?): (?P<done>\d+)/(?P<total>\d+) (?P<unit>[^/]+)$")
+
+
+class ProgressLog:
+    """The steps' log: in a terminal, progress lines drive a live bar per task; elsewhere (CI, pipes, the
+    Dagster logs) every line is printed, so a log file keeps the whole history."""
+
+    def __init__(self, out: Console) -> None:
+        self.console = out
+        self.bars: Progress | None = None
+        self.tasks: dict[str, TaskID] = {}
+
+    def __call__(self, message: str) -> None:
+        match = _PROGRESS_LINE.match(message)
+        if match is None or not self.console.is_terminal:
+            self.console.print(f"[dim]{message}[/dim]")
+            return
+        if self.bars is None:
+            self.bars = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.bars.start()
+        name = f"{match['task']} ({match['unit']})"
+        done, total = int(match["done"]), int(match["total"])
+        if name not in self.tasks:
+            self.tasks[name] = self.bars.add_task(name, total=total)
+        self.bars.update(self.tasks[name], completed=done, total=total)
+        if all(task.finished for task in self.bars.tasks):
+            self.bars.stop()
+            self.bars, self.tasks = None, {}
+
+
+_log = ProgressLog(console)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:

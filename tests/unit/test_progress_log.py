@@ -1,0 +1,34 @@
+"""The CLI's progress: bars in a terminal, every line kept where output goes to a file or a pipe."""
+
+import io
+
+from rich.console import Console
+
+from eagle3_core.cli import ProgressLog
+
+
+def test_a_terminal_gets_one_bar_per_task_closed_when_all_are_done() -> None:
+    out = io.StringIO()
+    log = ProgressLog(Console(file=out, force_terminal=True, width=100))
+    log("chat-00000: 64/128 samples extracted")
+    assert log.bars is not None and len(log.bars.tasks) == 1
+    log("chat-00001: 10/20 turns regenerated")
+    log("chat-00000: 128/128 samples extracted")
+    assert log.bars is not None and len(log.bars.tasks) == 2  # one task still running
+    log("chat-00001: 20/20 turns regenerated")
+    assert log.bars is None  # everything finished: the live display is closed
+    log("vocab: done")  # an ordinary line is printed as it is
+    text = out.getvalue()
+    assert "chat-00000 (samples extracted)" in text and "vocab: done" in text
+
+
+def test_a_pipe_gets_every_line_and_no_bar() -> None:
+    out = io.StringIO()
+    log = ProgressLog(Console(file=out, force_terminal=False, width=100))
+    for done in (64, 128):
+        log(f"chat-00000: {done}/128 samples extracted")
+    assert log.bars is None
+    assert out.getvalue().splitlines() == [
+        "chat-00000: 64/128 samples extracted",
+        "chat-00000: 128/128 samples extracted",
+    ]
