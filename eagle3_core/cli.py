@@ -122,15 +122,21 @@ def _run_shards(args: argparse.Namespace, step_name: str) -> int:
     if not keys:
         console.print(f"{step_name}: nothing to do (every shard is done; --force to redo)")
         return 0
-    target = TransformersTarget(target_dir(cfg, log=_log), cfg.target)
-    step = pipeline.regenerate_step if step_name == "regenerate" else pipeline.extract_step
+    through_server = step_name == "regenerate" and cfg.regenerate.server is not None
+    # regenerating through a server needs only the tokenizer, which the server path loads itself
+    target = None if through_server else TransformersTarget(target_dir(cfg, log=_log), cfg.target)
     for key in keys:
-        result = step(cfg, key, target, _log)
+        if step_name == "regenerate":
+            result = pipeline.regenerate_step(cfg, key, target, _log)
+        else:
+            assert target is not None
+            result = pipeline.extract_step(cfg, key, target, _log)
         console.print(
             f"{step_name} {key}: "
             + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
         )
-    target.close()
+    if target is not None:
+        target.close()
     return 0
 
 
@@ -139,7 +145,29 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    return _run_shards(args, "extract")
+    cfg = _config(args)
+    if cfg.target.backend == "transformers":
+        return _run_shards(args, "extract")
+    # target.backend sglang_*: the states come from SGLang (eagle3_core/targets/sglang.py)
+    from eagle3_core import pipeline
+    from eagle3_core.targets.resolve import open_extraction_target
+
+    done = StoreLayout(cfg.store_root).hidden_states
+    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not done(k).exists()]
+    if not keys:
+        console.print("extract: nothing to do (every shard is done; --force to redo)")
+        return 0
+    target = open_extraction_target(cfg, log=_log)
+    try:
+        for key in keys:
+            result = pipeline.extract_step(cfg, key, target, _log)
+            console.print(
+                f"extract {key}: "
+                + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
+            )
+    finally:
+        target.close()
+    return 0
 
 
 def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
@@ -301,6 +329,19 @@ def cmd_bench_sglang(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_command(args: argparse.Namespace) -> int:
+    from eagle3_core.serving import serve_commands
+
+    commands = serve_commands(_config(args), Path(args.export) if args.export else None)
+    if args.json:
+        print(json.dumps(commands, indent=1))
+        return 0
+    # plain print, not rich: the lines must reach the terminal unwrapped and with their brackets, to be pasted
+    print(f"drafter: {commands['drafter']} ({commands['which']}); K={commands['k']} (evaluate.gate_k)")
+    print(f"\nSGLang:\n{commands['sglang']}\n\nvLLM:\n{commands['vllm']}")
+    return 0
+
+
 def add_core_commands(sub: argparse._SubParsersAction) -> None:
     def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
@@ -343,6 +384,13 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--url", required=True, help="The server, e.g. http://127.0.0.1:30000")
     p.add_argument("--concurrency", type=int, default=1)
+    p = add(
+        "serve-command",
+        cmd_serve_command,
+        "Print the SGLang and vLLM commands that serve the promoted (else the newest exported) drafter.",
+    )
+    p.add_argument("--export", help="Serve this export directory (store/drafter/export/<run>) instead.")
+    p.add_argument("--json", action="store_true", help="The commands as JSON.")
     p = add("stats", cmd_stats, "Shard statistics from manifests alone (opens no tensor file).")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="One row per shard even when there are many.")

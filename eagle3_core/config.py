@@ -94,6 +94,24 @@ class TargetConfig(_Model):
         description="Residual stream entering these decoder layers (0-based); default (2, L//2, L-3).",
     )
     toy: ToyTargetConfig = ToyTargetConfig()
+    backend: Literal["transformers", "sglang_http", "sglang_engine"] = Field(
+        default="transformers",
+        description="What computes the hidden states at extraction: transformers in this process; "
+        "sglang_http, a running SGLang server at sglang_url launched with eagle3's capture hooks "
+        "(eagle3_core/targets/sglang.py); sglang_engine, sglang.Engine in this process (GPU only, "
+        "eagle3[sglang], tensor-parallel over sglang.tp_size GPUs). Regeneration is not affected.",
+    )
+    sglang_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://\S+$",
+        description="Base URL of the SGLang server backend sglang_http reads, e.g. http://127.0.0.1:30000.",
+    )
+
+    @model_validator(mode="after")
+    def _sglang_url_given(self) -> TargetConfig:
+        if self.backend == "sglang_http" and self.sglang_url is None:
+            raise ValueError("target.backend 'sglang_http' needs target.sglang_url (the server's base URL)")
+        return self
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -103,6 +121,48 @@ class TargetConfig(_Model):
         if ids is not None and min(ids) < 0:
             raise ValueError(f"aux layer ids must be >= 0, got {list(ids)}")
         return ids
+
+
+class RegenerateServerConfig(_Model):
+    """An OpenAI-compatible server (SGLang, vLLM, `transformers serve`) that regenerates instead of the
+    in-process target: `/v1/chat/completions`, one request per assistant turn."""
+
+    url: str = Field(
+        pattern=r"^https?://\S+$",
+        description="The server's base URL, e.g. http://127.0.0.1:30000 (a trailing /v1 is accepted); "
+        "requests go to {url}/v1/chat/completions.",
+    )
+    model: str | None = Field(
+        default=None,
+        description="The `model` field of each request (vLLM needs the served name; `transformers serve "
+        "PATH` needs PATH or nothing). None: the field is not sent.",
+    )
+    concurrency: Annotated[int, Field(gt=0, le=4096)] = Field(
+        default=32, description="Requests in flight at once."
+    )
+    timeout_s: Annotated[float, Field(gt=0.0)] = Field(
+        default=600.0, description="Seconds one request may take, from sending it to its whole answer."
+    )
+    retries: Annotated[int, Field(ge=0, le=100)] = Field(
+        default=4,
+        description="Further attempts after a connection error, a timeout, HTTP 408/429 or 5xx "
+        "(another 4xx fails the request at once).",
+    )
+    backoff_s: Annotated[float, Field(ge=0.0)] = Field(
+        default=1.0,
+        description="Wait before retry k is backoff_s * 2**k, jittered to 50-100% (at least Retry-After, "
+        "at most 60 s).",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of the environment variable holding the API key (sent as a Bearer token); "
+        "None: no key is sent.",
+    )
+    max_failed_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        default=0.01,
+        description="Share of a shard's samples whose requests may fail (after retries) and be kept as "
+        "error rows; above it the shard fails, its finished samples kept for the next run.",
+    )
 
 
 class RegenerateConfig(_Model):
@@ -115,6 +175,10 @@ class RegenerateConfig(_Model):
         default=None, description="Keep at most this many assistant turns of each conversation."
     )
     seed: int = 0
+    server: RegenerateServerConfig | None = Field(
+        default=None,
+        description="Regenerate through this OpenAI-compatible server; None: in process, with the target.",
+    )
 
 
 class TokenizeConfig(_Model):
@@ -276,6 +340,50 @@ class OrchestrationConfig(_Model):
         return name
 
 
+class SGLangServerConfig(_Model):
+    """The SGLang server eagle3 starts and stops itself (eagle3_core/targets/sglang_server.py), and the flags
+    of the serving command it prints (`eagle3 serve-command`)."""
+
+    launcher: list[str] = Field(
+        default_factory=lambda: ["python3", "-m", "sglang.launch_server"],
+        min_length=1,
+        description="The command that starts SGLang's HTTP server, before its flags: the Python of the "
+        "environment SGLang is installed in (eagle3[sglang], pinned to the GPU host's CUDA), e.g. "
+        "[/opt/sglang/bin/python, -m, sglang.launch_server].",
+    )
+    tp_size: Annotated[int, Field(gt=0)] = Field(
+        default=1, description="Tensor-parallel size: the GPUs one server spans (--tp-size)."
+    )
+    mem_fraction_static: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
+        default=0.85,
+        description="Share of each GPU's memory SGLang reserves for weights and KV cache (--mem-fraction-static).",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface the server listens on; the managed server is only reached from this host.",
+    )
+    port: Annotated[int, Field(ge=1, le=65535)] = 30000
+    startup_timeout_s: Annotated[float, Field(gt=0.0)] = Field(
+        default=900.0,
+        description="How long loading may take before /health_generate answers (a large target takes "
+        "minutes); past it the server is stopped and the run fails with its log's last lines.",
+    )
+    shutdown_grace_s: Annotated[float, Field(ge=0.0)] = Field(
+        default=30.0,
+        description="Seconds between SIGTERM to the server's process group and SIGKILL.",
+    )
+    gpu_release_timeout_s: Annotated[float, Field(ge=0.0)] = Field(
+        default=120.0,
+        description="Once the server's processes are gone, how long to wait for the driver to report "
+        "their GPU memory free (it is not free the instant they die) before failing the run.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More flags appended to every launch, e.g. [--trust-remote-code] or "
+        "[--attention-backend, fa3].",
+    )
+
+
 class ChecksConfig(_Model):
     """Thresholds of the asset checks on the shards and the draft vocabulary (shown on their Dagster pages)."""
 
@@ -318,6 +426,7 @@ class Eagle3Config(_Model):
     evaluate: EvaluateConfig = EvaluateConfig()
     checks: ChecksConfig = ChecksConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    sglang: SGLangServerConfig = SGLangServerConfig()
 
     @model_validator(mode="after")
     def _regeneration_fits(self) -> Eagle3Config:

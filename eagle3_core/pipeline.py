@@ -27,7 +27,9 @@ from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.targets.regenerate import Regenerator
+from eagle3_core.targets.openai_server import regenerate_through_server, remove_journal
+from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
+from eagle3_core.targets.resolve import ExtractionTarget
 
 Log = Callable[[str], None]
 
@@ -67,13 +69,38 @@ def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
 
 
 # ---- regenerated -------------------------------------------------------------------------------------------
-def regenerate_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
+def regenerate_step(
+    cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log = _quiet
+) -> StepResult:
+    """The shard's training conversations with every assistant turn the target's: in process with `target`,
+    or through `cfg.regenerate.server` (then `target` is not used and may be None)."""
     layout = StoreLayout(cfg.store_root)
     samples, _ = load_conversation_shard(cfg.store_root, key)
     train = [s for s in samples if s["split"] == "train"]
     started = time.perf_counter()
-    regenerator = Regenerator(target.model, target.tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)
-    result = regenerator.regenerate(train, progress=lambda d, t: log(f"{key}: {d}/{t} turns regenerated"))
+
+    def progress(done: int, total: int) -> None:
+        log(f"{key}: {done}/{total} turns regenerated")
+
+    result: RegenerationResult
+    if cfg.regenerate.server is not None:
+        result = regenerate_through_server(cfg, layout.regenerated(key), train, progress, log)
+        fresh_tokens = result.fresh_tokens
+        source: dict[str, Any] = {
+            "server": cfg.regenerate.server.url,
+            "resumed_samples": result.resumed,
+            "requested_samples": result.requested,
+            "request_retries": result.retries,
+        }
+    else:
+        if target is None:
+            raise ValueError(
+                f"{key}: in-process regeneration needs the target (regenerate.server is not set)"
+            )
+        regenerator = Regenerator(target.model, target.tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)
+        result = regenerator.regenerate(train, progress=progress)
+        fresh_tokens = result.new_tokens
+        source = {"target": target.info.fingerprint[:16]}
     seconds = time.perf_counter() - started
     if [r["id"] for r in result.rows] != [s["id"] for s in train]:
         raise RuntimeError(f"{key}: regeneration returned other sample ids than it was given")
@@ -84,14 +111,16 @@ def regenerate_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log
         "heldout_skipped": len(samples) - len(train),
         "replies": result.counts["replies"],
         "new_tokens": result.new_tokens,
-        "tokens_per_second": round(result.new_tokens / max(seconds, 1e-9), 1),
+        "tokens_per_second": round(fresh_tokens / max(seconds, 1e-9), 1),
         "seconds": round(seconds, 2),
         **{k: v for k, v in sorted(result.counts.items()) if k not in {"errors", "replies"}},
-        "target": target.info.fingerprint[:16],
+        **source,
         "temperature": cfg.regenerate.temperature,
         "max_new_tokens": cfg.regenerate.max_new_tokens,
     }
     atomic_write_json(layout.regenerated_manifest(key), {"key": key, **metadata})
+    # The shard is committed: a journal of a server run (this one, or an earlier one) has nothing left to give.
+    remove_journal(layout.regenerated(key))
     return StepResult(key, layout.regenerated(key), metadata)
 
 
@@ -197,7 +226,7 @@ class WriteBehind:
             self.pool.shutdown(wait=True)
 
 
-def extract_step(cfg: Eagle3Config, key: str, target: TransformersTarget, log: Log = _quiet) -> StepResult:
+def extract_step(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log = _quiet) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     counts: Counter[str] = Counter(
         dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0)

@@ -21,6 +21,11 @@ def check_shard_key(key: str) -> str:
     return key
 
 
+def _safe_name(name: str) -> str:
+    """A host name as one path component (no separators, nothing hidden)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "host"
+
+
 @dataclass(frozen=True)
 class StoreLayout:
     root: Path
@@ -100,6 +105,19 @@ class StoreLayout:
     def drafter_current_link(self) -> Path:
         """Symlink to the promoted run's export directory: serve `current/sglang` or `current/speculators`."""
         return self.root / "drafter" / "current"
+
+    @property
+    def run_dir(self) -> Path:
+        """Bookkeeping of the servers eagle3 starts: PID files and logs, so a crashed run's server is found."""
+        return self.root / "run"
+
+    def sglang_pid_file(self, hostname: str) -> Path:
+        """The managed SGLang server on `hostname` (one per host: its PIDs mean nothing on another host)."""
+        return self.run_dir / f"sglang-{_safe_name(hostname)}.pid"
+
+    def sglang_log(self, hostname: str) -> Path:
+        """The managed SGLang server's stdout and stderr, on `hostname`."""
+        return self.run_dir / f"sglang-{_safe_name(hostname)}.log"
 
     @property
     def sglang_bench(self) -> Path:

@@ -23,7 +23,9 @@ def regenerated(
     cfg = eagle3.config()
     if not cfg.regenerate.enabled:
         return dg.MaterializeResult(metadata={"skipped": "regenerate.enabled is false"})
-    result = pipeline.regenerate_step(cfg, context.partition_key, target.get(context.log), context.log.debug)
+    # Through a server, the target's weights are never loaded here (the resource loads them on first use).
+    loaded = None if cfg.regenerate.server is not None else target.get(context.log)
+    result = pipeline.regenerate_step(cfg, context.partition_key, loaded, context.log.debug)
     return dg.MaterializeResult(metadata=step_metadata(result))
 
 
@@ -35,6 +37,6 @@ def hidden_states(
 ) -> dg.MaterializeResult:
     """The shard's aux-layer and final hidden states from the target, one safetensors file."""
     result = pipeline.extract_step(
-        eagle3.config(), context.partition_key, target.get(context.log), context.log.debug
+        eagle3.config(), context.partition_key, target.extraction_target(context.log), context.log.debug
     )
     return dg.MaterializeResult(metadata=step_metadata(result))

@@ -1,10 +1,12 @@
 """The drafter half: vocab_mapping -> drafter_checkpoint -> drafter_export, over every shard of hidden_states."""
 
 import json
+from pathlib import Path
 
 import dagster as dg
 
 from eagle3_core import drafting
+from eagle3_core.serving import serve_commands, serve_markdown
 from eagle3_dagster.defs.automation import after_its_parent, when_every_shard_is_done
 from eagle3_dagster.defs.data.assets import hidden_states
 from eagle3_dagster.defs.metadata import step_metadata
@@ -52,5 +54,10 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
 )
 def drafter_export(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key."""
-    result = drafting.export_step(eagle3.config(), context.log.info)
-    return dg.MaterializeResult(metadata=step_metadata(result))
+    cfg = eagle3.config()
+    result = drafting.export_step(cfg, context.log.info)
+    # the exact launch commands for this export, on its page (the same as `eagle3 serve-command --export`)
+    serve = serve_commands(cfg, Path(result.metadata["sglang_dir"]).parent)
+    return dg.MaterializeResult(
+        metadata={**step_metadata(result), "serve": dg.MetadataValue.md(serve_markdown(serve))}
+    )

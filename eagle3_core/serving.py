@@ -1,0 +1,126 @@
+"""The exact commands that serve an exported drafter with SGLang and with vLLM (`eagle3 serve-command`, and
+drafter_export's asset page).
+
+SGLang loads `<export>/sglang` through `--speculative-draft-model-path`; vLLM loads `<export>/speculators`
+through `--speculative-config` (method `eagle3`). Both draft K = `evaluate.gate_k` tokens a round, the K the
+promotion gate measured. The target is the one the export was made for, as its config.json records it.
+
+Reads config.json files only, so printing the commands never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import Eagle3Config
+from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.sglang_server import launch_command
+
+# Mirrors eagle3_core.export.common.PROVENANCE_KEY (that module imports torch; this one must not).
+PROVENANCE_KEY = "eagle3_export"
+
+
+def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
+    """The export to serve and why: the promoted one (`drafter/current`), else the newest export."""
+    layout = StoreLayout(cfg.store_root)
+    current = layout.drafter_current_link
+    if (current / "sglang" / "config.json").is_file():
+        # the link itself, not where it points: a server restarted after the next promotion serves that one
+        return current, "promoted: drafter/current"
+    exports = (
+        sorted(
+            (p for p in layout.exports.iterdir() if (p / "sglang" / "config.json").is_file()),
+            key=lambda p: (p / "sglang" / "config.json").stat().st_mtime,
+        )
+        if layout.exports.is_dir()
+        else []
+    )
+    if not exports:
+        raise Eagle3Error(
+            f"{layout.exports}: no exported drafter yet (materialize drafter_export, or run `eagle3 export`)"
+        )
+    return exports[-1], "newest export, not promoted"
+
+
+def _config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Eagle3Error(f"{path.parent}: not an export (no config.json)") from None
+    except json.JSONDecodeError as e:
+        raise Eagle3Error(f"{path}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise Eagle3Error(f"{path}: not a JSON object")
+    return config
+
+
+def served_target(cfg: Eagle3Config, export_dir: Path) -> str:
+    """The target the export drafts for: our provenance block, else speculators' verifier, else the config."""
+    sglang = _config(export_dir / "sglang" / "config.json")
+    name = (sglang.get(PROVENANCE_KEY) or {}).get("target", {}).get("name_or_path")
+    if not name and (export_dir / "speculators" / "config.json").is_file():
+        speculators = _config(export_dir / "speculators" / "config.json")
+        name = speculators.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    if not name:
+        if cfg.target.path == "toy":
+            raise Eagle3Error(f"{export_dir}: the export does not say which target it was made for")
+        name = str(cfg.resolve(cfg.target.path))
+    return str(name)
+
+
+def sglang_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:
+    target = target or served_target(cfg, export_dir)
+    return launch_command(cfg, target, "serve", drafter_dir=export_dir / "sglang")
+
+
+def vllm_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:
+    target = target or served_target(cfg, export_dir)
+    spec = {
+        "method": "eagle3",
+        "model": str(export_dir / "speculators"),
+        "num_speculative_tokens": cfg.evaluate.gate_k,
+    }
+    return [
+        "vllm",
+        "serve",
+        target,
+        "--tensor-parallel-size",
+        str(cfg.sglang.tp_size),
+        "--speculative-config",
+        json.dumps(spec),
+    ]
+
+
+def serve_commands(cfg: Eagle3Config, export_dir: Path | None = None) -> dict[str, str]:
+    """Shell lines (quoted with shlex) serving `export_dir`, or the promoted (else newest) export.
+
+    Keys: drafter (the export directory), which (why that one), target, k, sglang, vllm.
+    """
+    if export_dir is None:
+        export_dir, which = served_export(cfg)
+    else:
+        which = "this export"
+    if not (export_dir / "speculators" / "config.json").is_file():
+        raise Eagle3Error(f"{export_dir}: no speculators export beside the sglang one (run `eagle3 export`)")
+    target = served_target(cfg, export_dir)
+    return {
+        "drafter": str(export_dir),
+        "which": which,
+        "target": target,
+        "k": str(cfg.evaluate.gate_k),
+        "sglang": shlex.join(sglang_serve_argv(cfg, export_dir, target)),
+        "vllm": shlex.join(vllm_serve_argv(cfg, export_dir, target)),
+    }
+
+
+def serve_markdown(commands: dict[str, str]) -> str:
+    """The two commands as Markdown, for an asset page."""
+    return (
+        f"Drafting K={commands['k']} tokens a round (`evaluate.gate_k`), target `{commands['target']}`.\n\n"
+        f"**SGLang**\n\n```bash\n{commands['sglang']}\n```\n\n"
+        f"**vLLM**\n\n```bash\n{commands['vllm']}\n```\n"
+    )

@@ -1,0 +1,483 @@
+"""Regeneration through an OpenAI-compatible server (SGLang, vLLM, `transformers serve`): `/v1/chat/completions`.
+
+Each assistant turn of a conversation is one request, turn after turn, and the server sees exactly what the
+in-process `Regenerator` would give the target: the conversation's system turns, the earlier user turns and
+the target's own earlier replies, then the user turn to answer. The same bookkeeping decides when a
+conversation stops (`context_limit` by the local tokenizer's count of the prompt, `empty_reply`,
+`max_turns`), and the same row is written, so a shard regenerated here at temperature 0 equals the
+in-process one (as long as the server stops on the same end-of-turn tokens and decodes without special
+tokens, as `transformers serve`, SGLang and vLLM do by default).
+
+Requests: at most `concurrency` conversations in flight (one request each), a deadline of `timeout_s` per
+request, and `retries` further attempts with exponential backoff and jitter after a connection error, a
+timeout, HTTP 408, 429 or 5xx; any other 4xx, or an answer that is not a chat completion, fails the request
+at once. A sample whose request fails is an error row with the reason (the shape the in-process path writes),
+unless more than `max_failed_fraction` of the shard failed: then no new request is sent, and the shard fails.
+
+Resume: every finished sample is appended to a journal beside the shard (one JSON line, fsynced) before the
+next is counted, keyed by sample id and bound by a fingerprint to the settings, tokenizer and sample ids that
+produced it. A run that dies or fails mid-shard leaves the journal; the next run takes the samples in it and
+requests only the others, and the shard is written whole, in input order, each sample once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig
+from eagle3_core.data.conversation import normalise_content
+from eagle3_core.data.tokenize import generation_prompt_ids
+from eagle3_core.errors import ConfigError, Eagle3Error
+from eagle3_core.store.atomic import fsync_path, write_jsonl
+from eagle3_core.targets.regenerate import RegenerationResult, Regenerator, _Dialogue, _dialogue
+
+RETRY_STATUS = frozenset({408, 429})  # and every 5xx: the server's trouble, not the request's
+MAX_BACKOFF_S = 60.0
+JOURNAL_VERSION = 1
+
+
+class RequestFailed(Exception):
+    """A request that failed for good: a non-retryable answer, or every attempt spent."""
+
+    def __init__(self, reason: str, attempts: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.attempts = attempts
+
+
+class ServerRegenerationFailed(Eagle3Error):
+    """More of a shard's requests failed than `max_failed_fraction` allows; its finished samples are kept."""
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    content: str  # as the server sent it (normalised by the caller, as in process)
+    finish_reason: str
+    completion_tokens: int | None  # None: the server sent no usage
+    attempts: int
+
+
+def completions_endpoint(url: str) -> str:
+    base = url.rstrip("/")
+    base = base.removesuffix("/v1")  # "http://host:port/v1" is how OpenAI clients are usually configured
+    return f"{base}/v1/chat/completions"
+
+
+def backoff_delay(base_s: float, retry: int, retry_after_s: float | None = None) -> float:
+    """Wait before retry `retry` (0-based): base * 2**retry, jittered to 50-100% so that requests that failed
+    together do not come back together; never under the server's Retry-After; at most MAX_BACKOFF_S."""
+    delay = base_s * 2.0**retry * random.uniform(0.5, 1.0)
+    if retry_after_s is not None:
+        delay = max(delay, retry_after_s)
+    return min(delay, MAX_BACKOFF_S)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:  # an HTTP date: rare from inference servers, the exponential backoff serves
+        return None
+
+
+class ChatClient:
+    """`/v1/chat/completions` with bounded concurrency, a per-request deadline and retries with backoff."""
+
+    def __init__(self, server: RegenerateServerConfig) -> None:
+        self.server = server
+        self.endpoint = completions_endpoint(server.url)
+        headers = {"Content-Type": "application/json"}
+        if server.api_key_env is not None:
+            key = os.environ.get(server.api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"regenerate.server.api_key_env: the environment variable {server.api_key_env} is not set"
+                )
+            headers["Authorization"] = f"Bearer {key}"
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(server.timeout_s),
+            limits=httpx.Limits(
+                max_connections=server.concurrency, max_keepalive_connections=server.concurrency
+            ),
+            # The server is the project's own (a cluster address or loopback): a proxy from the environment
+            # would only get in the way, as for the SGLang benchmark client.
+            trust_env=False,
+        )
+        self._slots = asyncio.Semaphore(server.concurrency)
+        self.retried = 0  # attempts after the first, over every request
+
+    async def __aenter__(self) -> ChatClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def complete(self, body: dict[str, Any]) -> ChatReply:
+        attempts = self.server.retries + 1
+        last = ""
+        retry_after: float | None = None
+        for attempt in range(attempts):
+            if attempt:
+                self.retried += 1
+                await asyncio.sleep(backoff_delay(self.server.backoff_s, attempt - 1, retry_after))
+            retry_after = None
+            try:
+                # A slot is held only while a request is on the wire, not while it waits to be retried.
+                async with self._slots:
+                    response = await asyncio.wait_for(
+                        self._client.post(self.endpoint, json=body), self.server.timeout_s
+                    )
+            except (TimeoutError, httpx.TimeoutException):
+                last = f"timeout after {self.server.timeout_s:g} s"
+                continue
+            except httpx.TransportError as err:
+                last = f"{type(err).__name__}: {err}".rstrip(": ")
+                continue
+            if response.status_code == 200:
+                return _parse(response, attempt + 1)
+            last = f"HTTP {response.status_code}: {response.text[:300]}".rstrip(": ")
+            if response.status_code not in RETRY_STATUS and response.status_code < 500:  # the request's fault
+                raise RequestFailed(last, attempt + 1)
+            retry_after = _retry_after(response)
+        raise RequestFailed(f"{last} (after {attempts} attempts)", attempts)
+
+
+def _parse(response: httpx.Response, attempts: int) -> ChatReply:
+    try:
+        data = response.json()
+        choice = data["choices"][0]
+        content = choice["message"].get("content") or ""
+        usage = data.get("usage") or {}
+        tokens = usage.get("completion_tokens")
+        if not isinstance(content, str):
+            raise TypeError(f"content is {type(content).__name__}")
+        return ChatReply(
+            content,
+            str(choice.get("finish_reason") or ""),
+            int(tokens) if tokens is not None else None,
+            attempts,
+        )
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+        raise RequestFailed(
+            f"not a chat completion ({type(err).__name__}: {err}): {response.text[:200]}", attempts
+        ) from None
+
+
+def request_seed(seed: int, sample_id: str, turn: int) -> int:
+    """One seed per request, from the configured seed, the sample and the turn: a sampled reply does not
+    depend on the order the requests happened to be scheduled in (servers that honour `seed` repeat it)."""
+    digest = hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+# ---- the journal -------------------------------------------------------------------------------------------
+def journal_path(shard: Path) -> Path:
+    """Beside the shard it belongs to: `regenerated/<key>.journal.jsonl`."""
+    return shard.with_name(f"{shard.stem}.journal.jsonl")
+
+
+class RegenerationJournal:
+    """The finished samples of one shard, one fsynced JSON line each: `{"id", "row", "counts", "new_tokens"}`.
+
+    The first line is a header with the fingerprint of what produced the entries; a journal with another
+    fingerprint (other settings, tokenizer or samples) is discarded, never mixed into the shard. A line torn
+    by a kill is dropped, and the journal is rewritten clean before anything is appended after it.
+    """
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self._file: IO[str] | None = None
+        self.discarded = ""  # why an existing journal was not used, for the log
+
+    def open(self, sample_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The usable entries by sample id; the journal is then open for appending."""
+        wanted = set(sample_ids)
+        entries: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            header = _json_or_none(lines[0]) if lines else None
+            if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
+                self.discarded = "written for other settings, tokenizer or samples"
+            else:
+                for line in lines[1:]:
+                    entry = _json_or_none(line)
+                    if _is_entry(entry) and entry["id"] in wanted and entry["id"] not in entries:
+                        entries[entry["id"]] = entry
+        header_row = {"journal": JOURNAL_VERSION, "fingerprint": self.fingerprint}
+        write_jsonl(self.path, [header_row, *entries.values()])
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        return entries
+
+    def append(self, entry: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError("the journal is not open")
+        self._file.write(json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())  # a sample counted as done survives a kill of this process
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def remove_journal(shard: Path) -> None:
+    """Once `shard` is committed, its journal (if a server run left one) has nothing left to give."""
+    path = journal_path(shard)
+    if path.exists():
+        path.unlink()
+        fsync_path(path.parent)
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def _is_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("id"), str)
+        and isinstance(entry.get("row"), dict)
+        and isinstance(entry.get("counts"), dict)
+        and isinstance(entry.get("new_tokens"), int)
+    )
+
+
+def journal_fingerprint(
+    cfg: RegenerateConfig, max_seq_len: int, tokenizer_fingerprint: str, sample_ids: list[str]
+) -> str:
+    """What a journaled reply depends on. Transport settings (URL, concurrency, timeouts, retries, key) are
+    left out: the same model behind a restarted server on another port gives the same replies."""
+    server = cfg.server
+    what = {
+        "regenerate": cfg.model_dump(exclude={"server", "batch_size", "enabled"}),
+        "model": server.model if server is not None else None,
+        "max_seq_len": max_seq_len,
+        "tokenizer": tokenizer_fingerprint,
+        "samples": hashlib.sha256("\n".join(sample_ids).encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+# ---- regeneration ------------------------------------------------------------------------------------------
+@dataclass
+class ServerRegenerationResult(RegenerationResult):
+    resumed: int = 0  # samples taken from the journal
+    requested: int = 0  # samples whose turns were requested in this run
+    fresh_tokens: int = 0  # new tokens generated in this run (new_tokens counts the journaled ones too)
+    retries: int = 0
+    failures: dict[str, str] = field(default_factory=dict)  # sample id -> reason
+
+
+class _Aborted(Exception):
+    """Too many requests failed: a conversation still under way stops, unfinished and unjournaled."""
+
+
+class ServerRegenerator:
+    """Replaces assistant turns with the replies of an OpenAI-compatible server, as `Regenerator` does in
+    process; `tokenizer` (the target's) only measures prompts against `max_seq_len - max_new_tokens`."""
+
+    def __init__(self, tokenizer: Any, cfg: RegenerateConfig, max_seq_len: int) -> None:
+        if cfg.server is None:
+            raise ValueError("regenerate.server is not set")
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.server: RegenerateServerConfig = cfg.server
+        self.max_prompt_tokens = max_seq_len - cfg.max_new_tokens
+
+    def regenerate(
+        self,
+        samples: list[dict[str, Any]],
+        journal: RegenerationJournal | None = None,
+        progress: Callable[[int, int], None] = lambda _d, _t: None,
+        log: Callable[[str], None] = lambda _m: None,
+    ) -> ServerRegenerationResult:
+        """Rows in the order of `samples`; raises ServerRegenerationFailed (journal kept) past the threshold."""
+        try:
+            return asyncio.run(self._regenerate(samples, journal, progress, log))
+        finally:
+            if journal is not None:
+                journal.close()
+
+    async def _regenerate(
+        self,
+        samples: list[dict[str, Any]],
+        journal: RegenerationJournal | None,
+        progress: Callable[[int, int], None],
+        log: Callable[[str], None],
+    ) -> ServerRegenerationResult:
+        entries = journal.open([s["id"] for s in samples]) if journal is not None else {}
+        if journal is not None and journal.discarded:
+            log(f"{journal.path.name}: discarded ({journal.discarded})")
+        result = ServerRegenerationResult(rows=[], resumed=len(entries))
+        todo = [s for s in samples if s["id"] not in entries]
+        dialogues = [_dialogue(s, self.cfg.max_turns) for s in todo]
+        total_turns = sum(len(d.pending_users) for d in dialogues)
+        allowed = math.floor(self.server.max_failed_fraction * len(samples))
+        queue: asyncio.Queue[_Dialogue] = asyncio.Queue()
+        for d in dialogues:
+            queue.put_nowait(d)
+        aborted = asyncio.Event()
+        turns = [0]
+
+        def turn_done() -> None:
+            turns[0] += 1
+            # As often as the in-process path reports (once per batch), not once per request.
+            if turns[0] % self.cfg.batch_size == 0 or turns[0] == total_turns:
+                progress(turns[0], total_turns)
+
+        async with ChatClient(self.server) as client:
+
+            async def worker() -> None:
+                while not aborted.is_set() and not queue.empty():
+                    d = queue.get_nowait()
+                    result.requested += 1
+                    try:
+                        entry = await self._conversation(client, d, aborted, turn_done)
+                    except RequestFailed as err:
+                        result.failures[d.sample["id"]] = err.reason
+                        if len(result.failures) > allowed:
+                            aborted.set()  # the shard fails anyway: stop spending requests on it
+                        continue
+                    except _Aborted:
+                        continue
+                    entries[d.sample["id"]] = entry
+                    result.fresh_tokens += entry["new_tokens"]
+                    if journal is not None:
+                        journal.append(entry)
+
+            await asyncio.gather(*(worker() for _ in range(min(self.server.concurrency, len(todo)))))
+            result.retries = client.retried
+
+        if aborted.is_set():
+            raise ServerRegenerationFailed(self._failure_message(samples, entries, result, allowed, journal))
+        for s in samples:
+            entry = entries.get(s["id"])
+            if entry is None:  # its request failed, within what max_failed_fraction allows
+                entry = _failed_entry(s, result.failures[s["id"]])
+            result.rows.append(entry["row"])
+            result.counts.update(entry["counts"])
+            result.new_tokens += entry["new_tokens"]
+        return result
+
+    async def _conversation(
+        self, client: ChatClient, d: _Dialogue, aborted: asyncio.Event, turn_done: Callable[[], None]
+    ) -> dict[str, Any]:
+        counts: Counter[str] = Counter()
+        new_tokens = 0
+        turn = 0
+        while d.pending_users and not d.stop:
+            messages = [*d.done, {"role": "user", "content": d.pending_users[0]}]
+            if len(generation_prompt_ids(self.tokenizer, messages)) > self.max_prompt_tokens:
+                d.stop = "context_limit"
+                break
+            if aborted.is_set():
+                raise _Aborted
+            reply = await client.complete(self._body(messages, d.sample["id"], turn))
+            text = normalise_content(reply.content)
+            new_tokens += self._new_tokens(reply)
+            # The in-process bookkeeping itself, so both paths stop, count and build rows alike.
+            Regenerator._append_reply(d, text, reply.finish_reason == "length", counts)
+            turn += 1
+            turn_done()
+        row = Regenerator._finish(d, counts)
+        return {"id": d.sample["id"], "row": row, "counts": dict(counts), "new_tokens": new_tokens}
+
+    def _body(self, messages: list[dict[str, str]], sample_id: str, turn: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "seed": request_seed(self.cfg.seed, sample_id, turn),
+            "stream": False,
+        }
+        if self.cfg.temperature > 0:  # as in process: top_p only shapes sampling
+            body["top_p"] = self.cfg.top_p
+        if self.server.model is not None:
+            body["model"] = self.server.model
+        return body
+
+    def _new_tokens(self, reply: ChatReply) -> int:
+        """Reply tokens, as in process: without the end-of-turn token, which servers count when they stop."""
+        if reply.completion_tokens is None:
+            ids = self.tokenizer(reply.content, add_special_tokens=False)["input_ids"]
+            return len(ids)
+        return max(0, reply.completion_tokens - (1 if reply.finish_reason == "stop" else 0))
+
+    def _failure_message(
+        self,
+        samples: list[dict[str, Any]],
+        entries: dict[str, dict[str, Any]],
+        result: ServerRegenerationResult,
+        allowed: int,
+        journal: RegenerationJournal | None,
+    ) -> str:
+        reasons = Counter(_short(r) for r in result.failures.values())
+        listed = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
+        kept = f"kept in {journal.path}" if journal is not None else "not kept (no journal)"
+        return (
+            f"{len(result.failures)} of {len(samples)} samples failed their requests to {self.server.url} "
+            f"({listed}), more than max_failed_fraction {self.server.max_failed_fraction:g} allows "
+            f"({allowed}); no new request was started. {len(entries)} finished samples are {kept}; "
+            f"run again to request the other {len(samples) - len(entries)}."
+        )
+
+
+def _short(reason: str) -> str:
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def _failed_entry(sample: dict[str, Any], reason: str) -> dict[str, Any]:
+    """An error row of the in-process shape: no conversation kept, the reason named, counted as an error."""
+    row = {
+        "id": sample["id"],
+        "source": sample.get("source"),
+        "turns_regenerated": 0,
+        "error": f"request_failed: {reason}",
+        "messages": [],
+    }
+    return {"id": sample["id"], "row": row, "counts": {"errors": 1, "request_errors": 1}, "new_tokens": 0}
+
+
+def regenerate_through_server(
+    cfg: Eagle3Config,
+    shard: Path,
+    samples: list[dict[str, Any]],
+    progress: Callable[[int, int], None] = lambda _d, _t: None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> ServerRegenerationResult:
+    """Regenerate one shard's samples through `cfg.regenerate.server`, journaled beside `shard`.
+
+    Only the target's tokenizer is loaded (to measure prompts), never its weights. The caller writes the
+    shard, then removes the journal (`remove_journal`).
+    """
+    from transformers import AutoTokenizer
+
+    from eagle3_core.targets.hf import tokenizer_fingerprint
+    from eagle3_core.targets.resolve import target_dir
+
+    model_dir = target_dir(cfg, log=log)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fingerprint = journal_fingerprint(
+        cfg.regenerate, cfg.tokenize.max_seq_len, tokenizer_fingerprint(model_dir), [s["id"] for s in samples]
+    )
+    journal = RegenerationJournal(journal_path(shard), fingerprint)
+    regenerator = ServerRegenerator(tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)
+    return regenerator.regenerate(samples, journal, progress, log)

@@ -1,0 +1,620 @@
+"""Hidden states from SGLang, behind the same seam as the transformers target (`TargetBackend`).
+
+Two backends, and the checks every response passes before a row can reach a shard.
+
+What SGLang returns, as read in sgl-project/sglang (commits in tests/fixtures/sglang/README.md):
+
+- A `/generate` request (or `Engine.generate`) with `"return_hidden_states": true`, to a server started with
+  `--enable-return-hidden-states`, gets `meta_info.hidden_states`: a list whose first entry is the prefill's
+  rows, one per prompt token, followed by one row per later decode step. The scheduler cuts the prefill entry
+  as `hidden_states[offset : offset + len(req.origin_input_ids)]` of the forward's rows
+  (`srt/managers/scheduler_output_processor_mixin.py`, `process_batch_result_prefill`), and
+  `test/srt/test_hidden_states.py` checks that `max_new_tokens: 8` gives 8 entries whose concatenation equals
+  transformers' `hidden_states[-1]` over prompt + output[:-1]. So `max_new_tokens: 1` returns exactly the
+  prompt's rows and nothing else (SpecForge's capture also runs `max_new_tokens=1`).
+- The rows are the state entering `lm_head`, after the final norm: `post_norm` (that test compares them with
+  transformers' last hidden state, which is normed; the logits processor stores the `hidden_states` it gets).
+- A radix-cache hit runs the forward over the uncached suffix only, yet the cut still takes
+  len(origin_input_ids) rows: the sample gets fewer rows than tokens (sglang #4997; the review of PR #30177).
+  A chunked prefill keeps only its last chunk's rows. Hence every response's row count is checked against
+  the request, and extraction servers run `--disable-radix-cache --chunked-prefill-size -1`.
+- That offset advances only for requests that asked for hidden states: one without them in the same batch
+  (a health check, another client) shifts the rows of those after it, their count still right. An
+  extraction server serves extraction only.
+- A non-streaming `/generate` answer goes through FastAPI's JSON encoder, which refuses NaN and inf: the whole
+  request fails with HTTP 500 (`srt/entrypoints/http_server.py`, `generate_request` returns the dict). orjson
+  (SGLang's other responses) writes them as `null`; the engine hands Python floats. All three are handled: a
+  batch answered 5xx is sent again sample by sample, and null, NaN and inf are refused per sample.
+- Aux layers are not returned by the stock server (REFERENCE.md). `sglang_capture.py` adds them through
+  SGLang's `forward_hooks`, with SGLang's own `set_eagle3_layers_to_capture`: each row is then
+  [aux0 | aux1 | aux2 | final], 4H wide.
+
+The contract of the two backends:
+
+- `SGLangHttpBackend(url, model_dir, cfg, aux_from_response=True)`: a running server. With
+  `aux_from_response=True` (what extraction needs) the server must have been launched with eagle3's capture
+  hooks (`capture_launch_args`); its `/get_server_info` is checked for them, for the same layer ids, and for
+  the radix cache and chunked prefill being off, before any sample is sent. With `aux_from_response=False`
+  (the stock server) only `final_states` works: `hidden_states` refuses with the reason, never inventing aux
+  states.
+- `SGLangEngineBackend(model_dir, cfg)`: SGLang's in-process `sglang.Engine` (GPU only), started with the
+  flags extraction needs and the capture hooks; it always returns aux and final states.
+
+Failures: a response whose rows do not match the request (count, echoed token ids, a null/NaN/inf value) is a
+`SampleFailure` with its reason, counted and never stored. A wrong row width or a missing `hidden_states` is
+the server's configuration, the same for every sample: it raises `SGLangError` and stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import time
+import urllib.error
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_core.config import TargetConfig
+from eagle3_core.errors import Eagle3Error
+from eagle3_core.evaluate.sglang_client import _OPENER, SGLangError, _clip, _error_message, _post_json
+from eagle3_core.targets.base import (
+    HiddenStates,
+    SampleFailure,
+    TargetInfo,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+)
+from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
+
+__all__ = [
+    "SGLangEngineBackend",
+    "SGLangError",
+    "SGLangHttpBackend",
+    "capture_launch_args",
+    "echo_problem",
+    "finite_problem",
+    "row_count_problem",
+    "states_from_response",
+    "width_problem",
+]
+
+NUM_AUX = 3
+# One new token: the prefill's entry is then the only one (see the module docstring); greedy, so the token
+# generated on the way is the same whatever the server's default sampling.
+SAMPLING: dict[str, float | int] = {"max_new_tokens": 1, "temperature": 0.0}
+INSTALL_HINT = "pip install 'eagle3[sglang]' on a GPU host (its torch and transformers pins must match it)"
+AUX_UNAVAILABLE = (
+    "this SGLang server returns only the final hidden state (the stock `--enable-return-hidden-states`); the "
+    "three aux layers EAGLE-3 trains on are not reachable through it (REFERENCE.md). Launch the server with "
+    "eagle3's capture hooks (`{flags}`), or set target.backend: sglang_engine. No aux states are invented"
+)
+
+
+# ---- checks on one response (pure) ---------------------------------------------------------------------------
+def row_count_problem(rows: int, tokens: int, cached_tokens: int | None = None) -> str | None:
+    """Why `rows` hidden-state rows cannot be the states of a `tokens`-token request; None if they can."""
+    if rows == tokens:
+        return None
+    head = f"sglang returned {rows} hidden-state rows for {tokens} input tokens"
+    if rows > tokens:
+        return f"{head}: more rows than tokens, so some belong to another request or to generated tokens"
+    # reasons stay under the shard's 200-character limit (store.shards.MAX_REASON), the cause first
+    if cached_tokens:
+        return (
+            f"{head}: the radix cache served a cached prefix ({cached_tokens} tokens) without running it; "
+            "launch with --disable-radix-cache"
+        )
+    return (
+        f"{head}: part of the prompt was not run (a chunked prefill or the radix cache); "
+        "launch with --chunked-prefill-size -1 --disable-radix-cache"
+    )
+
+
+def width_problem(width: int, hidden_size: int, with_aux: bool) -> str | None:
+    """Why rows `width` wide are not what was asked (H, or 4H with the aux layers); None if they are."""
+    expected = (NUM_AUX + 1) * hidden_size if with_aux else hidden_size
+    if width == expected:
+        return None
+    head = f"sglang returned hidden-state rows {width} wide, expected {expected} (hidden size {hidden_size}"
+    head += f", {NUM_AUX} aux layers and the final state)" if with_aux else ", the final state)"
+    if width == hidden_size and with_aux:
+        return (
+            f"{head}: the server returns the final state only; it was not started with eagle3's capture "
+            "hooks (`--forward-hooks`, see capture_launch_args), or they are not on yet"
+        )
+    if width == NUM_AUX * hidden_size:
+        return (
+            f"{head}: these are SGLang's own EAGLE-3 aux states, which replace the final state when a drafter "
+            "is loaded; extract from a server without --speculative-algorithm"
+        )
+    return f"{head}: the server runs another model than target.path"
+
+
+def finite_problem(states: torch.Tensor) -> str | None:
+    """Where the first NaN or inf of `states` [T, W] is, and how many there are; None if all are finite."""
+    bad = ~torch.isfinite(states)
+    if not bool(bad.any()):
+        return None
+    row, col = (int(i) for i in bad.nonzero()[0])
+    value = float(states[row, col])
+    return (
+        f"sglang returned {int(bad.sum())} non-finite hidden-state values (first: {value} at row {row}, "
+        f"column {col}); the target overflowed on this sample"
+    )
+
+
+def echo_problem(echoed: Sequence[int], sent: Sequence[int]) -> str | None:
+    """Token ids the server says it ran, against those sent (they cover the last len(echoed) tokens)."""
+    if len(echoed) > len(sent):
+        return f"sglang echoed {len(echoed)} input token ids for {len(sent)} sent"
+    tail = list(sent[len(sent) - len(echoed) :])
+    if list(echoed) == tail:
+        return None
+    first = next(i for i, (a, b) in enumerate(zip(echoed, tail, strict=True)) if a != b)
+    at = len(sent) - len(echoed) + first
+    return f"sglang ran other token ids than were sent: position {at} is {echoed[first]}, sent {tail[first]}"
+
+
+def _null_position(rows: list[Any]) -> tuple[int, int] | None:
+    for r, row in enumerate(rows):
+        for c, value in enumerate(row):
+            if value is None:
+                return r, c
+    return None
+
+
+def _rows_tensor(rows: object, hidden_size: int, with_aux: bool) -> torch.Tensor | SampleFailure:
+    """The prefill entry of meta_info.hidden_states as float32 [T, W], or why it is not one."""
+    if isinstance(rows, torch.Tensor):  # an engine may hand tensors rather than lists
+        t = rows.detach().to("cpu", torch.float32)
+        t = t.unsqueeze(0) if t.dim() == 1 else t
+    else:
+        if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+            return SampleFailure(
+                f"sglang's meta_info.hidden_states[0] is not a list of rows: {_clip(rows, 120)}"
+            )
+        widths = sorted({len(r) for r in rows})
+        if len(widths) > 1:
+            return SampleFailure(f"sglang returned hidden-state rows of unequal widths {widths[:4]}")
+        try:
+            t = (
+                torch.tensor(rows, dtype=torch.float32)
+                if rows
+                else torch.empty(0, widths[0] if widths else 0)
+            )
+        except (TypeError, ValueError):
+            at = _null_position(rows)
+            if at is None:
+                return SampleFailure("sglang returned hidden-state values that are not numbers")
+            # orjson writes NaN and inf as null: the value is lost, but it was not a finite number
+            return SampleFailure(
+                f"sglang returned null for a hidden-state value (row {at[0]}, column {at[1]}): a NaN or inf "
+                "as orjson writes them; the target overflowed on this sample"
+            )
+    if t.dim() != 2:
+        return SampleFailure(f"sglang's hidden states have shape {tuple(t.shape)}, not [tokens, width]")
+    # a wrong width is the server's configuration, the same for every sample: it stops the run
+    if t.shape[0] > 0 and (why := width_problem(int(t.shape[1]), hidden_size, with_aux)):
+        raise SGLangError(why)
+    return t
+
+
+def states_from_response(
+    response: object, sent: Sequence[int], hidden_size: int, with_aux: bool
+) -> torch.Tensor | SampleFailure:
+    """The checked rows [len(sent), W] of one `/generate` response (W = 4H with aux, else H), float32.
+
+    SampleFailure when this sample's rows cannot be trusted; SGLangError when no sample's could (not a
+    response, no hidden states at all, rows of another width).
+    """
+    if not isinstance(response, dict):
+        raise SGLangError(f"SGLang response is not a JSON object: {_clip(response)}")
+    if "error" in response or response.get("object") == "error":
+        raise SGLangError(f"SGLang answered with an error: {_error_message(response)}")
+    meta = response.get("meta_info")
+    if not isinstance(meta, dict):
+        raise SGLangError(f"SGLang response has no meta_info object: {_clip(response)}")
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return SampleFailure(f"sglang aborted the request: {finish.get('message', '(no message)')}")
+    entries = meta.get("hidden_states")
+    if not isinstance(entries, list) or not entries:
+        raise SGLangError(
+            "SGLang response has no meta_info.hidden_states: start the server with "
+            "--enable-return-hidden-states (the request sets return_hidden_states)"
+        )
+    counted = meta.get("prompt_tokens")
+    if isinstance(counted, int) and counted != len(sent):
+        return SampleFailure(f"sglang counted {counted} prompt tokens for {len(sent)} input_ids sent")
+    echoed = meta.get("input_token_logprobs")  # [[logprob, token_id, text], ...] when logprobs were asked
+    if isinstance(echoed, list) and echoed:
+        ids = [e[1] for e in echoed if isinstance(e, list | tuple) and len(e) > 1 and isinstance(e[1], int)]
+        if len(ids) != len(echoed):
+            return SampleFailure(
+                "sglang's meta_info.input_token_logprobs are not [logprob, token_id, text] entries"
+            )
+        if why := echo_problem(ids, sent):
+            return SampleFailure(why)
+    states = _rows_tensor(entries[0], hidden_size, with_aux)
+    if isinstance(states, SampleFailure):
+        return states
+    cached = meta.get("cached_tokens")
+    if why := row_count_problem(int(states.shape[0]), len(sent), cached if isinstance(cached, int) else None):
+        return SampleFailure(why)
+    if why := finite_problem(states):
+        return SampleFailure(why)
+    return states
+
+
+def _split(states: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> HiddenStates:
+    """[T, 4H] rows as HiddenStates: aux [T, 3H] in aux_layer_ids order, the final state [T, H]."""
+    states = states.to(dtype)
+    return HiddenStates(aux=states[:, : NUM_AUX * hidden_size], last=states[:, NUM_AUX * hidden_size :])
+
+
+# ---- what both backends know of the target -------------------------------------------------------------------
+def _sglang_dtype(cfg_dtype: str, config: Any) -> str:
+    if cfg_dtype != "auto":
+        return cfg_dtype
+    # SGLang's --dtype auto: bfloat16 for a bfloat16 checkpoint, float16 for float16 and float32 ones
+    declared = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+    return "bfloat16" if "bfloat16" in declared else "float16"
+
+
+def describe_target(model_dir: Path, cfg: TargetConfig, device: str) -> tuple[Any, str, TargetInfo]:
+    """The tokenizer, its fingerprint and the TargetInfo of the model SGLang serves, from its directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from eagle3_core.targets.hf import target_fingerprint, tokenizer_fingerprint
+
+    config: Any = AutoConfig.from_pretrained(model_dir)
+    text: Any = getattr(config, "text_config", None) or config  # a multimodal target's language model
+    num_layers = int(text.num_hidden_layers)
+    aux = (
+        check_aux_layer_ids(cfg.aux_layer_ids, num_layers)
+        if cfg.aux_layer_ids
+        else default_aux_layer_ids(num_layers)
+    )
+    info = TargetInfo(
+        name=str(model_dir),
+        fingerprint=target_fingerprint(model_dir),
+        num_layers=num_layers,
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        aux_layer_ids=aux,
+        final_state_convention="post_norm",  # the state entering lm_head (module docstring)
+        dtype=_sglang_dtype(cfg.dtype, text),
+        device=device,
+    )
+    return AutoTokenizer.from_pretrained(model_dir), tokenizer_fingerprint(model_dir), info
+
+
+PROBE = (1, 2, 3, 4)  # any ids of the vocabulary: only the width of their rows is looked at
+
+
+def wait_for_capture(
+    generate: Callable[[list[list[int]]], list[Any]], hidden_size: int, who: str, attempts: int = 3
+) -> None:
+    """Send a probe until the rows come back with the aux states (4H wide); Eagle3Error if they never do.
+
+    The capture hooks turn SGLang's capture on after the decoder's first forward (sglang_capture.py): an
+    engine has run none when it starts, a server has run its own warm-up request, unless started without it.
+    """
+    width = 0
+    for _ in range(attempts):
+        [response] = generate([list(PROBE)])
+        meta = response.get("meta_info") if isinstance(response, dict) else None
+        entries = meta.get("hidden_states") if isinstance(meta, dict) else None
+        rows = entries[0] if isinstance(entries, list) and entries else None
+        if isinstance(rows, torch.Tensor):  # an engine may hand tensors rather than lists
+            width = int(rows.shape[-1])
+        else:
+            width = len(rows[0]) if isinstance(rows, list) and rows and isinstance(rows[0], list) else 0
+        if width == (NUM_AUX + 1) * hidden_size:
+            return
+    raise Eagle3Error(
+        f"{who} still returns hidden-state rows {width} wide after {attempts} requests, not "
+        f"{(NUM_AUX + 1) * hidden_size}: eagle3's capture hooks did not take effect on this model"
+    )
+
+
+# ---- the HTTP backend ----------------------------------------------------------------------------------------
+class SGLangHttpBackend:
+    """Hidden states from a running SGLang server's `/generate`, one request per batch (`input_ids` lists).
+
+    Nothing is cached between batches and the server's lifecycle is not ours (`close` stops nothing).
+    `max_seq_len`: the longest sample extraction sends, checked against the server's chunked-prefill size.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model_dir: Path,
+        cfg: TargetConfig,
+        *,
+        aux_from_response: bool = True,
+        max_seq_len: int | None = None,
+        timeout_s: float = 600.0,
+        echo_token_ids: bool = False,
+        preflight: bool = True,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.aux_from_response = aux_from_response
+        self.timeout_s = timeout_s
+        # SGLang echoes the ids it ran only with input logprobs, which cost a log-softmax over the vocabulary
+        # at every prompt position: off by default, the row count and prompt_tokens are checked regardless
+        self.echo_token_ids = echo_token_ids
+        self.tokenizer, self.tokenizer_fingerprint, self.info = describe_target(
+            model_dir, cfg, device=f"sglang {self.url}"
+        )
+        if preflight:
+            self.check_server(max_seq_len)
+            if aux_from_response:
+                wait_for_capture(self._generate, self.hidden_size, f"the SGLang server at {self.url}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    def check_server(self, max_seq_len: int | None = None) -> dict[str, Any] | None:
+        """Refuse a server whose settings would lose or misplace rows, before any sample is sent.
+
+        Reads `/get_server_info` (SGLang's server arguments); None when the server does not have that route,
+        in which case only the per-response checks remain.
+        """
+        try:
+            with _OPENER.open(self.url + "/get_server_info", timeout=min(self.timeout_s, 60.0)) as r:
+                info = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise SGLangError(f"SGLang {self.url}/get_server_info answered HTTP {e.code} {e.reason}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"SGLang server at {self.url} is unreachable ({e}); is it running?") from e
+        except ValueError as e:
+            raise SGLangError(f"SGLang {self.url}/get_server_info answered something that is not JSON") from e
+        if not isinstance(info, dict):
+            return None
+        problems = []
+        if info.get("enable_return_hidden_states") is False:
+            problems.append("it returns no hidden states (launch with --enable-return-hidden-states)")
+        if info.get("disable_radix_cache") is False:
+            problems.append(
+                "its radix cache is on: a cached prefix is not run, so its rows go missing "
+                "(launch with --disable-radix-cache)"
+            )
+        chunk = info.get("chunked_prefill_size")
+        if isinstance(chunk, int) and chunk > 0 and max_seq_len is not None and chunk < max_seq_len:
+            problems.append(
+                f"its chunked prefill ({chunk} tokens) splits samples of up to {max_seq_len} tokens and "
+                "returns only the last chunk's rows (launch with --chunked-prefill-size -1)"
+            )
+        if self.aux_from_response:
+            hooked = hooked_layer_ids(info.get("forward_hooks"))
+            wanted = list(self.info.aux_layer_ids)
+            if hooked is None:
+                problems.append(
+                    "it does not run eagle3's capture hooks, so it returns no aux states (launch with "
+                    f"{shlex.join(capture_launch_args(wanted))})"
+                )
+            elif hooked != wanted:
+                problems.append(
+                    f"its capture hooks read layers {hooked}, the target's aux layers are {wanted} "
+                    "(target.aux_layer_ids): a drafter trained on them would read the wrong layers"
+                )
+        if problems:
+            raise SGLangError(
+                f"the SGLang server at {self.url} cannot serve extraction: " + "; ".join(problems)
+            )
+        return info
+
+    def hidden_states(
+        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
+    ) -> list[HiddenStates | SampleFailure]:
+        if not self.aux_from_response:
+            raise Eagle3Error(
+                AUX_UNAVAILABLE.format(flags=shlex.join(capture_launch_args(self.info.aux_layer_ids)))
+            )
+        dtype = dtype or torch.float32
+        return [
+            s if isinstance(s, SampleFailure) else _split(s, self.hidden_size, dtype)
+            for s in self._states(batch)
+        ]
+
+    def final_states(
+        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor | SampleFailure]:
+        """The final (post-norm) state [T, H] of each sequence, checked like the full rows."""
+        dtype = dtype or torch.float32
+        return [
+            s if isinstance(s, SampleFailure) else s[:, -self.hidden_size :].to(dtype)
+            for s in self._states(batch)
+        ]
+
+    def close(self, timeout_s: float = 60.0) -> float:
+        return 0.0  # the server belongs to whoever started it (sglang_server.SGLangServer for managed ones)
+
+    # -- requests
+    def _states(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor | SampleFailure]:
+        seqs = [list(s) for s in batch]
+        try:
+            responses = self._generate(seqs)
+        except SGLangError as err:
+            if _http_status(err) < 500:
+                raise
+            return self._one_by_one(seqs, err)
+        return [
+            states_from_response(r, s, self.hidden_size, self.aux_from_response)
+            for r, s in zip(responses, seqs, strict=True)
+        ]
+
+    def _one_by_one(
+        self, seqs: list[list[int]], batch_error: SGLangError
+    ) -> list[torch.Tensor | SampleFailure]:
+        """A batch answered 5xx: each sample alone, so one unencodable sample does not sink the others."""
+        out: list[torch.Tensor | SampleFailure] = []
+        errors: list[SGLangError] = []
+        for s in seqs:
+            try:
+                [response] = self._generate([s])
+            except SGLangError as err:
+                if _http_status(err) < 500:
+                    raise
+                errors.append(err)
+                out.append(
+                    SampleFailure(
+                        f"sglang answered HTTP {_http_status(err)} for this sample, alone too: its JSON encoder "
+                        "fails that way on a NaN or inf hidden state; the target likely overflowed on it"
+                    )
+                )
+                continue
+            out.append(states_from_response(response, s, self.hidden_size, self.aux_from_response))
+        if len(seqs) > 1 and len(errors) == len(seqs):
+            # every sample fails alone as well: the server is broken, not the data
+            raise SGLangError(
+                f"SGLang failed on every sample of the batch, alone too: {batch_error}"
+            ) from batch_error
+        return out
+
+    def _generate(self, seqs: list[list[int]]) -> list[object]:
+        body: dict[str, Any] = {
+            "input_ids": seqs,  # a list of lists is a batch: the answer is a list, in request order
+            "sampling_params": dict(SAMPLING),
+            "return_hidden_states": True,
+        }
+        if self.echo_token_ids:
+            body.update(return_logprob=True, logprob_start_len=0)
+        answer = _post_json(self.url + "/generate", body, self.timeout_s)
+        if isinstance(answer, dict):
+            raise SGLangError(
+                f"SGLang answered a batch of {len(seqs)} with one object: "
+                + (_error_message(answer) if "error" in answer or "message" in answer else _clip(answer))
+            )
+        if not isinstance(answer, list) or len(answer) != len(seqs):
+            got = len(answer) if isinstance(answer, list) else type(answer).__name__
+            raise SGLangError(f"SGLang answered a batch of {len(seqs)} requests with {got} responses")
+        return answer
+
+
+def _http_status(err: SGLangError) -> int:
+    """The HTTP status behind an SGLangError raised by the client, 0 if it was no HTTP answer."""
+    cause = err.__cause__
+    return int(cause.code) if isinstance(cause, urllib.error.HTTPError) else 0
+
+
+# ---- the in-process engine -----------------------------------------------------------------------------------
+class SGLangEngineBackend:
+    """Hidden states from `sglang.Engine` started in this process (its scheduler runs in child processes).
+
+    GPU only. The engine runs the flags extraction needs (REFERENCE.md, "Hidden states from SGLang"): hidden
+    states on, radix cache off, no CUDA graphs, no chunked prefill; plus eagle3's capture hooks
+    (`sglang_capture.py`), which turn on SGLang's own `set_eagle3_layers_to_capture` in the engine's process.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: TargetConfig,
+        *,
+        tp_size: int = 1,
+        mem_fraction_static: float | None = None,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        try:
+            import sglang
+        except ImportError as e:
+            raise Eagle3Error(
+                f"target.backend 'sglang_engine' needs SGLang, which is not installed: {INSTALL_HINT}"
+            ) from e
+        if not torch.cuda.is_available():
+            raise Eagle3Error(
+                "target.backend 'sglang_engine' runs on GPUs only, and no CUDA device is visible"
+            )
+        self.tokenizer, self.tokenizer_fingerprint, self.info = describe_target(
+            model_dir, cfg, device=f"sglang engine (tp {tp_size})"
+        )
+        fields = _server_arg_fields()
+        if "forward_hooks" not in fields:
+            raise Eagle3Error(
+                f"SGLang {getattr(sglang, '__version__', '?')} has no `forward_hooks` engine argument (added by "
+                "sgl-project/sglang PR #13217), through which eagle3 reads the aux layers; install a newer "
+                "SGLang"
+            )
+        args: dict[str, Any] = {
+            "model_path": str(model_dir),
+            "tp_size": tp_size,
+            "enable_return_hidden_states": True,
+            "disable_radix_cache": True,  # a cached prefix is not run: its rows would go missing
+            "disable_cuda_graph": True,  # toggling return_hidden_states recaptures graphs; prefill needs none
+            "chunked_prefill_size": -1,  # one forward per prompt: a chunk keeps only its own rows
+            "skip_tokenizer_init": True,  # ids in, ids out: the text is never wanted
+            "forward_hooks": capture_hook_specs(self.info.aux_layer_ids),
+            "random_seed": 0,
+        }
+        if cfg.dtype != "auto":
+            args["dtype"] = cfg.dtype
+        if mem_fraction_static is not None:
+            args["mem_fraction_static"] = mem_fraction_static
+        if "disable_piecewise_cuda_graph" in fields:
+            # a compiled prefill graph would not run the Python hooks on every forward
+            args["disable_piecewise_cuda_graph"] = True
+        args.update(engine_args or {})
+        self._devices = list(range(min(tp_size, torch.cuda.device_count())))
+        self._free_before = {d: torch.cuda.mem_get_info(d)[0] for d in self._devices}
+        self._engine: Any = sglang.Engine(**args)
+        try:
+            self._wait_for_capture()
+        except BaseException:
+            self._engine.shutdown()
+            raise
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    def _wait_for_capture(self) -> None:
+        wait_for_capture(self._generate, self.hidden_size, "the SGLang engine")
+
+    def _generate(self, seqs: list[list[int]]) -> list[Any]:
+        out = self._engine.generate(input_ids=seqs, sampling_params=dict(SAMPLING), return_hidden_states=True)
+        return list(out) if isinstance(out, list) else [out]
+
+    def hidden_states(
+        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
+    ) -> list[HiddenStates | SampleFailure]:
+        seqs = [list(s) for s in batch]
+        dtype = dtype or torch.float32
+        out: list[HiddenStates | SampleFailure] = []
+        for response, seq in zip(self._generate(seqs), seqs, strict=True):
+            states = states_from_response(response, seq, self.hidden_size, with_aux=True)
+            out.append(
+                states if isinstance(states, SampleFailure) else _split(states, self.hidden_size, dtype)
+            )
+        return out
+
+    def close(self, timeout_s: float = 60.0) -> float:
+        """Shut the engine down and wait until its GPUs' memory is back (it is not, the instant it exits)."""
+        self._engine.shutdown()
+        start = time.monotonic()
+        slack = 512 * 2**20  # our own CUDA context and the allocator's rounding
+        while True:
+            short = {d: self._free_before[d] - torch.cuda.mem_get_info(d)[0] for d in self._devices}
+            if all(v <= slack for v in short.values()):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                held = max(short.values()) / 2**30
+                raise Eagle3Error(
+                    f"the SGLang engine's GPU memory was not given back {timeout_s:.0f} s after shutdown "
+                    f"({held:.1f} GiB still missing on a device)"
+                )
+            time.sleep(0.5)
+
+
+def _server_arg_fields() -> set[str]:
+    from sglang.srt.server_args import ServerArgs
+
+    return {f.name for f in dataclasses.fields(ServerArgs)}

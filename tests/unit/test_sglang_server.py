@@ -1,0 +1,257 @@
+"""The SGLang launch commands (extraction, serving), the printed serve commands for SGLang and vLLM, the GPU
+memory probe's parsing of nvidia-smi, and reading /proc: everything about the managed server but its lifecycle
+(tests/integration/test_sglang_lifecycle.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.config import Eagle3Config, config_from_dict
+from eagle3_core.errors import ConfigError, Eagle3Error
+from eagle3_core.serving import serve_commands, serve_markdown
+from eagle3_core.targets.sglang_capture import hooked_layer_ids
+from eagle3_core.targets.sglang_server import launch_command, nvidia_smi_held, proc_stat
+
+
+def make_config(tmp: Path, **sections: object) -> Eagle3Config:
+    return config_from_dict({"store": "store", **sections}, tmp)
+
+
+def test_the_extraction_command_has_every_flag_extraction_needs(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, sglang={"tp_size": 2, "mem_fraction_static": 0.7, "port": 31234})
+    assert launch_command(cfg, "/models/llama", "extract") == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/llama",
+        "--tp-size",
+        "2",
+        "--mem-fraction-static",
+        "0.7",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31234",
+        "--disable-radix-cache",
+        "--disable-cuda-graph",
+        "--chunked-prefill-size",
+        "-1",
+        "--enable-return-hidden-states",
+    ]
+    hooked = launch_command(cfg, "/models/llama", "extract", aux_layer_ids=[1, 15, 28])
+    assert hooked[-2] == "--forward-hooks" and hooked_layer_ids(json.loads(hooked[-1])) == [1, 15, 28]
+
+
+def test_the_serving_command_runs_eagle3_with_k_steps_and_k_plus_one_draft_tokens(tmp_path: Path) -> None:
+    cfg = make_config(
+        tmp_path,
+        evaluate={"ks": [3, 5], "gate_k": 5},
+        target={"dtype": "bfloat16"},
+        sglang={
+            "launcher": ["/opt/sglang/bin/python", "-m", "sglang.launch_server"],
+            "extra_args": ["--x", "1"],
+        },
+    )
+    argv = launch_command(cfg, "/models/llama", "serve", drafter_dir="/store/drafter/current/sglang")
+    assert argv[:5] == [
+        "/opt/sglang/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/llama",
+    ]
+    assert argv[5:] == [
+        *("--tp-size", "1", "--mem-fraction-static", "0.85", "--host", "127.0.0.1", "--port", "30000"),
+        *("--dtype", "bfloat16"),
+        *("--speculative-algorithm", "EAGLE3"),
+        *("--speculative-draft-model-path", "/store/drafter/current/sglang"),
+        *(
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "6",
+        ),
+        *("--x", "1"),  # extra_args last, for every purpose
+    ]
+    assert "--disable-radix-cache" not in argv and "--enable-return-hidden-states" not in argv
+    k2 = launch_command(cfg, "/m", "serve", drafter_dir="/d", k=2)
+    assert k2[k2.index("--speculative-num-steps") + 1] == "2"
+    assert k2[k2.index("--speculative-num-draft-tokens") + 1] == "3"
+
+
+def test_launch_command_refuses_what_does_not_fit_its_purpose(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path)
+    with pytest.raises(ValueError, match="drafter_dir"):
+        launch_command(cfg, "/m", "serve")
+    with pytest.raises(ValueError, match="no drafter_dir"):
+        launch_command(cfg, "/m", "extract", drafter_dir="/d")
+    with pytest.raises(ValueError, match="purpose"):
+        launch_command(cfg, "/m", "train")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"mem_fraction_static": 1.0}, "sglang.mem_fraction_static"),
+        ({"tp_size": 0}, "sglang.tp_size"),
+        ({"port": 70000}, "sglang.port"),
+        ({"launcher": []}, "sglang.launcher"),
+        ({"shutdown_grace": 3}, "sglang.shutdown_grace"),  # a typo is an error, never ignored
+    ],
+)
+def test_invalid_sglang_settings_name_the_field(
+    tmp_path: Path, section: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        make_config(tmp_path, sglang=section)
+
+
+# ---- serve commands -------------------------------------------------------------------------------------------
+def fake_export(
+    store: Path, run: str, target: str | None = "/models/llama", verifier: str | None = None
+) -> Path:
+    """An export as far as the serve commands read it: the two config.json files."""
+    out = store / "drafter" / "export" / run
+    (out / "sglang").mkdir(parents=True)
+    (out / "speculators").mkdir(parents=True)
+    sglang = {"architectures": ["LlamaForCausalLMEagle3"]}
+    if target is not None:
+        sglang["eagle3_export"] = {"target": {"name_or_path": target}}  # type: ignore[assignment]
+    (out / "sglang" / "config.json").write_text(json.dumps(sglang))
+    speculators = {"speculators_config": {"verifier": {"name_or_path": verifier or target}}}
+    (out / "speculators" / "config.json").write_text(json.dumps(speculators))
+    return out
+
+
+def test_serve_commands_for_the_newest_export_then_for_the_promoted_one(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, sglang={"tp_size": 2})
+    store = cfg.store_root
+    with pytest.raises(Eagle3Error, match="no exported drafter yet"):
+        serve_commands(cfg)
+    old = fake_export(store, "run-old")
+    newest = fake_export(store, "run-new", target="/models/llama with space")
+    os.utime(old / "sglang" / "config.json", (1, 1))  # the older one
+
+    commands = serve_commands(cfg)
+    assert commands["drafter"] == str(newest) and "not promoted" in commands["which"]
+    sglang = shlex.split(commands["sglang"])  # one shell line: quoting round-trips
+    assert sglang[:5] == ["python3", "-m", "sglang.launch_server", "--model-path", "/models/llama with space"]
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == str(newest / "sglang")
+    assert sglang[sglang.index("--speculative-num-steps") + 1] == "3"  # evaluate.gate_k
+    assert sglang[sglang.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert sglang[sglang.index("--tp-size") + 1] == "2"
+    vllm = shlex.split(commands["vllm"])
+    assert vllm[:3] == ["vllm", "serve", "/models/llama with space"]
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
+    spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(newest / "speculators"), "num_speculative_tokens": 3}
+    assert '--speculative-config \'{"method": "eagle3"' in commands["vllm"]  # single-quoted JSON
+
+    current = store / "drafter" / "current"
+    current.symlink_to(os.path.relpath(old, current.parent))
+    promoted = serve_commands(cfg)
+    assert promoted["drafter"] == str(current) and promoted["which"].startswith("promoted")
+    assert f"--speculative-draft-model-path {current}/sglang" in promoted["sglang"]
+    assert f'"model": "{current}/speculators"' in promoted["vllm"]
+    md = serve_markdown(promoted)
+    assert f"```bash\n{promoted['sglang']}\n```" in md and f"```bash\n{promoted['vllm']}\n```" in md
+
+
+def test_the_target_comes_from_the_export_else_the_verifier_else_the_config(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, target={"path": "models/t"})
+    a = fake_export(cfg.store_root, "a", target=None, verifier="org/verifier")
+    assert serve_commands(cfg, a)["target"] == "org/verifier"
+    (a / "speculators" / "config.json").write_text("{}")
+    assert serve_commands(cfg, a)["target"] == str(tmp_path / "models" / "t")
+    toy = make_config(tmp_path)  # the toy target has no path to print
+    with pytest.raises(Eagle3Error, match="does not say which target"):
+        serve_commands(toy, a)
+
+
+def test_eagle3_serve_command_prints_both_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from eagle3_core.cli import main
+
+    config = tmp_path / "eagle3.yaml"
+    config.write_text("store: store\nevaluate: {ks: [3, 7], gate_k: 7}\n")
+    run = fake_export(tmp_path / "store", "r1")
+    assert main(["--config", str(config), "serve-command"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"drafter: {run} (newest export, not promoted); K=7 (evaluate.gate_k)"
+    sglang, vllm = lines[lines.index("SGLang:") + 1], lines[lines.index("vLLM:") + 1]
+    assert "--speculative-num-steps 7 --speculative-eagle-topk 1 --speculative-num-draft-tokens 8" in sglang
+    assert json.loads(shlex.split(vllm)[-1])["num_speculative_tokens"] == 7
+    assert main(["--config", str(config), "serve-command", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vllm"] == vllm
+    assert main(["--config", str(config), "serve-command", "--export", str(tmp_path / "nope")]) == 2
+
+
+def test_drafter_export_shows_the_serve_commands_on_its_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dagster as dg
+
+    from eagle3_core import drafting
+    from eagle3_core.pipeline import StepResult
+    from eagle3_dagster.defs.drafter.assets import drafter_export
+    from eagle3_dagster.defs.resources import Eagle3Resource
+
+    config = tmp_path / "eagle3.yaml"
+    config.write_text("store: store\n")
+    run = fake_export(tmp_path / "store", "r1")
+    # the export itself is tested elsewhere (tests/integration/test_train.py); here only its page
+    monkeypatch.setattr(
+        drafting,
+        "export_step",
+        lambda cfg, log: StepResult(
+            "drafter_export",
+            run,
+            {"sglang_dir": str(run / "sglang"), "speculators_dir": str(run / "speculators")},
+        ),
+    )
+    result = dg.materialize([drafter_export], resources={"eagle3": Eagle3Resource(config_path=str(config))})
+    meta = result.asset_materializations_for_node("drafter_export")[0].metadata
+    text = meta["serve"].value
+    assert isinstance(text, str)
+    cfg = make_config(tmp_path)
+    commands = serve_commands(cfg, run)
+    assert f"```bash\n{commands['sglang']}\n```" in text and f"```bash\n{commands['vllm']}\n```" in text
+
+
+# ---- the GPU memory probe and /proc ---------------------------------------------------------------------------
+def fake_nvidia_smi(tmp: Path, output: str, status: int = 0) -> str:
+    exe = tmp / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\nprintf '%s' '{output}'\nexit {status}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_nvidia_smi_memory_is_summed_over_the_servers_pids_only(tmp_path: Path) -> None:
+    exe = fake_nvidia_smi(tmp_path, "123, 2048\n456, [N/A]\n789, 100\n")
+    assert nvidia_smi_held({123, 456}, exe) == (2048 + 1) * 2**20  # N/A: held, amount unknown
+    assert nvidia_smi_held({1}, exe) == 0
+    assert nvidia_smi_held({123}, fake_nvidia_smi(tmp_path, "No devices were found", status=6)) == 0
+    assert nvidia_smi_held({123}, str(tmp_path / "missing")) == 0
+
+
+def test_proc_stat_reads_group_and_start_time_past_an_odd_command_name(tmp_path: Path) -> None:
+    odd = tmp_path / "a) (b c"  # the name in /proc/<pid>/stat is parenthesised and may hold both
+    odd.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        st = proc_stat(proc.pid)
+        assert st is not None and st.pgrp == proc.pid and st.state in "RS"
+        assert st.start_ticks >= proc_stat(os.getpid()).start_ticks  # type: ignore[union-attr]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc_stat(proc.pid) is None
