@@ -1,6 +1,6 @@
 """The `eagle3` command's library half: every command that needs no Dagster instance.
 
-`eagle3_dagster.cli` adds the commands that run through Dagster (demo, and later status/materialize/ui) and
+`eagle3_dagster.cli` adds the commands that run through Dagster (demo, status, materialize, ui) and
 is the console script; these commands work the same from either.
 """
 

@@ -172,7 +172,12 @@ def test_compose_file_validates(compose: Compose) -> None:
     assert code["build"]["args"]["BASE"] == "python:3.11-slim"
     assert web["command"] == ["dagster-webserver", "-h", "0.0.0.0", "-p", "3000", "-w", "workspace.yaml"]
     assert [(p["target"], p["published"]) for p in web["ports"]] == [(3000, "3000")]
-    assert daemon["command"][:2] == ["dagster-daemon", "run"]
+    # the gpu pool's limit exists before the daemon's queue first meets it, then the daemon replaces the shell
+    assert daemon["command"][:2] == ["sh", "-c"]
+    assert (
+        daemon["command"][2]
+        == "dagster instance concurrency set gpu 1 && exec dagster-daemon run -w workspace.yaml"
+    )
     assert db["image"].startswith("postgres:")
 
     # Every Dagster process has docker/dagster.yaml as $DAGSTER_HOME/dagster.yaml and the same credentials as
