@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
+from eagle3_core.procs import pid_alive, proc_stat
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
 from eagle3_dagster.defs.resources import default_resources
@@ -22,19 +22,10 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CL
 RUNNER_TAG = "eagle3/runner"
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): a PID reused by another
-    process has another. None where the process is gone or there is no /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def runner_tag() -> str:
     pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or ''}"
+    stat = proc_stat(pid)
+    return f"{socket.gethostname()}:{pid}:{stat.start_ticks if stat else ''}"
 
 
 def runner_alive(tag: str) -> bool | None:
@@ -43,14 +34,9 @@ def runner_alive(tag: str) -> bool | None:
     if host != socket.gethostname():
         return None
     if started:
-        return _start_ticks(int(pid)) == started
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = proc_stat(int(pid))
+        return stat is not None and str(stat.start_ticks) == started
+    return pid_alive(int(pid))
 
 
 def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:

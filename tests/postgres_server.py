@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_core.procs import pid_alive
+
 PG_ROOT = Path("/usr/lib/postgresql")
 PREFERRED_MAJOR = "15"  # Debian bookworm's postgresql
 
@@ -77,16 +79,6 @@ def _run(command: list[str], what: str) -> None:
         raise RuntimeError(f"{what} exited with {done.returncode}: {done.stdout}\n{done.stderr}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stop(bin_dir: Path, data_dir: Path, pid: int) -> None:
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         subprocess.run(
@@ -97,9 +89,9 @@ def _stop(bin_dir: Path, data_dir: Path, pid: int) -> None:
             timeout=60,
         )
     deadline = time.monotonic() + 10
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _pid_alive(pid):
+    if pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -41,6 +41,7 @@ from typing import Any, Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.procs import ProcStat, proc_stat
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 
@@ -152,24 +153,6 @@ def launch_command(
 
 
 # ---- processes (Linux /proc) ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProcStat:
-    state: str  # R, S, D, Z (zombie), ...
-    pgrp: int
-    start_ticks: int  # field 22: clock ticks after boot; with the PID it names one process for good
-
-
-def proc_stat(pid: int) -> ProcStat | None:
-    """The process's state, group and start time from /proc/<pid>/stat; None if there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return None
-    # the command name (field 2) may hold spaces and parentheses: the other fields start after the last ')'
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return ProcStat(state=rest[0], pgrp=int(rest[2]), start_ticks=int(rest[19]))
-
-
 def _running(st: ProcStat | None) -> bool:
     # a zombie has exited (its memory is gone); only its parent's wait() is missing
     return st is not None and st.state not in ("Z", "X", "x")

@@ -24,6 +24,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
 from eagle3_core.data.sources import chitchat_turns
+from eagle3_core.procs import pid_alive
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
@@ -356,21 +357,11 @@ def cache_key(preset: ToyPreset, seed: int, steps: int | None = None) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_dead_builds(cache_root: Path, name: str) -> None:
     """Remove temporary directories that crashed builds of `name` left (their process is gone)."""
     for temp in cache_root.glob(f".{name}.tmp-*"):
         pid = temp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not _pid_alive(int(pid)):
+        if not pid.isdigit() or not pid_alive(int(pid)):
             shutil.rmtree(temp, ignore_errors=True)
 
 
