@@ -10,11 +10,10 @@ from typing import Any
 import dagster as dg
 
 from eagle3_core.procs import pid_alive, proc_stat
-from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.data.assets import SHARD_ASSETS, hidden_states
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
 from eagle3_dagster.defs.resources import default_resources
 
-SHARD_ASSETS = [conversations, regenerated, hidden_states]
 SHARDS = "shards"
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CLI prints its own progress
 # The process that runs an in-process run, as "host:pid:start": a run whose process is gone (killed) stays

@@ -40,3 +40,7 @@ def hidden_states(
         eagle3.config(), context.partition_key, target.extraction_target(context.log), context.log.debug
     )
     return dg.MaterializeResult(metadata=step_metadata(result))
+
+
+# One shard, start to end: what a shard run, a backfill and the inbox sensor materialize.
+SHARD_ASSETS = [conversations, regenerated, hidden_states]

@@ -13,7 +13,7 @@ import dagster as dg
 
 from eagle3_core.config import OrchestrationConfig
 from eagle3_core.data.inbox import InboxReport, ingest_inbox, shard_index
-from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
+from eagle3_dagster.defs.data.assets import SHARD_ASSETS
 from eagle3_dagster.defs.orchestration import orchestration_settings
 from eagle3_dagster.defs.partitions import shards
 from eagle3_dagster.defs.resources import Eagle3Resource
@@ -24,8 +24,6 @@ ADD_BATCH = 1000  # keys per add request: one huge add hits SQLite's variable li
 # Ingest starts no new shard after this long, well inside the 60 s the daemon waits for a sensor tick;
 # the file it stopped in is continued by the next tick.
 TICK_BUDGET_SECONDS = 40.0
-
-SHARD_ASSETS = [conversations, regenerated, hidden_states]
 
 shard_job = dg.define_asset_job(
     SHARD_JOB,
