@@ -480,6 +480,8 @@ def ui_command(config_path: Path, port: int) -> tuple[list[str], dict[str, str]]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    import dagster as dg
+
     argv, env = ui_command(Path(args.config), args.port)
     activate(Path(args.config))
     initialize_pools(dg.DagsterInstance.get())  # before the daemon's queue first meets the gpu pool

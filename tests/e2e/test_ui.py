@@ -9,8 +9,11 @@ the test is skipped, except under CI=true, where it fails.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -24,12 +27,18 @@ from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_dagster.materialize import SHARD_ASSETS, add_shard_partitions
 from tests.conftest import REPO, in_ci, write_config
-from tests.dagster_dev import DagsterDev, dagster_dev_factory, dagster_home  # noqa: F401 (a fixture)
+from tests.dagster_dev import (  # noqa: F401 (dagster_dev_factory is a fixture)
+    DagsterDev,
+    dagster_dev_factory,
+    dagster_home,
+    free_port,
+)
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
 
 CHROMIUM = Path("/usr/bin/chromium")
+EAGLE3 = Path(sys.executable).parent / "eagle3"  # the console script, as `make demo` prints it
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -287,3 +296,44 @@ def test_materialize_one_shard_from_the_ui(
         assert instance.get_latest_materialization_event(dg.AssetKey("vocab_mapping")) is None
         # The one run materialized the shard; nothing else (the automation sensor waits for every shard).
         assert [r.run_id for r in instance.get_runs() if r.tags.get("dagster/partition")] == [run_id]
+
+
+def test_the_eagle3_ui_command_serves_the_asset_graph(
+    browser: Browser, tmp_path: Path, toy_target_dir: Path
+) -> None:
+    """The command `make demo` tells the user to run, as the console script, opens the graph in Chromium."""
+    config_path, _ = _ingest_shards(tmp_path, toy_target_dir)
+    port = free_port()
+    log_path = tmp_path / "eagle3-ui.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [str(EAGLE3), "--config", str(config_path), "ui", "--port", str(port)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: stop() ends dagster dev's daemon and code server too
+        )
+    dev = DagsterDev(proc, f"http://127.0.0.1:{port}", log_path, tmp_path / ".dagster")
+    try:
+        dev.wait_until_ready()
+        assert dev.graphql("mutation { setNuxSeen }")["setNuxSeen"] is True
+        assert f"Dagster UI: http://127.0.0.1:{port}" in log_path.read_text()
+        # The instance is the one beside the config, as the command's line says.
+        assert (tmp_path / ".dagster" / "dagster.yaml").exists()
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(dev.url("/asset-groups"))
+        page.get_by_text("Global asset lineage").wait_for()
+        for group in ("data", "drafter", "evaluation"):
+            page.get_by_text(group, exact=True).first.wait_for()
+        page.goto(dev.url(f"/locations/{LOCATION}/asset-groups/data"))
+        for name in ("conversations", "regenerated", "hidden_states"):
+            page.get_by_text(name, exact=True).first.wait_for()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "eagle3-ui-command.png"), full_page=True)
+        page.close()
+    finally:
+        dev.stop()
+    assert proc.poll() is not None
