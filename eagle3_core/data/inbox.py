@@ -2,6 +2,9 @@
 
 Which files are read (the rule a writer must follow):
 - only regular files directly in the inbox whose name ends in .jsonl, .json or .parquet;
+- never a symbolic link (to a file or a directory): it could point at anything the reader may read, a
+  secret among them, so it is refused, recorded with the reason and reported once, and not opened at all
+  (a file is opened without following links, so one swapped in after the check is not read either);
 - never a name starting with "." or "_", nor one ending in .tmp, .part, .partial, .crdownload, .filepart,
   .swp or ~ (copy under such a name, then rename: a rename is atomic, so the file appears whole);
 - never a file modified less than `orchestration.inbox_min_age_seconds` ago (a writer that appends in
@@ -13,7 +16,8 @@ were consumed with a digest of their bytes. A crash mid-file resumes after the l
 appended to a file later become new shards; a file whose consumed rows changed is refused, not re-sharded.
 On top of that, `inbox.json` in the store records each file's size, mtime and sha256: an unchanged file is
 skipped from its stat alone (no re-read every tick), and a file with the content of one already ingested
-(a renamed or re-dropped copy) is recorded as the same and not read again. A file is recorded before its
+(a renamed or re-dropped copy) is recorded as the same and not read again; a file whose rows are all in the
+store already (other bytes, same conversations) is read once and makes no shard. A file is recorded before its
 first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
 one whose caller died before seeing it.
 """
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISLNK, S_ISREG
 from typing import Any
 
 from eagle3_core.config import Eagle3Config, FileSource
@@ -34,11 +40,13 @@ from eagle3_core.data.ingest import (
     Ledger,
     ShardReport,
     SourceEntry,
+    UnshardedRows,
+    describe,
     ingest_lock,
     ingest_source,
     seen_sample_ids,
 )
-from eagle3_core.data.sources import ResolvedSource
+from eagle3_core.data.sources import ResolvedSource, open_binary
 from eagle3_core.errors import ConfigError, SourceChangedError
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
@@ -57,12 +65,13 @@ class InboxReport:
     inbox: Path
     new_shards: list[ShardReport] = field(default_factory=list)
     inbox_shards: list[str] = field(default_factory=list)  # every shard ever made from the inbox, by index
-    rejected: dict[str, int] = field(default_factory=dict)  # reasons, over this call's new shards
+    rejected: dict[str, int] = field(default_factory=dict)  # reasons, over the rows this call read
+    unsharded: list[UnshardedRows] = field(default_factory=list)  # a file's last rows with no new sample
     ingested: list[str] = field(default_factory=list)  # files finished by this call
     same_as: dict[str, str] = field(default_factory=dict)  # file -> the ingested file it duplicates
     waiting: dict[str, str] = field(default_factory=dict)  # file -> why not yet (too young)
     ignored: dict[str, str] = field(default_factory=dict)  # file -> why never (not a conversation file)
-    refused: dict[str, str] = field(default_factory=dict)  # file -> why, newly refused by this call
+    refused: dict[str, str] = field(default_factory=dict)  # file -> why (changed, a link), newly refused
     failed: dict[str, str] = field(default_factory=dict)  # file -> error; retried on the next call
     unfinished: str | None = None  # the file the time budget stopped in; continued on the next call
     busy: bool = False  # another process was ingesting the inbox; nothing was done
@@ -70,6 +79,10 @@ class InboxReport:
     @property
     def new_keys(self) -> list[str]:
         return [s.key for s in self.new_shards]
+
+    @property
+    def duplicates_skipped(self) -> int:
+        return self.rejected.get("duplicate", 0)
 
 
 def inbox_dir(cfg: Eagle3Config) -> Path:
@@ -123,22 +136,32 @@ def _ingest_locked(
     seen: set[str] | None = None  # every sample id in the store: read only when a file is to be ingested
     totals: Counter[str] = Counter()
     min_age = cfg.orchestration.inbox_min_age_seconds
+    inbox = report.inbox.resolve()
     for path in sorted(report.inbox.iterdir()):
-        if not _conversation_file(path, report, cfg.root):
+        if _temporary(path.name):
             continue
         name = _source_name(path, cfg.root)
         try:
-            st = path.stat()
+            st = path.lstat()  # the entry itself: a link is refused, never followed
         except FileNotFoundError:  # moved away between listing and stat
+            continue
+        refusal = _link_refusal(path, st, inbox)
+        if refusal is not None:
+            _refuse_link(files, name, refusal, report, record_path, log)
+            continue
+        if not _conversation_file(path, st, report, name):
             continue
         if now - st.st_mtime < min_age:
             report.waiting[name] = f"modified {now - st.st_mtime:.0f} s ago (< {min_age:g} s)"
             continue
         known = files.get(name)
+        if known and known.get("symlink"):  # a refused link replaced by a regular file: a new file
+            known = None
         stat = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         if known and known["state"] != INGESTING and _same_stat(known, stat):
             continue
-        if report.new_shards and _out_of_time(started, max_seconds):  # each call makes one shard at least
+        made_something = report.new_shards or report.unsharded
+        if made_something and _out_of_time(started, max_seconds):  # each call makes one shard at least
             report.unfinished = name
             break
         try:
@@ -161,15 +184,18 @@ def _ingest_locked(
         _save_record(record_path, files)
         if seen is None:
             seen = seen_sample_ids(layout, ledger)
-        source = ResolvedSource(name, FileSource(path=name), path)
+        source = ResolvedSource(name, FileSource(path=name), path, no_follow=True)
         entry = ledger.sources.setdefault(name, SourceEntry())
         try:
-            for shard in _shards_within(
+            for consumed in _within(
                 ingest_source(cfg, layout, ledger, source, entry, seen), started, max_seconds
             ):
-                report.new_shards.append(shard)
-                totals.update(shard.rejected)
-                log(f"{shard.key}: {shard.samples} samples, {sum(shard.rejected.values())} rejected ({name})")
+                if isinstance(consumed, UnshardedRows):
+                    report.unsharded.append(consumed)
+                else:
+                    report.new_shards.append(consumed)
+                totals.update(consumed.rejected)
+                log(describe(consumed))
         except SourceChangedError as err:
             files[name] = {"state": REFUSED, "sha256": digest, **stat, "reason": str(err)}
             _save_record(record_path, files)
@@ -194,13 +220,13 @@ class _OutOfTime(Exception):
     pass
 
 
-def _shards_within(
-    shards: Iterator[tuple[ShardReport, int]], started: float, max_seconds: float | None
-) -> Iterator[ShardReport]:
+def _within(
+    consumed: Iterator[ShardReport | UnshardedRows], started: float, max_seconds: float | None
+) -> Iterator[ShardReport | UnshardedRows]:
     """The source's shards, one by one, until time is up. Every shard yielded is in the ledger already; the
     one being filled when time runs out is dropped with the source's generator, and its rows are not."""
-    for shard, _rows in shards:
-        yield shard
+    for item in consumed:
+        yield item
         if _out_of_time(started, max_seconds):
             raise _OutOfTime
 
@@ -209,24 +235,66 @@ def _out_of_time(started: float, max_seconds: float | None) -> bool:
     return max_seconds is not None and time.monotonic() - started >= max_seconds
 
 
-def _conversation_file(path: Path, report: InboxReport, root: Path) -> bool:
-    name = path.name
-    if name.startswith((".", "_")) or name.endswith("~") or path.suffix in TEMP_SUFFIXES:
-        return False  # a file being written, by convention: not even worth a mention
-    if not path.is_file():
-        return False
+def _temporary(name: str) -> bool:
+    """A file being written, by convention: never read, not even worth a mention."""
+    return name.startswith((".", "_")) or name.endswith("~") or Path(name).suffix in TEMP_SUFFIXES
+
+
+def _link_refusal(path: Path, st: os.stat_result, inbox: Path) -> str | None:
+    """Why an entry must not be read at all: it is a symbolic link, or its resolved path is not in the inbox
+    (a second guard, whatever leads there). None for a plain entry of the inbox."""
+    if S_ISLNK(st.st_mode):
+        return (
+            f"a symbolic link{_link_target(path)}, not read: the inbox takes regular files only; "
+            "copy the file into the inbox instead"
+        )
+    if path.resolve().parent != inbox:
+        return f"resolves to {path.resolve()}, outside the inbox {inbox}; not read"
+    return None
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return f" (to {os.readlink(path)})"
+    except OSError:  # removed since the listing: the refusal stands, without the target
+        return ""
+
+
+def _refuse_link(
+    files: dict[str, dict[str, Any]],
+    name: str,
+    reason: str,
+    report: InboxReport,
+    record_path: Path,
+    log: Callable[[str], None],
+) -> None:
+    """Record and report a refused link once; the record keeps the reason, a later call stays quiet."""
+    known = files.get(name)
+    if known and known["state"] == REFUSED and known.get("reason") == reason:
+        return
+    files[name] = {"state": REFUSED, "symlink": True, "reason": reason}
+    _save_record(record_path, files)
+    report.refused[name] = reason
+    log(f"{name}: refused, {reason}")
+
+
+def _conversation_file(path: Path, st: os.stat_result, report: InboxReport, name: str) -> bool:
+    if not S_ISREG(st.st_mode):
+        return False  # a directory (the inbox is not read recursively), a socket, a FIFO
     if path.suffix not in READ_SUFFIXES:
-        report.ignored[_source_name(path, root)] = f"not {' or '.join(sorted(READ_SUFFIXES))}"
+        report.ignored[name] = f"not {' or '.join(sorted(READ_SUFFIXES))}"
         return False
     return True
 
 
 def _source_name(path: Path, root: Path) -> str:
-    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared."""
+    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared.
+    The entry itself is not resolved: a link is named as itself, not after what it points to."""
+    where = path.parent.resolve() / path.name
     try:
-        return str(path.resolve().relative_to(root.resolve()))
+        return str(where.relative_to(root.resolve()))
     except ValueError:
-        return str(path.resolve())
+        return str(where)
 
 
 def _same_stat(known: dict[str, Any], stat: dict[str, int]) -> bool:
@@ -242,7 +310,7 @@ def _file_with_digest(files: dict[str, dict[str, Any]], digest: str) -> str | No
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_binary(path, no_follow=True) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()

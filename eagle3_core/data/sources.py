@@ -1,23 +1,30 @@
 """Reading conversation sources row by row, each row with its location and its exact raw bytes.
 
 Sources: JSONL and Parquet files whose rows are OpenAI `messages`, ShareGPT `conversations` (`from`/`value`)
-or plain `prompt` rows, and the `chitchat-dataset` package. A row's raw bytes feed the digest that pins what
-ingest has already consumed, so a source that changed under us is detected, not silently re-sharded.
+or plain `prompt` rows, and the `chitchat-dataset` package (a `.json` file is read as JSONL too). A row's raw
+bytes feed the digest that pins what ingest has already consumed, so a source that changed under us is
+detected, not silently re-sharded.
+
+A line may start with a UTF-8 byte-order mark (a file saved by a Windows editor has one on its first line,
+files concatenated together one on each part's first line): it is not part of the row, and a line holding
+nothing else is blank. The raw bytes keep it, so the digests of rows an earlier ingest consumed stay the same.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from glob import glob
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from eagle3_core.config import ChitchatSource, Eagle3Config, FileSource, SourceFormat
 from eagle3_core.data.conversation import Conversation, Location, RowRejected, build_conversation
 
 CHITCHAT_NAME = "chitchat-dataset"
+BOM = "\ufeff".encode()
 
 
 @dataclass(frozen=True)
@@ -34,14 +41,17 @@ class ResolvedSource:
     name: str  # stable across runs: the path relative to the config's directory, or "chitchat-dataset"
     spec: FileSource | ChitchatSource
     path: Path | None = None
+    # The inbox's files: opened with O_NOFOLLOW, so a file swapped for a symbolic link after the inbox
+    # checked it is not read either (an OSError, ELOOP, instead).
+    no_follow: bool = False
 
     def rows(self) -> Iterator[RawRow]:
         if isinstance(self.spec, ChitchatSource):
             return _chitchat_rows(self.spec.limit)
         assert self.path is not None
         if self.path.suffix == ".parquet":
-            return _parquet_rows(self.path, self.name)
-        return jsonl_rows(self.path, self.name)
+            return _parquet_rows(self.path, self.name, self.no_follow)
+        return jsonl_rows(self.path, self.name, self.no_follow)
 
 
 def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
@@ -69,23 +79,31 @@ def _relative_name(path: Path, root: Path) -> str:
         return str(path.resolve())
 
 
-def jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
-    with open(path, "rb") as f:
+def open_binary(path: Path, no_follow: bool = False) -> BinaryIO:
+    """`path` opened for reading bytes; with `no_follow`, a symbolic link is refused (OSError, ELOOP)."""
+    if not no_follow:
+        return open(path, "rb")
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
+def jsonl_rows(path: Path, name: str, no_follow: bool = False) -> Iterator[RawRow]:
+    with open_binary(path, no_follow) as f:
         for number, line in enumerate(f, start=1):
             raw = line.rstrip(b"\r\n")
-            if raw.strip():
+            if raw.removeprefix(BOM).strip():
                 yield RawRow(Location(name, number), raw)
 
 
-def _parquet_rows(path: Path, name: str) -> Iterator[RawRow]:
+def _parquet_rows(path: Path, name: str, no_follow: bool) -> Iterator[RawRow]:
     import pyarrow.parquet as pq
 
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            number += 1
-            raw = json.dumps(record, ensure_ascii=False, sort_keys=True, default=str).encode("utf-8")
-            yield RawRow(Location(name, number), raw, record)
+    with open_binary(path, no_follow) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                number += 1
+                raw = json.dumps(record, ensure_ascii=False, sort_keys=True, default=str).encode("utf-8")
+                yield RawRow(Location(name, number), raw, record)
 
 
 def _chitchat_rows(limit: int | None) -> Iterator[RawRow]:
@@ -122,7 +140,9 @@ def decode_record(row: RawRow) -> Any:
     except UnicodeDecodeError as err:
         raise RowRejected("invalid_utf8", f"byte {err.start}: {err.reason}") from None
     try:
-        return json.loads(text)
+        # The byte-order mark goes as the utf-8-sig codec drops it, but after decoding, so that an invalid
+        # byte's offset above counts from the start of the line.
+        return json.loads(text.removeprefix("\ufeff"))
     except json.JSONDecodeError as err:
         raise RowRejected("malformed_json", f"column {err.colno}: {err.msg}") from None
 

@@ -3,7 +3,7 @@ daemon ticks it: a dropped file's shards are added as partitions with one run re
 later tick hands over nothing twice."""
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -36,7 +36,7 @@ def instance() -> Iterator[dg.DagsterInstance]:
         yield instance
 
 
-def _drop(config: Path, name: str, rows: range) -> None:
+def _drop(config: Path, name: str, rows: Iterable[int]) -> None:
     lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) for i in rows]
     (config.parent / "inbox" / name).write_text("".join(f"{line}\n" for line in lines))
 
@@ -107,3 +107,26 @@ def test_without_an_inbox_the_sensor_skips(tmp_path: Path, instance: dg.DagsterI
     config = write_config(tmp_path, "store: store\n")
     data = _tick(instance, config, cursor=None)
     assert data.run_requests == [] and data.skip_message == "orchestration.inbox is not set in the config"
+
+
+def test_a_symbolic_link_in_the_inbox_is_refused_by_the_tick_and_its_target_never_read(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    secret = "sk-live-0123456789abcdef"
+    target = project.parent / "secrets.env"
+    target.write_text(f"API_KEY={secret}\n")
+    (project.parent / "inbox" / "leak.jsonl").symlink_to(target)
+    data = _tick(instance, project, cursor=None)
+    assert data.run_requests == [] and _added(data) == []
+    assert data.skip_message and "refused inbox/leak.jsonl: a symbolic link" in data.skip_message
+    store = project.parent / "store"
+    assert [p for p in store.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()] == []
+
+
+def test_a_file_of_rows_already_sharded_requests_no_run(project: Path, instance: dg.DagsterInstance) -> None:
+    _drop(project, "a.jsonl", range(2))
+    first = _tick(instance, project, cursor=None)
+    _drop(project, "b.jsonl", reversed(range(2)))  # the same conversations, other bytes
+    second = _tick(instance, project, cursor=first.cursor)
+    assert second.run_requests == [] and _added(second) == []
+    assert second.skip_message and "2 duplicate row(s) skipped, no shard written" in second.skip_message

@@ -1,5 +1,6 @@
 """The inbox: each dropped file becomes shards exactly once (across restarts and lost records), a file still
-being written waits, bad rows are counted with their reason, and a file that changed under us is refused."""
+being written waits, bad rows are counted with their reason, a file that changed under us is refused, and a
+symbolic link is refused without being read."""
 
 import fcntl
 import json
@@ -11,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from eagle3_core.config import ConfigError, Eagle3Config, OrchestrationConfig, load_config
+from eagle3_core.config import ConfigError, Eagle3Config, FileSource, OrchestrationConfig, load_config
 from eagle3_core.data.inbox import ingest_inbox
 from eagle3_core.data.ingest import ingest, load_conversation_shard
+from eagle3_core.data.sources import ResolvedSource
 from eagle3_core.errors import StoreBusyError
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
@@ -181,3 +183,75 @@ def test_orchestration_defaults_and_invalid_values_name_the_field(tmp_path: Path
     ]:
         with pytest.raises(ConfigError, match=f"{field}:"):
             load_config(write_config(tmp_path / "bad", text))
+
+
+SECRET = "sk-live-0123456789abcdef"
+
+
+def _files_holding(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def test_a_symbolic_link_is_refused_unread_and_nothing_of_its_target_reaches_the_store(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secrets = outside / "secrets.jsonl"
+    secrets.write_text(f"API_KEY={SECRET}\n{_row(77)}\n")  # a malformed row would go to a rejects file
+    (outside / "nested.jsonl").write_text(f"API_KEY={SECRET}\n")
+    (tmp_path / "inbox" / "leak.jsonl").symlink_to(secrets)
+    (tmp_path / "inbox" / "linked").symlink_to(outside, target_is_directory=True)
+    _drop(tmp_path, "a.jsonl", [_row(0)])
+    for path in (secrets, outside / "nested.jsonl"):
+        _age(path, 120)
+
+    logged: list[str] = []
+    report = ingest_inbox(cfg, log=logged.append)
+    assert report.ingested == [NAME] and report.new_keys == ["t-00000"]
+    assert sorted(report.refused) == ["inbox/leak.jsonl", "inbox/linked"]
+    assert all("symbolic link" in why for why in report.refused.values())
+    assert str(secrets) in report.refused["inbox/leak.jsonl"]  # names where it points, to find who made it
+    assert any(line.startswith("inbox/leak.jsonl: refused") for line in logged)
+    assert _files_holding(cfg.store_root, SECRET.encode()) == []
+    assert _files_holding(cfg.store_root, b"question 77") == []
+    assert set(json.loads(StoreLayout(cfg.store_root).ledger.read_text())["sources"]) == {NAME}
+    record = _record(cfg)
+    assert record["inbox/leak.jsonl"]["state"] == "refused" and "sha256" not in record["inbox/leak.jsonl"]
+
+    again = ingest_inbox(cfg)  # reported once; the record keeps the reason
+    assert again.refused == {} and again.new_keys == []
+    assert _files_holding(cfg.store_root, SECRET.encode()) == []
+
+    # Replaced by a regular file of the same name, it is an ordinary new file.
+    (tmp_path / "inbox" / "leak.jsonl").unlink()
+    _drop(tmp_path, "leak.jsonl", [_row(5)])
+    replaced = ingest_inbox(cfg)
+    assert replaced.ingested == ["inbox/leak.jsonl"] and replaced.new_keys == ["t-00001"]
+
+
+def test_an_inbox_file_swapped_for_a_link_after_the_check_is_not_read(tmp_path: Path) -> None:
+    secrets = tmp_path / "secrets.jsonl"
+    secrets.write_text(f"API_KEY={SECRET}\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(secrets)
+    source = ResolvedSource("inbox/link.jsonl", FileSource(path="inbox/link.jsonl"), link, no_follow=True)
+    with pytest.raises(OSError, match="symbolic links"):
+        next(source.rows())
+    followed = ResolvedSource("link.jsonl", FileSource(path="link.jsonl"), link)  # data.sources may use links
+    assert next(followed.rows()).raw == f"API_KEY={SECRET}".encode()
+
+
+def test_a_file_of_rows_already_in_the_store_makes_no_shard(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _drop(tmp_path, "a.jsonl", [_row(0), _row(1), _row(2)])
+    assert ingest_inbox(cfg).new_keys == ["t-00000", "t-00001"]
+    _drop(tmp_path, "b.jsonl", [_row(2), _row(0)])  # other bytes than a.jsonl, so not a `same_as` copy
+    report = ingest_inbox(cfg)
+    assert report.new_keys == [] and report.ingested == ["inbox/b.jsonl"]
+    assert report.duplicates_skipped == 2 and report.rejected == {"duplicate": 2}
+    assert [u.source for u in report.unsharded] == ["inbox/b.jsonl"]
+    assert report.inbox_shards == ["t-00000", "t-00001"]
+    assert not StoreLayout(cfg.store_root).conversations_manifest("t-00002").exists()
+    assert _record(cfg)["inbox/b.jsonl"]["state"] == "done"

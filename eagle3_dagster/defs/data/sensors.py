@@ -83,6 +83,8 @@ def _log_report(context: dg.SensorEvaluationContext, report: InboxReport) -> Non
         )
     for name, twin in report.same_as.items():
         context.log.info(f"{name}: same bytes as {twin}, already ingested; not read again")
+    for rows in report.unsharded:
+        context.log.info(rows.describe())
     for name, why in {**report.refused, **report.failed}.items():
         context.log.warning(f"{name}: {why}")
     if report.unfinished:
@@ -97,6 +99,9 @@ def _nothing_new(report: InboxReport) -> str:
         )
     if report.ignored:
         parts.append(f"ignored {sorted(report.ignored)}: not .jsonl/.json/.parquet")
+    if report.duplicates_skipped:
+        parts.append(f"{report.duplicates_skipped} duplicate row(s) skipped, no shard written")
+    parts.extend(f"refused {name}: {why}" for name, why in sorted(report.refused.items()))
     if report.failed:
         parts.append(f"failed (retried next tick): {sorted(report.failed)}")
     return "; ".join(parts)
