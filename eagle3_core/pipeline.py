@@ -23,6 +23,7 @@ from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
@@ -73,7 +74,16 @@ def regenerate_step(
     cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log = _quiet
 ) -> StepResult:
     """The shard's training conversations with every assistant turn the target's: in process with `target`,
-    or through `cfg.regenerate.server` (then `target` is not used and may be None)."""
+    or through `cfg.regenerate.server` (then `target` is not used and may be None).
+
+    Under the shard's writer lock: a second regeneration of it is refused (StoreBusyError), not raced.
+    """
+    layout = StoreLayout(cfg.store_root)
+    with writer_lock(layout.writer_lock("regenerated", key), f"regenerated shard {key}"):
+        return _regenerate(cfg, key, target, log)
+
+
+def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     samples, _ = load_conversation_shard(cfg.store_root, key)
     train = [s for s in samples if s["split"] == "train"]
@@ -227,6 +237,17 @@ class WriteBehind:
 
 
 def extract_step(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log = _quiet) -> StepResult:
+    """Hidden states of the shard's conversations into its safetensors shard and manifest.
+
+    Under the shard's writer lock: a second extraction of it is refused (StoreBusyError) before it touches
+    anything, so it never removes the first one's temporary file.
+    """
+    layout = StoreLayout(cfg.store_root)
+    with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
+        return _extract(cfg, key, target, log)
+
+
+def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     counts: Counter[str] = Counter(
         dict.fromkeys(("truncated_samples", "truncated_tokens", "truncated_loss_tokens"), 0)

@@ -7,16 +7,17 @@ their raw bytes: a later ingest starts after them, and refuses a source whose co
 
 Every rejected row is kept with its location and reason in the rejects file of the shard it fell in;
 duplicates (a sample id seen before, in this source or an earlier one) are rejects with reason `duplicate`.
-The ledger is committed after every shard, so a crash mid-source resumes at the last whole shard and
-rewrites, identically, any shard files the crashed run left that the ledger does not list.
+A shard always holds a sample: a source's last rows that hold no new one (a file copied under a new name, all
+duplicates) are consumed in the ledger without a shard, their reasons counted in the report, and the rows
+rejected for another reason than `duplicate` kept in the store's unsharded rejects file for those rows.
+The ledger is committed after every shard (and after such rows), so a crash mid-source resumes at the last
+whole shard and rewrites, identically, any shard files the crashed run left that the ledger does not list.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_
 from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
+from eagle3_core.store.locks import exclusive_lock
 
 LEDGER_VERSION = 1
 MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
@@ -95,17 +97,49 @@ class ShardReport:
     first_line: int
     last_line: int
 
+    @property
+    def rows(self) -> int:
+        return self.samples + sum(self.rejected.values())
+
+
+@dataclass
+class UnshardedRows:
+    """A source's last rows when not one of them is a new sample: consumed, but no (empty) shard is made."""
+
+    source: str
+    rejected: dict[str, int]
+    first_line: int
+    last_line: int
+    rejects_file: Path | None  # the rows rejected for another reason than duplicate; None if there are none
+
+    @property
+    def rows(self) -> int:
+        return sum(self.rejected.values())
+
+    def describe(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.rejected.items()))
+        kept = f"; rejects kept in {self.rejects_file}" if self.rejects_file else ""
+        return (
+            f"{self.source} lines {self.first_line}-{self.last_line}: no new sample ({reasons}), "
+            f"no shard written{kept}"
+        )
+
 
 @dataclass
 class IngestReport:
     new_shards: list[ShardReport]
     all_shards: list[str]
     rows_read: int
-    rejected: dict[str, int]
+    rejected: dict[str, int]  # reasons, over every row read (the new shards' and the unsharded rows')
+    unsharded: list[UnshardedRows] = field(default_factory=list)
 
     @property
     def new_keys(self) -> list[str]:
         return [s.key for s in self.new_shards]
+
+    @property
+    def duplicates_skipped(self) -> int:
+        return self.rejected.get("duplicate", 0)
 
 
 @dataclass
@@ -123,20 +157,8 @@ class _Pending:
 def ingest_lock(layout: StoreLayout) -> Iterator[bool]:
     """An advisory lock on the store's ledger: a second ingester (the inbox sensor beside `eagle3 ingest`)
     gets False at once instead of racing on ledger.json."""
-    layout.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(layout.ingest_lock, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    with exclusive_lock(layout.ingest_lock) as attempt:
+        yield attempt.acquired
 
 
 def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> IngestReport:
@@ -153,19 +175,28 @@ def ingest(cfg: Eagle3Config, log: Callable[[str], None] = lambda _: None) -> In
 def _ingest_sources(cfg: Eagle3Config, layout: StoreLayout, log: Callable[[str], None]) -> IngestReport:
     ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
     seen = seen_sample_ids(layout, ledger)
-    new: list[ShardReport] = []
+    report = IngestReport([], [], 0, {})
     totals: Counter[str] = Counter()
-    rows_read = 0
     for source in resolve_sources(cfg):
         entry = ledger.sources.setdefault(source.name, SourceEntry())
-        for report, rows in ingest_source(cfg, layout, ledger, source, entry, seen):
-            new.append(report)
-            totals.update(report.rejected)
-            rows_read += rows
-            log(
-                f"{report.key}: {report.samples} samples, {sum(report.rejected.values())} rejected ({source.name})"
-            )
-    return IngestReport(new, ledger.shard_keys, rows_read, dict(totals))
+        for consumed in ingest_source(cfg, layout, ledger, source, entry, seen):
+            totals.update(consumed.rejected)
+            report.rows_read += consumed.rows
+            if isinstance(consumed, UnshardedRows):
+                report.unsharded.append(consumed)
+            else:
+                report.new_shards.append(consumed)
+            log(describe(consumed))
+    report.all_shards = ledger.shard_keys
+    report.rejected = dict(totals)
+    return report
+
+
+def describe(consumed: ShardReport | UnshardedRows) -> str:
+    if isinstance(consumed, UnshardedRows):
+        return consumed.describe()
+    rejected = sum(consumed.rejected.values())
+    return f"{consumed.key}: {consumed.samples} samples, {rejected} rejected ({consumed.source})"
 
 
 def seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
@@ -189,9 +220,10 @@ def _consumed_rows(source: ResolvedSource, entry: SourceEntry) -> tuple[Iterator
             )
         _digest_row(digest, row)
     if digest.hexdigest() != entry.digest:
+        into = f"sharded into {entry.shards[0]}..{entry.shards[-1]}" if entry.shards else "ingested"
         raise SourceChangedError(
-            f"{source.name}: its first {entry.rows} rows changed since they were sharded into "
-            f"{entry.shards[0]}..{entry.shards[-1]}; sources are append-only (add new data as new files)"
+            f"{source.name}: its first {entry.rows} rows changed since they were {into}; "
+            "sources are append-only (add new data as new files)"
         )
     return rows, digest
 
@@ -208,7 +240,9 @@ def ingest_source(
     source: ResolvedSource,
     entry: SourceEntry,
     seen: set[str],
-) -> Iterator[tuple[ShardReport, int]]:
+) -> Iterator[ShardReport | UnshardedRows]:
+    """The source's rows after those the ledger has, as shards, each committed to the ledger before it is
+    yielded; the last rows, if not one of them is a new sample, as UnshardedRows (committed too)."""
     rows, digest = _consumed_rows(source, entry)
     require_assistant = not cfg.regenerate.enabled
     pending = _Pending()
@@ -231,9 +265,12 @@ def ingest_source(
             pending.digest = digest.copy()
             yield _commit_shard(layout, ledger, source, entry, pending)
             pending = _Pending()
-    if pending.samples or pending.rejects:
+    if pending.samples:
         pending.digest = digest.copy()
         yield _commit_shard(layout, ledger, source, entry, pending)
+    elif pending.rejects:  # a shard is cut at shard_size samples, so only the source's tail can have none
+        pending.digest = digest.copy()
+        yield _commit_unsharded(layout, ledger, source, entry, pending)
 
 
 def _sample_row(conv: Conversation, row: RawRow, holdout_fraction: float) -> dict[str, Any]:
@@ -256,9 +293,27 @@ def _reject_row(row: RawRow, rej: RowRejected) -> dict[str, Any]:
     }
 
 
+def _commit_unsharded(
+    layout: StoreLayout, ledger: Ledger, source: ResolvedSource, entry: SourceEntry, pending: _Pending
+) -> UnshardedRows:
+    """Rows without a new sample: the ledger counts them consumed and no shard is written. Duplicates are
+    only counted (the sample each repeats is in the store); other rejects are kept for a look, in a file
+    named by the source and first line, so a rerun after a crash before the ledger commit rewrites it."""
+    first_line = pending.first_line or 0
+    kept = [r for r in pending.rejects if r["reason"] != "duplicate"]
+    rejects_file = layout.unsharded_rejects(source.name, first_line) if kept else None
+    if rejects_file is not None:
+        write_jsonl(rejects_file, kept)
+    entry.rows += len(pending.rejects)
+    entry.digest = pending.digest.hexdigest()
+    ledger.save(layout.ledger)
+    rejected = dict(Counter(r["reason"] for r in pending.rejects))
+    return UnshardedRows(source.name, rejected, first_line, pending.last_line, rejects_file)
+
+
 def _commit_shard(
     layout: StoreLayout, ledger: Ledger, source: ResolvedSource, entry: SourceEntry, pending: _Pending
-) -> tuple[ShardReport, int]:
+) -> ShardReport:
     key = shard_key(ledger.dataset, ledger.next_index)
     rejected = dict(Counter(r["reason"] for r in pending.rejects))
     heldout = sum(1 for s in pending.samples if s["split"] == "heldout")
@@ -280,16 +335,14 @@ def _commit_shard(
             "sample_ids": [s["id"] for s in pending.samples],
         },
     )
-    rows = len(pending.samples) + len(pending.rejects)
-    entry.rows += rows
+    entry.rows += len(pending.samples) + len(pending.rejects)
     entry.digest = pending.digest.hexdigest()
     entry.shards.append(key)
     ledger.next_index += 1
     ledger.save(layout.ledger)
-    report = ShardReport(
+    return ShardReport(
         key, source.name, len(pending.samples), heldout, rejected, pending.first_line or 0, pending.last_line
     )
-    return report, rows
 
 
 def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Atomic files: write to a temporary name in the same directory, fsync, rename, fsync the directory.
 
 A file that exists under its final name is complete; a crash leaves at most a temporary file, which the
-next writer of the same name removes (`remove_stale_temps`).
+next writer of the same name removes (`remove_stale_temps`). Where two processes may write the same name
+(a shard), the writer holds its lock first (eagle3_core/store/locks.py), so it never removes a live one's.
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def commit(temp: Path, final: Path) -> None:
     """Rename a fully written and fsynced temporary file to its final name, durably."""
     os.replace(temp, final)
     fsync_path(final.parent)
+
+
+def write_temp(path: Path, data: bytes) -> Path:
+    """`data` written and fsynced under `path`'s temporary name, for the caller to `commit` when its other
+    files are ready too (a shard's manifest goes in before the shard: eagle3_core/store/shards.py)."""
+    temp = temp_path_for(path)
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,13 @@ class StoreLayout:
     def rejects(self, key: str) -> Path:
         return self.root / "conversations" / f"{check_shard_key(key)}.rejects.jsonl"
 
+    def unsharded_rejects(self, source: str, first_line: int) -> Path:
+        """Rejected rows of a source that fell in no shard (its last rows, not one a new sample), by source
+        and first line; a short digest of the name keeps two sources apart that _safe_name makes alike."""
+        tag = hashlib.sha256(source.encode()).hexdigest()[:8]
+        name = f"{_safe_name(source)}-{tag}-{first_line}.rejects.jsonl"
+        return self.root / "conversations" / "unsharded" / name
+
     def regenerated(self, key: str) -> Path:
         return self.root / "regenerated" / f"{check_shard_key(key)}.jsonl"
 
@@ -69,6 +77,10 @@ class StoreLayout:
     def hidden_states_manifest(self, key: str) -> Path:
         return self.hidden_states_dir / f"{check_shard_key(key)}.json"
 
+    def writer_lock(self, stage: str, key: str) -> Path:
+        """Held while a stage (`hidden_states`, `regenerated`) writes shard `key`: eagle3_core/store/locks.py."""
+        return self.root / ".locks" / f"{stage}-{check_shard_key(key)}.lock"
+
     def hidden_state_shards(self) -> list[Path]:
         """Every complete shard (a shard file that exists is complete), sorted by key."""
         if not self.hidden_states_dir.is_dir():
@@ -82,6 +94,15 @@ class StoreLayout:
     @property
     def drafter_runs(self) -> Path:
         return self.root / "drafter" / "runs"
+
+    def pointer_path(self, path: Path) -> str:
+        """`path` as a pointer file stores it: relative to the store, so a copied or moved store points at
+        its own drafters, not the original's."""
+        return Path(path).resolve().relative_to(self.root.resolve()).as_posix()
+
+    def from_pointer(self, stored: str) -> Path:
+        """A path a pointer file stored (relative to the store; an absolute one from before is kept as it is)."""
+        return self.root / stored
 
     @property
     def drafter_latest(self) -> Path:

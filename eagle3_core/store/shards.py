@@ -9,7 +9,14 @@ File layout (a valid safetensors file; `safetensors.safe_open` reads it):
 Sample i is rows offsets[i]:offsets[i+1] of every [T, ...] tensor; no padding is stored. Lengths are known
 before the target runs, so the header is written first with room reserved, rows go straight into the
 preallocated temporary file as batches finish (memory: one batch), and `finalize` rewrites the header in
-place with the counts and checksums, fsyncs and renames. A file under its final name is complete.
+place with the counts and checksums, fsyncs and renames. A file under its final name is complete, and its
+manifest is beside it: the manifest is committed first and the shard's rename is the commit point, so a
+crash or a full disk at any moment leaves the shard whole with its manifest, or absent (at most a manifest
+without its shard, which readers ignore and the next writer replaces). A disk that fills up is reported as
+a `DiskSpaceError` naming the shard, after the temporary files are removed and the descriptor closed.
+
+The caller holds the shard's writer lock (eagle3_core/store/locks.py): the writer removes the temporary
+files an earlier writer of the shard left, which must never be those of a writer still at work.
 
 Integrity: each sample has a sha256 digest of its rows (input_ids, loss_mask, aux, last bytes, in that
 order), computed by the writer from the batch in memory; `checksum` is sha256 over the offsets bytes and the
@@ -19,12 +26,14 @@ checks the header when it opens a shard and a sample's digest each time it reads
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -34,7 +43,7 @@ import numpy as np
 import torch
 
 from eagle3_core.errors import DiskSpaceError, ShardCorruptError
-from eagle3_core.store.atomic import atomic_write_json, commit, remove_stale_temps, temp_path_for
+from eagle3_core.store.atomic import fsync_path, remove_stale_temps, temp_path_for, write_temp
 
 SCHEMA = "eagle3.hidden_states/1"
 DATA_ALIGN = 64
@@ -47,6 +56,9 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {  # name -> (torch dtype, saf
     "float32": (torch.float32, "F32", 4),
 }
 MAX_REASON = 200
+SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")  # digest order
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NO_FALLOCATE = (errno.EOPNOTSUPP, errno.EINVAL)  # the filesystem cannot preallocate: a sparse file instead
 
 
 def _digest() -> Any:
@@ -164,23 +176,57 @@ class ShardWriter:
         self.digests: list[str | None] = [None] * len(lengths)
         self.loss_tokens = [0] * len(lengths)
         self.failed: dict[str, str] = {}
+        self.manifest_path = path.with_suffix(".json")
+        self._committed = False
         remove_stale_temps(path)
-        disk_preflight(
-            path.parent,
-            estimate_shard_bytes(self.lengths, hidden_size, num_aux, store_dtype),
-            disk_headroom,
-            f"shard {path.stem}",
-        )
+        remove_stale_temps(self.manifest_path)
+        self._needed = estimate_shard_bytes(self.lengths, hidden_size, num_aux, store_dtype)
+        disk_preflight(path.parent, self._needed, disk_headroom, f"shard {path.stem}")
         self.temp = temp_path_for(path)
-        self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = -1
+        with self._on_disk("creating its temporary file"):
+            self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:  # not yet inside a `with`: a failure here must close the descriptor and remove the file itself
+            self._start()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _start(self) -> None:
         self._header_room = self._header_len(self._header(placeholder=True)) + _reserved_header_bytes(
-            len(lengths)
+            len(self.lengths)
         )
         self._header_room += (-(8 + self._header_room)) % DATA_ALIGN
         self._data_start = 8 + self._header_room
-        self._preallocate(self._data_start + sum(s.nbytes for s in self.slots.values()))
+        self._needed = self._data_start + sum(s.nbytes for s in self.slots.values())  # exact, not estimated
+        self._preallocate(self._needed)
         self._write_header(placeholder=True)
         self._pwrite_slot("offsets", 0, memoryview(self.offsets.tobytes()))
+
+    # ---- a full disk ----------------------------------------------------------------------------------
+    @contextmanager
+    def _on_disk(self, doing: str) -> Iterator[None]:
+        """Turn a full disk or quota (ENOSPC, EDQUOT) into a DiskSpaceError naming the shard and the bytes."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            free = shutil.disk_usage(self.path.parent).free
+            raise DiskSpaceError(
+                f"shard {self.path.stem}: the disk filled up while {doing} ({err.strerror}); the shard needs "
+                f"{self._needed:,} bytes ({self._needed / 2**30:.2f} GiB) and {self.path.parent} has {free:,} "
+                f"bytes ({free / 2**30:.2f} GiB) free. Free space or move the store, then extract it again"
+            ) from err
+
+    def _pwrite(self, data: memoryview, offset: int) -> None:
+        # pwrite may write less than asked when the disk is filling up: the rest is written or its error raised
+        with self._on_disk("writing the shard"):
+            while len(data):
+                n = os.pwrite(self._fd, data, offset)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"pwrite wrote {n} of {len(data)} bytes", str(self.temp))
+                data, offset = data[n:], offset + n
 
     # ---- header ---------------------------------------------------------------------------------------
     def _header(self, placeholder: bool) -> dict[str, Any]:
@@ -212,7 +258,7 @@ class ShardWriter:
         if len(blob) > self._header_room:
             raise RuntimeError(f"shard header outgrew its reserved {self._header_room} bytes")
         blob += b" " * (self._header_room - len(blob))
-        os.pwrite(self._fd, self._header_room.to_bytes(8, "little") + blob, 0)
+        self._pwrite(memoryview(self._header_room.to_bytes(8, "little") + blob), 0)
 
     def _checksum(self) -> str:
         h = _digest()
@@ -223,20 +269,18 @@ class ShardWriter:
 
     def _preallocate(self, size: int) -> None:
         # Reserve the blocks now, so a disk that fills up fails this shard at the start, not hours in.
-        try:
-            os.posix_fallocate(self._fd, 0, size)
-        except OSError as err:
-            if err.errno not in (
-                95,
-                22,
-            ):  # EOPNOTSUPP / EINVAL: the filesystem cannot; fall back to a sparse file
-                raise
-            os.ftruncate(self._fd, size)
+        with self._on_disk("reserving its space"):
+            try:
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as err:
+                if err.errno not in NO_FALLOCATE:
+                    raise
+                os.ftruncate(self._fd, size)
 
     # ---- rows -----------------------------------------------------------------------------------------
     def _pwrite_slot(self, name: str, first_row: int, data: memoryview) -> None:
         slot = self.slots[name]
-        os.pwrite(self._fd, data, self._data_start + slot.start + first_row * slot.row_bytes)
+        self._pwrite(data, self._data_start + slot.start + first_row * slot.row_bytes)
 
     def write_sample(
         self,
@@ -262,7 +306,7 @@ class ShardWriter:
         }
         h = _digest()
         first = int(self.offsets[index])
-        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
+        for name in SAMPLE_TENSORS:
             if tuple(tensors[name].shape) != expected[name]:
                 raise ValueError(
                     f"sample {index} ({self.sample_ids[index][:12]}): {name} has shape "
@@ -292,14 +336,30 @@ class ShardWriter:
         if missing:
             raise RuntimeError(f"{len(missing)} samples were never written (first: index {missing[0]})")
         self.metadata["counts"] = {**(counts or {}), **self._row_counts()}
-        self._write_header(placeholder=False)
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        commit(self.temp, self.path)
-        manifest = manifest_from_header(self.path)
-        atomic_write_json(self.path.with_suffix(".json"), manifest)
+        try:
+            self._write_header(placeholder=False)
+            with self._on_disk("finishing the shard"):
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
+                manifest = manifest_from_header(self.temp, final=self.path)
+                self._commit(manifest)
+        except BaseException:
+            self.abort()
+            raise
         return manifest
+
+    def _commit(self, manifest: dict[str, Any]) -> None:
+        """Manifest first, shard last: the shard's rename is the commit point (see the module docstring)."""
+        text = json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
+        manifest_temp = write_temp(self.manifest_path, text.encode())
+        # A redo: the old shard goes before the new manifest is put in, so the two never meet.
+        self.path.unlink(missing_ok=True)
+        os.replace(manifest_temp, self.manifest_path)
+        fsync_path(self.path.parent)  # the manifest's rename is durable before the shard's can be
+        os.replace(self.temp, self.path)
+        self._committed = True
+        fsync_path(self.path.parent)
 
     def _row_counts(self) -> dict[str, int]:
         good = [i for i, s in enumerate(self.sample_ids) if s not in self.failed]
@@ -311,10 +371,16 @@ class ShardWriter:
         }
 
     def abort(self) -> None:
+        """Close and remove what this writer made; a shard that never got in place leaves no manifest."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._committed:
+            return  # the shard and its manifest are both in place (only a directory fsync failed)
         self.temp.unlink(missing_ok=True)
+        temp_path_for(self.manifest_path).unlink(missing_ok=True)
+        if not self.path.exists():
+            self.manifest_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -369,13 +435,17 @@ def decode_metadata(header: dict[str, Any]) -> dict[str, Any]:
     return {k: _meta_value(k, v) for k, v in header["__metadata__"].items()}
 
 
-def manifest_from_header(path: Path) -> dict[str, Any]:
-    """The manifest beside a shard: its header metadata (without per-sample digests), size and name."""
+def manifest_from_header(path: Path, final: Path | None = None) -> dict[str, Any]:
+    """The manifest beside a shard: its header metadata (without per-sample digests), size and name.
+
+    `final`: the name the shard will have, when `path` is its temporary file not yet renamed.
+    """
     header, _ = read_header(path)
     meta = decode_metadata(header)
     meta.pop("sample_digests")
     meta.pop("format", None)
-    return {"key": path.stem, "file": path.name, "bytes": path.stat().st_size, **meta}
+    name = final or path
+    return {"key": name.stem, "file": name.name, "bytes": path.stat().st_size, **meta}
 
 
 @dataclass(frozen=True)
@@ -419,6 +489,8 @@ class ShardReader:
         return len(self._index)
 
     def _raw(self, name: str, first_row: int, rows: int) -> memoryview:
+        """A view of the mapping. Use it in a `with` block: a view left alive (by the traceback of an error
+        raised while it was in scope) keeps the mapping exported, and `close` would raise BufferError."""
         entry = self.header[name]
         row_bytes = DTYPES[_dtype_name(entry["dtype"])][2] * int(np.prod(entry["shape"][1:], dtype=np.int64))
         start = self._data_start + entry["data_offsets"][0] + first_row * row_bytes
@@ -426,13 +498,25 @@ class ShardReader:
 
     def _tensor(self, name: str, first: int, rows: int, h: Any) -> torch.Tensor:
         entry = self.header[name]
-        raw = self._raw(name, first, rows)
-        if h is not None:
-            h.update(raw)
-        t = torch.frombuffer(bytearray(raw), dtype=DTYPES[_dtype_name(entry["dtype"])][0]) if rows else None
-        if t is None:
-            t = torch.empty(0, dtype=DTYPES[_dtype_name(entry["dtype"])][0])
+        dtype = DTYPES[_dtype_name(entry["dtype"])][0]
+        with self._raw(name, first, rows) as raw:
+            if h is not None:
+                h.update(raw)
+            t = torch.frombuffer(bytearray(raw), dtype=dtype) if rows else torch.empty(0, dtype=dtype)
         return t.view(rows, *entry["shape"][1:])
+
+    def _checksum_error(self, j: int) -> ShardCorruptError:
+        where = f"sample {self._index.index(j)}" if j in self._index else "failed sample"
+        return ShardCorruptError(f"{self.path}: {where} ({self._all_ids[j][:12]}) fails its checksum")
+
+    def _sample_digest(self, j: int) -> str:
+        """The digest of sample j's rows as stored, hashed straight from the mapping (no copy)."""
+        first, rows = self._rows(j)
+        h = _digest()
+        for name in SAMPLE_TENSORS:
+            with self._raw(name, first, rows) as raw:
+                h.update(raw)
+        return str(h.hexdigest())
 
     def _rows(self, j: int) -> tuple[int, int]:
         """First row and row count of sample j (over all samples, failed ones included)."""
@@ -442,12 +526,9 @@ class ShardReader:
         j = self._index[i]
         first, rows = self._rows(j)
         h = _digest() if verify else None
-        tensors = [
-            self._tensor(n, first, rows, h)
-            for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
-        ]
+        tensors = [self._tensor(n, first, rows, h) for n in SAMPLE_TENSORS]
         if h is not None and h.hexdigest() != self._digests[j]:
-            raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
+            raise self._checksum_error(j)
         return ShardSample(self._all_ids[j], *tensors)
 
     def copy_sample_into(self, i: int, out: dict[str, torch.Tensor]) -> None:
@@ -460,21 +541,21 @@ class ShardReader:
         j = self._index[i]
         first, rows = self._rows(j)
         h = _digest()
-        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
-            raw = self._raw(name, first, rows)
-            h.update(raw)
+        for name in SAMPLE_TENSORS:
             dest = out[name]
             n = dest.shape[0]
             if dest.dtype != DTYPES[_dtype_name(self.header[name]["dtype"])][0] or n > rows:
                 raise ValueError(
                     f"{self.path}: cannot copy {name} ({rows} rows) into {dest.dtype} x {n} rows"
                 )
-            row_bytes = len(raw) // rows
-            dest.view(torch.uint8).numpy().reshape(n, row_bytes)[:] = np.frombuffer(
-                raw[: n * row_bytes], np.uint8
-            ).reshape(n, row_bytes)
+            with self._raw(name, first, rows) as raw:
+                h.update(raw)
+                row_bytes = len(raw) // rows
+                dest.view(torch.uint8).numpy().reshape(n, row_bytes)[:] = np.frombuffer(
+                    raw[: n * row_bytes], np.uint8
+                ).reshape(n, row_bytes)
         if h.hexdigest() != self._digests[j]:
-            raise ShardCorruptError(f"{self.path}: sample {i} ({self._all_ids[j][:12]}) fails its checksum")
+            raise self._checksum_error(j)
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's input_ids int32 [T] and loss_mask uint8 [T], without its hidden states.
@@ -507,13 +588,13 @@ class ShardReader:
             yield self.sample(i)
 
     def verify(self) -> list[str]:
-        """Every problem found: samples failing their digest, and a whole-file checksum mismatch."""
-        problems = []
-        for i in range(len(self)):
-            try:
-                self.sample(i)
-            except ShardCorruptError as err:
-                problems.append(str(err))
+        """Every problem found: samples failing their digest (failed samples' zero rows included: the
+        vocabulary counts their tokens), and a whole-file checksum mismatch."""
+        problems = [
+            str(self._checksum_error(j))
+            for j in range(len(self._all_ids))
+            if self._sample_digest(j) != self._digests[j]
+        ]
         h = _digest()
         h.update(self._offsets.tobytes())
         for d in self._digests:

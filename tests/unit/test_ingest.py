@@ -7,7 +7,7 @@ import pytest
 
 from eagle3_core.config import load_config
 from eagle3_core.data.conversation import build_conversation, is_heldout
-from eagle3_core.data.ingest import SourceChangedError, ingest, load_conversation_shard
+from eagle3_core.data.ingest import Ledger, SourceChangedError, ingest, load_conversation_shard
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
 from tests.conftest import FIXTURES, write_config
@@ -157,3 +157,108 @@ def test_chitchat_source(tmp_path: Path) -> None:
     samples, _ = load_conversation_shard(cfg.store_root, report.all_shards[0])
     assert samples[0]["messages"][0]["role"] == "user"
     assert samples[0]["source"]["file"].startswith("chitchat-dataset:")
+
+
+def _message_row(i: int) -> str:
+    return json.dumps(
+        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+    )
+
+
+def test_a_byte_order_mark_at_the_start_of_a_line_is_not_part_of_the_row(tmp_path: Path) -> None:
+    bom = "\ufeff".encode()
+    # A Windows editor's file (BOM on the first line, CRLF), another one concatenated onto it (a BOM again),
+    # and a line that holds nothing but a BOM.
+    lines = [bom + _message_row(0).encode(), _message_row(1).encode(), bom + _message_row(2).encode(), bom]
+    (tmp_path / "rows.jsonl").write_bytes(b"".join(line + b"\r\n" for line in lines))
+    (tmp_path / "more.json").write_bytes(bom + _message_row(3).encode() + b"\n")
+    cfg = load_config(_config(tmp_path, "[{path: rows.jsonl}, {path: more.json}]"))
+    report = ingest(cfg)
+    assert report.rejected == {}
+    assert report.rows_read == 4
+    samples = [s for key in report.new_keys for s in load_conversation_shard(cfg.store_root, key)[0]]
+    assert [(s["source"]["file"], s["source"]["line"]) for s in samples] == [
+        ("rows.jsonl", 1),
+        ("rows.jsonl", 2),
+        ("rows.jsonl", 3),
+        ("more.json", 1),
+    ]
+    assert [s["messages"][0]["content"] for s in samples] == ["q 0", "q 1", "q 2", "q 3"]
+    assert not StoreLayout(cfg.store_root).rejects(report.new_keys[0]).read_text()
+    # The consumed rows' digests are of the bytes as read, BOM and all: a second ingest finds them unchanged.
+    again = ingest(cfg)
+    assert again.new_shards == [] and again.rows_read == 0
+
+
+def test_a_copy_under_a_new_name_makes_no_empty_shard_and_counts_its_duplicates(tmp_path: Path) -> None:
+    rows = [_message_row(i) for i in range(3)]
+    (tmp_path / "a.jsonl").write_text("".join(f"{r}\n" for r in rows))
+    cfg = load_config(_config(tmp_path, "[{path: '*.jsonl'}]", shard_size=10))
+    first = ingest(cfg)
+    assert first.new_keys == ["t-00000"]
+    layout = StoreLayout(cfg.store_root)
+    files_before = sorted(p.name for p in (cfg.store_root / "conversations").iterdir())
+
+    (tmp_path / "b.jsonl").write_text("\n".join(reversed(rows)) + "\n")  # other bytes, the same conversations
+    logged: list[str] = []
+    copy = ingest(cfg, log=logged.append)
+    assert copy.new_shards == [] and copy.all_shards == ["t-00000"]
+    assert copy.rows_read == 3 and copy.rejected == {"duplicate": 3} and copy.duplicates_skipped == 3
+    [unsharded] = copy.unsharded
+    assert (unsharded.source, unsharded.first_line, unsharded.last_line) == ("b.jsonl", 1, 3)
+    assert unsharded.rejects_file is None  # nothing but duplicates: nothing worth keeping
+    assert any("b.jsonl" in line and "no shard written" in line for line in logged)
+    assert sorted(p.name for p in (cfg.store_root / "conversations").iterdir()) == files_before
+    ledger = json.loads(layout.ledger.read_text())
+    assert ledger["next_index"] == 1
+    assert (ledger["sources"]["b.jsonl"]["rows"], ledger["sources"]["b.jsonl"]["shards"]) == (3, [])
+
+    # The copy's rows are consumed once: not read again, and a row appended to it is a shard of its own.
+    assert ingest(cfg).rows_read == 0
+    _jsonl(tmp_path / "b.jsonl", 50, 1)
+    appended = ingest(cfg)
+    assert appended.new_keys == ["t-00001"] and appended.rejected == {} and appended.unsharded == []
+    samples, _ = load_conversation_shard(cfg.store_root, "t-00001")
+    assert [s["source"]["line"] for s in samples] == [4]
+
+    # Consumed rows without a shard are pinned by the ledger all the same.
+    (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n" + _message_row(50) + "\n")
+    with pytest.raises(SourceChangedError, match=r"b\.jsonl: its first 4 rows changed"):
+        ingest(cfg)
+
+
+def test_a_tail_without_a_new_sample_keeps_its_other_rejects_and_survives_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = [_message_row(0), _message_row(1), _message_row(0), '{"messages": [', "not json at all"]
+    (tmp_path / "a.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    cfg = load_config(_config(tmp_path, "[{path: a.jsonl}]", shard_size=2))
+    layout = StoreLayout(cfg.store_root)
+    saved = Ledger.save
+
+    def crash_on_the_tail(self: Ledger, path: Path) -> None:
+        if self.sources["a.jsonl"].rows > 2:  # the shard (2 rows) commits; the tail's commit dies
+            raise RuntimeError("killed")
+        saved(self, path)
+
+    monkeypatch.setattr(Ledger, "save", crash_on_the_tail)
+    with pytest.raises(RuntimeError, match="killed"):
+        ingest(cfg)
+    tail_file = layout.unsharded_rejects("a.jsonl", 3)
+    left = tail_file.read_bytes()
+    assert json.loads(layout.ledger.read_text())["sources"]["a.jsonl"]["rows"] == 2
+
+    monkeypatch.setattr(Ledger, "save", saved)
+    resumed = ingest(cfg)
+    assert resumed.new_shards == [] and resumed.all_shards == ["t-00000"]
+    [tail] = resumed.unsharded
+    assert tail.rejected == {"duplicate": 1, "malformed_json": 2}
+    assert tail.rejects_file == tail_file and tail_file.read_bytes() == left  # rewritten identically
+    kept = read_jsonl(tail_file)
+    assert [(r["file"], r["line"], r["reason"]) for r in kept] == [
+        ("a.jsonl", 4, "malformed_json"),
+        ("a.jsonl", 5, "malformed_json"),
+    ]
+    assert json.loads(layout.ledger.read_text())["sources"]["a.jsonl"]["rows"] == 5
+    assert not layout.conversations_manifest("t-00001").exists()
+    assert ingest(cfg).rows_read == 0

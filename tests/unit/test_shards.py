@@ -189,3 +189,24 @@ def test_sigkill_mid_shard_leaves_no_visible_shard_and_the_next_run_writes_it_wh
     _write(path, [50] * 8)  # the next writer removes the stale temporary and writes the shard whole
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["t-00000.json", "t-00000.safetensors"]
     assert verify_shard(path).ok
+
+
+def test_verify_reads_the_rows_of_failed_samples_too(tmp_path: Path) -> None:
+    """The vocabulary counts a failed sample's (zero) tokens, so a flipped byte there is damage as well."""
+    path = tmp_path / "t-00000.safetensors"
+    ids = [f"{i:064x}" for i in range(2)]
+    with ShardWriter(
+        path, sample_ids=ids, lengths=[4, 5], hidden_size=H, store_dtype="float32", metadata={}
+    ) as w:
+        w.write_sample(0, *_samples([4])[0])
+        w.mark_failed(1, "test")
+        w.finalize()
+    assert verify_shard(path).ok
+    with ShardReader(path) as r:
+        entry = r.header["input_ids"]
+        position = r._data_start + entry["data_offsets"][0] + 4 * 4 + 1  # sample 1's first input id
+    raw = bytearray(path.read_bytes())
+    raw[position] ^= 0x01
+    path.write_bytes(bytes(raw))
+    result = verify_shard(path)
+    assert result.problems == [f"{path}: failed sample ({ids[1][:12]}) fails its checksum"]

@@ -57,6 +57,7 @@ def _store(tmp_path: Path, extracted: dict[str, int], ingested: dict[str, int]) 
         counts = {"samples": samples, "tokens": 100 * samples, "loss_tokens": 50 * samples, "failed": 1}
         manifest = {"key": key, "counts": counts, "bytes": 1000 * samples}
         (cfg.store_root / "hidden_states" / f"{key}.json").write_text(json.dumps(manifest))
+        (cfg.store_root / "hidden_states" / f"{key}.safetensors").touch()  # a manifest counts with its shard
     return cfg
 
 
