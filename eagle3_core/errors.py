@@ -34,3 +34,8 @@ class ExportError(Eagle3Error):
 
 class StoreBusyError(Eagle3Error):
     """Another process is ingesting into the same store (the inbox sensor, or a second `eagle3 ingest`)."""
+
+
+class TargetError(Eagle3Error):
+    """The target model directory cannot be loaded: no safetensors weights, an unreadable config.json or chat
+    template. The message names the directory or file and what is wrong with it."""

@@ -24,8 +24,10 @@ Arrays: `input_ids` is int32 and `loss_mask` uint8 (0/1), the dtypes of the shar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,13 +35,17 @@ import numpy.typing as npt
 
 from eagle3_core.config import TokenizeConfig
 from eagle3_core.data.conversation import Conversation
+from eagle3_core.errors import Eagle3Error, TargetError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers prefers it to tokenizer_config.json's chat_template
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 IdArray = npt.NDArray[np.int32]
 MaskArray = npt.NDArray[np.uint8]
 Span = tuple[int, int]
 
 
-class TemplateError(ValueError):
+class TemplateError(Eagle3Error, ValueError):
     """The chat template does not render a conversation the way the loss mask needs; names the turn."""
 
 
@@ -258,3 +264,53 @@ def generation_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) ->
     """
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_chat_template(model_dir: Path) -> None:
+    """Compile the target's chat templates the way transformers does, so that a syntax error names its file
+    and line now: transformers reads the text without parsing it and fails at the first render, mid-run,
+    naming neither. A directory with no template passes: ChatTokenizer refuses it where one is needed."""
+    for where, text in _chat_templates(model_dir):
+        _compile_template(where, text)
+
+
+def _chat_templates(model_dir: Path) -> list[tuple[str, str]]:
+    """(where, template text) for each template the tokenizer would load from `model_dir`."""
+    jinja = model_dir / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return [(str(jinja), jinja.read_text(encoding="utf-8"))]
+        except UnicodeDecodeError as e:
+            raise TargetError(f"{jinja}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    path = model_dir / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return []
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetError(f"{path}: not valid JSON text: {e}") from e
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    where = f"{path} field chat_template"
+    if isinstance(template, str):
+        return [(where, template)]
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        return [
+            (f"{where} ({t.get('name')!r})", str(t.get("template", "")))
+            for t in template
+            if isinstance(t, dict)
+        ]
+    return []
+
+
+def _compile_template(where: str, text: str) -> None:
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        lines = text.splitlines()
+        line = lines[e.lineno - 1].strip() if 0 < e.lineno <= len(lines) else ""
+        shown = f": {line[:80]}{' ...' if len(line) > 80 else ''}" if line else ""
+        message = " ".join(e.message.split()) if e.message else "syntax error"
+        raise TargetError(f"{where}: Jinja syntax error at line {e.lineno}{shown} ({message})") from e

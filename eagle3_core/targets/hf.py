@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from eagle3_core.config import TargetConfig
+from eagle3_core.errors import ConfigError
 from eagle3_core.targets.base import (
     HiddenStates,
     SampleFailure,
@@ -25,6 +26,7 @@ from eagle3_core.targets.base import (
     default_aux_layer_ids,
 )
 from eagle3_core.targets.gpu_memory import release_gpu_memory
+from eagle3_core.targets.resolve import safetensors_weights
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,7 +40,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("target.device is 'cuda' but no CUDA device is visible")
+        raise ConfigError("target.device is 'cuda' but no CUDA device is visible")
     return torch.device(device)
 
 
@@ -73,12 +75,7 @@ def target_fingerprint(model_dir: Path) -> str:
     for name in ("config.json", "generation_config.json"):
         if (model_dir / name).exists():
             h.update((model_dir / name).read_bytes())
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(
-            f"{model_dir} has no *.safetensors weights (pickled .bin weights are not loaded)"
-        )
-    for path in weights:
+    for path in safetensors_weights(model_dir):
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             h.update(path.name.encode())

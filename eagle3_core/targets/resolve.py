@@ -3,27 +3,125 @@ backend computes its hidden states at extraction (`target.backend`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from eagle3_core.config import Eagle3Config
+from eagle3_core.config import Eagle3Config, TargetConfig
+from eagle3_core.data.tokenize import check_chat_template
+from eagle3_core.errors import TargetError
+from eagle3_core.targets.base import check_aux_layer_ids, default_aux_layer_ids
 
 if TYPE_CHECKING:  # resolving a directory must not import torch (`eagle3 stats` never does)
     import torch
 
     from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 
+CONFIG_FILE = "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Weight files of other formats, named in the message when a directory has no safetensors
+OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.pkl")
 
-def target_dir(cfg: Eagle3Config, log: Callable[[str], None] = print) -> Path:
+
+def target_dir(cfg: Eagle3Config, log: Callable[[str], None] = print, *, weights: bool = True) -> Path:
+    """The target's model directory, checked (`check_target_dir`): every command that loads the target,
+    or only its tokenizer or config (`weights=False`: regeneration through a server needs no weights here),
+    comes through here."""
     if cfg.target.path == "toy":
         from eagle3_core.toy.build import ensure_toy_target
 
-        return ensure_toy_target(cfg.cache_root, cfg.target.toy.size, cfg.target.toy.seed, log=log)
-    path = cfg.resolve(cfg.target.path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target.path: {path} is not a Hugging Face model directory (no config.json)")
+        path = ensure_toy_target(cfg.cache_root, cfg.target.toy.size, cfg.target.toy.seed, log=log)
+    else:
+        path = cfg.resolve(cfg.target.path)
+    check_target_dir(path, cfg.target, weights=weights)
     return path
+
+
+def check_target_dir(model_dir: Path, target: TargetConfig, *, weights: bool = True) -> None:
+    """Raise TargetError or ConfigError, naming the file or field, unless eagle3 can load the directory with
+    `target`'s settings.
+
+    Checked here, before transformers reads anything, because its own errors come as tracebacks that name
+    neither the file nor the field (a missing weight file is an OSError about pickles, a broken template
+    fails only at the first render).
+    """
+    config_path = model_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise TargetError(
+            f"target.path: {model_dir} is not a Hugging Face model directory (no {CONFIG_FILE})"
+        )
+    if weights:
+        safetensors_weights(model_dir)
+    num_layers = config_num_layers(config_path)
+    where = f"num_hidden_layers in {config_path}"
+    if target.aux_layer_ids:
+        check_aux_layer_ids(target.aux_layer_ids, num_layers, where)
+    else:
+        default_aux_layer_ids(num_layers, where)
+    check_chat_template(model_dir)
+
+
+def safetensors_weights(model_dir: Path) -> list[Path]:
+    """The directory's *.safetensors files, every one its index names included; pickled weights never load."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        others = sorted(p.name for pattern in OTHER_WEIGHTS for p in model_dir.glob(pattern))
+        found = (
+            f"found {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}" if others else "found none"
+        )
+        raise TargetError(
+            f"target.path: {model_dir} has no *.safetensors weights ({found}); eagle3 loads only safetensors "
+            "weights, never pickled ones (.bin, .pt): download or convert the safetensors files"
+        )
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        missing = sorted(set(_read_json(index).get("weight_map", {}).values()) - {p.name for p in weights})
+        if missing:
+            raise TargetError(f"{index} names weight files {model_dir} does not have: {', '.join(missing)}")
+    return weights
+
+
+def config_num_layers(config_path: Path) -> int:
+    """num_hidden_layers of a config.json transformers can load (a known model_type, and a hidden_size)."""
+    outer = _read_json(config_path)
+    model_type = outer.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise TargetError(f"{config_path}: no model_type; transformers needs it to choose the architecture")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise TargetError(
+            f"{config_path}: model_type {model_type!r} is not one this version of transformers knows "
+            "(a newer transformers may; models that need trust_remote_code are not loaded)"
+        )
+    config = outer.get("text_config", outer)  # a multimodal target keeps its language model's config inside
+    if not isinstance(config, dict):
+        raise TargetError(f"{config_path}: text_config must be an object, got {type(config).__name__}")
+    num_layers = _positive_int(config, "num_hidden_layers", config_path)
+    _positive_int(config, "hidden_size", config_path)
+    return num_layers
+
+
+def _positive_int(config: dict[str, Any], key: str, config_path: Path) -> int:
+    value = config.get(key)
+    if value is None:
+        raise TargetError(f"{config_path}: no {key}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TargetError(f"{config_path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise TargetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(data, dict):
+        raise TargetError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class ExtractionTarget(Protocol):
