@@ -41,7 +41,13 @@ from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.atomic import fsync_path, write_jsonl
-from eagle3_core.targets.regenerate import RegenerationResult, Regenerator, _Dialogue, _dialogue
+from eagle3_core.targets.regenerate import (
+    RegenerationResult,
+    _Dialogue,
+    _dialogue,
+    append_reply,
+    finish_row,
+)
 
 RETRY_STATUS = frozenset({408, 429})  # and every 5xx: the server's trouble, not the request's
 MAX_BACKOFF_S = 60.0
@@ -292,7 +298,7 @@ class _Aborted(Exception):
 
 class ServerRegenerator:
     """Replaces assistant turns with the replies of an OpenAI-compatible server, as `Regenerator` does in
-    process; `tokenizer` (the target's) only measures prompts against `max_seq_len - max_new_tokens`."""
+    process; `tokenizer` (the target's) only measures prompts and conversations against `max_seq_len`."""
 
     def __init__(self, tokenizer: Any, cfg: RegenerateConfig, max_seq_len: int) -> None:
         if cfg.server is None:
@@ -300,6 +306,7 @@ class ServerRegenerator:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.server: RegenerateServerConfig = cfg.server
+        self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - cfg.max_new_tokens
 
     def regenerate(
@@ -393,11 +400,11 @@ class ServerRegenerator:
             reply = await client.complete(self._body(messages, d.sample["id"], turn))
             text = normalise_content(reply.content)
             new_tokens += self._new_tokens(reply)
-            # The in-process bookkeeping itself, so both paths stop, count and build rows alike.
-            Regenerator._append_reply(d, text, reply.finish_reason == "length", counts)
+            hit_limit = reply.finish_reason == "length"
+            append_reply(d, text, hit_limit, counts, self.tokenizer, self.max_seq_len)
             turn += 1
             turn_done()
-        row = Regenerator._finish(d, counts)
+        row = finish_row(d, counts)
         return {"id": d.sample["id"], "row": row, "counts": dict(counts), "new_tokens": new_tokens}
 
     def _body(self, messages: list[dict[str, str]], sample_id: str, turn: int) -> dict[str, Any]:
@@ -473,7 +480,7 @@ def regenerate_through_server(
     from eagle3_core.targets.hf import tokenizer_fingerprint
     from eagle3_core.targets.resolve import target_dir
 
-    model_dir = target_dir(cfg, log=log)
+    model_dir = target_dir(cfg, log=log, weights=False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = journal_fingerprint(
         cfg.regenerate, cfg.tokenize.max_seq_len, tokenizer_fingerprint(model_dir), [s["id"] for s in samples]

@@ -3,9 +3,10 @@
 Turn t of every conversation in the shard is generated in batches (prompts sorted by length, left padded),
 each prompt being the conversation so far with the target's own earlier replies, so the drafter later learns
 the distribution the target really produces. A conversation stops early, counted, when its prompt no longer
-fits `max_seq_len - max_new_tokens`, when the target replies with nothing, or after `max_turns`. The output
-keeps the sample id of the conversation it came from: results are keyed by id, and the shard is written
-whole and atomically, so a crash never leaves a duplicated or skipped sample.
+fits `max_seq_len - max_new_tokens`, when the conversation with a reply would exceed `max_seq_len`, when
+the target replies with nothing, or after `max_turns`. The output keeps the sample id of the conversation
+it came from: results are keyed by id, and the shard is written whole and atomically, so a crash never
+leaves a duplicated or skipped sample.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Regenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = cfg
+        self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - cfg.max_new_tokens
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -78,11 +80,11 @@ class Regenerator:
                 replies, new_tokens = self._generate([p for _, p in batch])
                 result.new_tokens += new_tokens
                 for (d, _), (reply, hit_limit) in zip(batch, replies, strict=True):
-                    self._append_reply(d, reply, hit_limit, result.counts)
+                    append_reply(d, reply, hit_limit, result.counts, self.tokenizer, self.max_seq_len)
                 done_turns += len(batch)
                 progress(done_turns, total_turns)
         for d in dialogues:
-            result.rows.append(self._finish(d, result.counts))
+            result.rows.append(finish_row(d, result.counts))
         return result
 
     def _prompt_ids(self, d: _Dialogue) -> list[int]:
@@ -120,31 +122,52 @@ class Regenerator:
             replies.append((normalise_content(text), cut is None))
         return replies, new_tokens
 
-    @staticmethod
-    def _append_reply(d: _Dialogue, reply: str, hit_limit: bool, counts: Counter[str]) -> None:
-        user = d.pending_users.pop(0)
-        if not reply:
-            d.stop = "empty_reply"
-            return
-        d.done += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-        d.turns_regenerated += 1
-        counts["replies"] += 1
-        if hit_limit:
-            counts["replies_cut_at_max_new_tokens"] += 1
 
-    @staticmethod
-    def _finish(d: _Dialogue, counts: Counter[str]) -> dict[str, Any]:
-        if d.stop:
-            counts[f"stopped_{d.stop}"] += 1
-        row = {
-            "id": d.sample["id"],
-            "source": d.sample.get("source"),
-            "turns_regenerated": d.turns_regenerated,
-        }
-        if d.turns_regenerated == 0:
-            counts["errors"] += 1
-            return {**row, "error": d.stop or "no_user_turn", "messages": []}
-        return {**row, "messages": d.done, "stop": d.stop or "complete"}
+def conversation_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of the whole conversation in the chat template, as tokenisation will count them."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def append_reply(
+    d: _Dialogue, reply: str, hit_limit: bool, counts: Counter[str], tokenizer: Any, max_seq_len: int
+) -> None:
+    """Keep the reply as the next assistant turn, unless the conversation with it no longer fits max_seq_len.
+
+    The prompt was checked against `max_seq_len - max_new_tokens`, but the reply's text re-tokenised within
+    the template (its end-of-turn tokens, merges across the boundary) can take more tokens than were
+    generated: such a reply would be truncated at training, so the conversation stops before it.
+    Both regeneration paths (in process and through a server) keep their replies here, so they stop, count
+    and build rows alike.
+    """
+    user = d.pending_users.pop(0)
+    if not reply:
+        d.stop = "empty_reply"
+        return
+    turns = [*d.done, {"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    if conversation_length(tokenizer, turns) > max_seq_len:
+        d.stop = "context_limit"
+        return
+    d.done = turns
+    d.turns_regenerated += 1
+    counts["replies"] += 1
+    if hit_limit:
+        counts["replies_cut_at_max_new_tokens"] += 1
+
+
+def finish_row(d: _Dialogue, counts: Counter[str]) -> dict[str, Any]:
+    """The regenerated row of a dialogue (an error row when no turn was regenerated); counts its stop."""
+    if d.stop:
+        counts[f"stopped_{d.stop}"] += 1
+    row = {
+        "id": d.sample["id"],
+        "source": d.sample.get("source"),
+        "turns_regenerated": d.turns_regenerated,
+    }
+    if d.turns_regenerated == 0:
+        counts["errors"] += 1
+        return {**row, "error": d.stop or "no_user_turn", "messages": []}
+    return {**row, "messages": d.done, "stop": d.stop or "complete"}
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:

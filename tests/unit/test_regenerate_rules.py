@@ -1,0 +1,68 @@
+"""The bookkeeping both regeneration paths share: which replies are kept and why a conversation stops."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from eagle3_core.targets.regenerate import _dialogue, append_reply, conversation_length, finish_row
+from eagle3_core.toy.tokenizer import train_tokenizer
+
+CORPUS = ["hello there, how are you doing today?", "great thanks, and you? I went for a run."] * 20
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return train_tokenizer(CORPUS, 300)
+
+
+def _sample() -> dict[str, object]:
+    return {
+        "id": "s1",
+        "messages": [{"role": "user", "content": "hello there"}, {"role": "user", "content": "and?"}],
+    }
+
+
+def test_a_reply_that_fits_is_kept(tok: PreTrainedTokenizerFast) -> None:
+    d, counts = _dialogue(_sample(), None), Counter[str]()
+    append_reply(d, "great thanks", True, counts, tok, max_seq_len=10_000)
+    assert d.done[-1] == {"role": "assistant", "content": "great thanks"} and d.turns_regenerated == 1
+    assert counts == Counter(replies=1, replies_cut_at_max_new_tokens=1)
+    assert finish_row(d, counts)["stop"] == "complete"
+
+
+def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_reply(
+    tok: PreTrainedTokenizerFast,
+) -> None:
+    """The prompt fitted, but the reply within the template (its end-of-turn tokens included) does not: kept,
+    it would be truncated at training. The conversation keeps the turns before it."""
+    first = _dialogue(_sample(), None)
+    append_reply(first, "great thanks", False, Counter(), tok, max_seq_len=10_000)
+    kept = conversation_length(tok, first.done)
+    reply = "great thanks, and you? I went for a run."
+    with_reply = [*first.done, {"role": "user", "content": "and?"}, {"role": "assistant", "content": reply}]
+    exact = conversation_length(tok, with_reply)
+    assert kept < exact
+
+    fits, counts = _dialogue(_sample(), None), Counter[str]()
+    append_reply(fits, "great thanks", False, counts, tok, max_seq_len=exact)
+    append_reply(fits, reply, False, counts, tok, max_seq_len=exact)  # exactly max_seq_len: kept
+    assert fits.turns_regenerated == 2 and not fits.stop
+
+    short, counts = _dialogue(_sample(), None), Counter[str]()
+    append_reply(short, "great thanks", False, counts, tok, max_seq_len=exact - 1)
+    append_reply(short, reply, False, counts, tok, max_seq_len=exact - 1)
+    assert short.stop == "context_limit" and short.turns_regenerated == 1
+    assert short.done == first.done
+    row = finish_row(short, counts)
+    assert row["stop"] == "context_limit" and counts["stopped_context_limit"] == 1
+    assert conversation_length(tok, row["messages"]) <= exact - 1
+
+
+def test_no_room_for_the_first_reply_is_an_error_row(tok: PreTrainedTokenizerFast) -> None:
+    d, counts = _dialogue(_sample(), None), Counter[str]()
+    append_reply(d, "great thanks", False, counts, tok, max_seq_len=3)
+    row = finish_row(d, counts)
+    assert row["error"] == "context_limit" and row["messages"] == [] and counts["errors"] == 1
