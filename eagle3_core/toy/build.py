@@ -8,6 +8,7 @@ every token's signal helps, and a drafter later learns whatever distribution the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -15,6 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,6 +40,9 @@ SAMPLE_PROMPT = "hi how are you?"
 SAMPLE_MAX_NEW_TOKENS = 32
 EVAL_BATCH = 8
 LOG_EVERY = 20
+# CPU kernels split reductions by thread, so the thread count is part of what a build computes: fixed, a
+# build gives the same files on any machine of the same CPU kind, whatever its core count or load.
+BUILD_THREADS = 2
 
 Log = Callable[[str], None]
 
@@ -302,8 +307,16 @@ def build_toy_target(
     Deterministic on one machine: the same seed, preset and steps give identical files (on CPU; CUDA kernels
     are not bitwise reproducible). `size` is a preset name or a preset; `steps` overrides the preset's.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        return _build(out_dir, get_preset(size) if isinstance(size, str) else size, seed, steps, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out_dir: Path, preset: ToyPreset, seed: int, steps: int | None, log: Log) -> ToyTargetReport:
     started = time.monotonic()
-    preset = get_preset(size) if isinstance(size, str) else size
     steps = preset.steps if steps is None else steps
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -386,6 +399,29 @@ def ensure_toy_target(
     if final.is_dir():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cache_root / f".{final.name}.lock", log):
+        if final.is_dir():  # built by the process we waited for
+            return final
+        return _build_into(final, preset, seed, steps, log)
+
+
+@contextmanager
+def _build_lock(path: Path, log: Log) -> Iterator[None]:
+    """Wait for another process building the same target (two builds would only halve each other's speed)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"toy: another process is building {path.name.removesuffix('.lock')[1:]}; waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _build_into(final: Path, preset: ToyPreset, seed: int, steps: int | None, log: Log) -> Path:
+    cache_root = final.parent
     _remove_dead_builds(cache_root, final.name)
     temp = cache_root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +60,44 @@ def test_same_seed_gives_identical_weights(
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (out / "tokenizer.json").read_bytes() == (cached_dir / "tokenizer.json").read_bytes()
     assert json.loads((cached_dir / REPORT_FILE).read_text())["fingerprint"] == report.fingerprint
+
+
+BUILD_IN_A_PROCESS = """
+import sys
+from pathlib import Path
+from eagle3_core.toy.build import build_toy_target
+print(build_toy_target(Path(sys.argv[1]), "xs", seed=0, steps=int(sys.argv[2]), log=lambda _: None).fingerprint)
+"""
+
+
+def test_builds_in_fresh_processes_are_bit_identical_whatever_the_thread_setting(tmp_path: Path) -> None:
+    """Two processes, as two fresh clones would run it: one with one OpenMP thread, one with the default. The
+    build pins its own thread count, so every file it writes is byte for byte the same."""
+    steps = 12  # enough optimizer steps for reduction-order differences to reach the weights
+    fingerprints, outs = [], []
+    for i, threads in enumerate(({"OMP_NUM_THREADS": "1"}, {})):
+        out = tmp_path / f"build-{i}"
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | threads
+        result = subprocess.run(
+            [sys.executable, "-c", BUILD_IN_A_PROCESS, str(out), str(steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        fingerprints.append(result.stdout.strip().splitlines()[-1])
+        outs.append(out)
+    assert fingerprints[0] == fingerprints[1]
+    names = sorted(p.name for p in outs[0].iterdir())
+    assert names == sorted(p.name for p in outs[1].iterdir())
+    for name in names:
+        if name != REPORT_FILE:
+            assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    reports = [json.loads((out / REPORT_FILE).read_text()) for out in outs]
+    for report in reports:
+        del report["build_seconds"]
+    assert reports[0] == reports[1]
 
 
 def test_loads_offline_and_generates_until_end_of_turn(built: tuple[Path, ToyTargetReport]) -> None:
