@@ -26,6 +26,7 @@ checks the header when it opens a shard and a sample's digest each time it reads
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -604,7 +605,11 @@ class ShardReader:
         return problems
 
     def close(self) -> None:
-        self._mm.close()
+        """Close the file and the mapping. A mapping a tensor still views (one kept alive by the traceback of
+        an error being raised) cannot be closed: it is unmapped when its last view is collected, and the
+        error being raised is not replaced by a BufferError."""
+        with contextlib.suppress(BufferError):
+            self._mm.close()
         self._file.close()
 
     def __enter__(self) -> ShardReader:

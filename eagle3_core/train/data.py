@@ -4,7 +4,9 @@ Nothing is deserialised up front (SpecForge #733): opening a shard reads its hea
 read, digest-checked and padded into a batch by loader threads while the previous batch trains.
 
 Batches are planned per epoch from the seed alone, so a resumed run replays exactly the batches it would
-have seen, and a DDP run sees the same global batches as one process: rank r takes `batch[r::world]`.
+have seen, and a DDP run sees the same global batches as one process: rank r takes `batch[r::world]`. A
+batch never holds more than `batch_tokens` padded tokens (its sample count times its longest sample), so
+the ranks' shares of it together hold no more either.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ class TrainingData:
         return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(lengths))
 
     def close(self) -> None:
-        for reader in self.readers:
+        """Close every shard; safe on the error path (ShardReader.close leaves a mapping still viewed)."""
+        readers, self.readers = self.readers, []
+        for reader in readers:
             reader.close()
 
 
@@ -131,28 +135,51 @@ def plan_epoch(
     """Length-bucketed batches of indices into `refs`, in a shuffled order fixed by (seed, epoch).
 
     Samples are shuffled, grouped into chunks, sorted by length within a chunk (so a batch pads little) and
-    cut into batches of at most `batch_tokens` padded tokens; a batch holds at least `min_batch` samples (the
-    world size: every rank needs one). No sample is dropped.
+    cut into batches of at most `batch_tokens` padded tokens; the samples left at a chunk's end join the
+    next chunk. Every batch holds at least `min_batch` samples (every rank needs one), which needs
+    `min_batch` times the longest sample (cut to max_len) to fit in `batch_tokens`. The budget then gives
+    that minimum to every batch but the epoch's last (a batch is only cut once it holds `min_batch`); a
+    last batch short of it takes the longest samples of the one before, moved while that one keeps
+    `min_batch` and repeated beyond that. No sample is dropped; fewer than `min_batch` are repeated.
     """
+    if not refs:
+        return []
+    cut = [min(r.length, max_len) for r in refs]
+    if len(refs) < min_batch or min_batch * max(cut) > batch_tokens:
+        raise ValueError(
+            f"cannot plan batches of >= {min_batch} samples from {len(refs)} samples of up to {max(cut)} "
+            f"tokens within {batch_tokens} tokens"
+        )
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(refs), generator=g).tolist()
     chunk = 1024
     batches: list[list[int]] = []
+    current: list[int] = []
     for start in range(0, len(order), chunk):
-        part = sorted(order[start : start + chunk], key=lambda i: min(refs[i].length, max_len))
-        current: list[int] = []
-        for i in part:
-            longest = min(refs[i].length, max_len)  # ascending, so the newcomer is the longest
-            if current and longest * (len(current) + 1) > batch_tokens and len(current) >= min_batch:
+        part = sorted(current + order[start : start + chunk], key=lambda i: cut[i])
+        current = []
+        for i in part:  # ascending, so the newcomer is the longest
+            if current and cut[i] * (len(current) + 1) > batch_tokens:
                 batches.append(current)
                 current = []
             current.append(i)
-        if len(current) < min_batch and batches:
-            batches[-1].extend(current)  # too few for every rank: ride along with the previous batch
-        elif current:
-            batches.append(current)
+    if len(current) < min_batch:
+        current = _fill_last(batches[-1], current, min_batch)
+    batches.append(current)
     shuffled = torch.randperm(len(batches), generator=g).tolist()
     return [batches[i] for i in shuffled]
+
+
+def _fill_last(previous: list[int], last: list[int], min_batch: int) -> list[int]:
+    """`last` brought up to `min_batch` samples from the longest of `previous` (which holds at least that
+    many): moved while `previous` keeps `min_batch`, repeated after that. Any `min_batch` samples fit the
+    budget, so neither batch exceeds it."""
+    need = min_batch - len(last)
+    moved = min(need, len(previous) - min_batch)
+    taken = previous[len(previous) - moved :]
+    del previous[len(previous) - moved :]
+    repeated = previous[len(previous) - (need - moved) :] if need > moved else []
+    return repeated + taken + last
 
 
 def plan_validation(refs: Sequence[SampleRef], batch_tokens: int, max_len: int) -> list[list[int]]:

@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
-from eagle3_core.errors import Eagle3Error
+from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_path
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData, plan_epoch, plan_validation
@@ -50,6 +50,7 @@ METRICS = "metrics.jsonl"
 # Settings that change how a run is watched, not what it computes: changing them keeps the run (and resumes it).
 OPERATIONAL = {"log_every", "keep_checkpoints", "prefetch_batches", "loader_threads", "device", "processes"}
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # the only metric fields a resumed run may not reproduce
+BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 samples whatever their length)
 
 
 # ---- the drafter's shape, from the target's config --------------------------------------------------------
@@ -109,6 +110,8 @@ def run_id(train: TrainConfig, mapping: VocabMapping, target_fingerprint: str, d
         "mapping": mapping.fingerprint,
         "target": target_fingerprint,
         "drafter": drafter.model_dump(),
+        # the batch planner's version: a run checkpointed under another plan cannot resume exactly
+        "batch_plan": BATCH_PLAN,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -122,15 +125,35 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-MIN_BATCH = (
-    8  # samples per global batch: every rank of up to 8 gets one, and the plan is the same for 1..8 ranks
-)
+SHARED_RANKS = 8  # the plan is the same for every world size up to this many ranks, as the budget allows
+
+
+def check_batch_tokens(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> int:
+    """The longest sample after the max_len cut; refused unless it fits once per rank in batch_tokens."""
+    longest = max(min(r.length, cfg.max_len) for r in refs)
+    if longest * world > cfg.batch_tokens:
+        raise ConfigError(
+            f"train.batch_tokens={cfg.batch_tokens} cannot hold one sample per process: the longest sample "
+            f"has {longest} tokens (train.max_len={cfg.max_len}) and {world} process(es) need "
+            f"train.batch_tokens >= {longest * world}"
+        )
+    return longest
+
+
+def global_batch_floor(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> int:
+    """Samples every global batch holds at least: one per rank, and otherwise as many as fit the budget
+    up to SHARED_RANKS, a number that does not depend on the world size, so that 1 and 2 processes (and
+    any up to SHARED_RANKS that the budget admits) plan the same global batches."""
+    longest = check_batch_tokens(refs, cfg, world)
+    if len(refs) < world:
+        raise Eagle3Error(f"{len(refs)} training samples cannot give each of {world} processes one")
+    return max(world, min(SHARED_RANKS, cfg.batch_tokens // longest, len(refs)))
 
 
 def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, list[int]]]:
     """(epoch, batch) for every optimizer step of the run, fixed by the seed (and by the world size only
-    beyond MIN_BATCH ranks, so 1 and 2 processes see the same global batches)."""
-    min_batch = max(MIN_BATCH, world)
+    beyond `global_batch_floor`, so 1 and 2 processes see the same global batches)."""
+    min_batch = global_batch_floor(refs, cfg, world)
     steps = [
         (e, b)
         for e in range(cfg.epochs)
@@ -232,6 +255,25 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
+
+
+def _validate_and_log(
+    s: Setup, refs: list[SampleRef], prefetch: Prefetcher, step: int, metrics: MetricsLog, log: Log
+) -> None:
+    """A validation record and log line; none without anything to measure (an accuracy of 0 and tau of
+    1 would read as a measured drafter)."""
+    if not refs:
+        log(f"validation at step {step}: no validation samples")
+        return
+    val = validate(s, refs, prefetch)
+    if val.counted[0] == 0:
+        log(f"validation at step {step}: no loss-masked tokens in the {len(refs)} validation samples")
+        return
+    metrics.write({"kind": "val", "step": step, **val.report()})
+    log(
+        f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
+        f"tau_{s.cfg.ttt_steps} {val.tau(s.cfg.ttt_steps):.2f}"
+    )
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -387,9 +429,10 @@ def _train(
     if (run_dir / FINAL / "summary.json").exists():
         log(f"run {run_dir.name} already finished; nothing to train")
         return _result_from_final(run_dir, None)
-    run_dir.mkdir(parents=True, exist_ok=True)
     train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
+    check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
     plan = schedule(train_refs, cfg, world.size)
+    run_dir.mkdir(parents=True, exist_ok=True)
     s = _setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg)
     metrics = MetricsLog(run_dir / METRICS, world.is_main)
 
@@ -413,7 +456,8 @@ def _train(
     world.barrier()
 
     log(
-        f"training run {run_dir.name}: {len(train_refs)} samples ({len(val_refs)} validation), {len(plan)} steps, "
+        f"training run {run_dir.name}: {len(train_refs)} samples "
+        f"({f'{len(val_refs)} validation' if val_refs else 'no validation samples'}), {len(plan)} steps, "
         f"{world.size} process(es) on {world.device}, attention {s.attention}, "
         f"{'bf16 autocast' if s.autocast_bf16 else 'float32'}"
     )
@@ -462,12 +506,7 @@ def _train(
                     now,
                 )
             if step % cfg.eval_every == 0 or step == len(plan):
-                val = validate(s, val_refs, val_prefetch) if val_refs else TTTStats.zeros(cfg.ttt_steps)
-                metrics.write({"kind": "val", "step": step, **val.report()})
-                log(
-                    f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
-                    f"tau_{cfg.ttt_steps} {val.tau(cfg.ttt_steps):.2f}"
-                )
+                _validate_and_log(s, val_refs, val_prefetch, step, metrics, log)
             if step % cfg.checkpoint_every == 0 or step == len(plan):
                 _checkpoint(s, run_dir, step, tokens, interval, interval_tokens, metrics)
     finally:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -70,8 +71,9 @@ def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _final_weights(project: Path) -> dict[str, torch.Tensor]:
-    latest = json.loads((project / "store" / "drafter" / "latest.json").read_text())
-    return load_file(str(Path(latest["final"]) / "drafter.safetensors"))
+    layout = StoreLayout(project / "store")
+    final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
+    return load_file(str(final / "drafter.safetensors"))
 
 
 def _run_dir(project: Path) -> Path:
@@ -171,6 +173,37 @@ def test_two_process_ddp_under_torchrun_matches_one_process(
     for ra, rb in zip(la, lb, strict=True):
         assert ra["counted"] == rb["counted"] and ra.get("tokens") == rb.get("tokens")
         assert abs(ra["loss_0"] - rb["loss_0"]) < 1e-4 and abs(ra["acc_0"] - rb["acc_0"]) < 1e-6
+
+
+def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    none = (
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 2, log_every: 2, "
+        "eval_every: 2, checkpoint_every: 2, val_fraction: 0.0}\n"
+    )
+    done = eagle3(_copy(shard_store, tmp_path / "p", train=none), "train")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "validation at step 2: no validation samples" in done.stdout  # the trainer's line
+    assert "validation: no validation samples" in done.stdout  # the CLI's summary
+    assert "tau(3)" not in done.stdout and "tau_3 1.00" not in done.stdout
+    run_dir = _run_dir(tmp_path / "p")
+    assert not [r for r in read_metrics(run_dir) if r["kind"] == "val"]
+    summary = json.loads((run_dir / "final" / "summary.json").read_text())
+    assert summary["val"] == {} and summary["val_samples"] == 0
+
+
+def test_a_batch_budget_below_one_sample_is_refused_before_training(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    tight = "train: {draft_vocab_size: 512, batch_tokens: 16, max_len: 4096, max_steps: 2}\n"
+    refused = eagle3(_copy(shard_store, tmp_path / "p", train=tight), "train")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    out = " ".join(refused.stdout.split())  # the console wraps long lines
+    assert re.search(r"train\.batch_tokens=16 cannot hold one sample .* train\.batch_tokens >= \d+$", out)
+    assert "Traceback" not in refused.stderr
+    runs = tmp_path / "p" / "store" / "drafter" / "runs"
+    assert not runs.exists() or not any(runs.iterdir())
 
 
 def test_a_vocab_mapping_older_than_the_shards_is_refused(

@@ -42,7 +42,8 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
     else:
         result = drafting.train_step(cfg, context.log.info)
     acc = json.loads(result.metadata["acc_per_position"])
-    table = "| position | val acc |\n|---|---|\n" + "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc))
+    rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
+    table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
     return dg.MaterializeResult(metadata={**step_metadata(result), "accuracy": dg.MetadataValue.md(table)})
 
 
