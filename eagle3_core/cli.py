@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.layout import StoreLayout, check_shard_key
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 Command = Callable[[argparse.Namespace], int]
@@ -97,8 +98,15 @@ def cmd_toy_target(args: argparse.Namespace) -> int:
 
 
 def _keys(cfg: Eagle3Config, requested: Sequence[str] | None) -> list[str]:
+    """The shards a `--shard` names (each a shard key the store knows), or every shard when none is named:
+    the one check of `--shard` for every command that takes it, before any path is built from a key."""
     from eagle3_core.data.ingest import Ledger
 
+    for key in requested or ():
+        try:
+            check_shard_key(key)
+        except ValueError as err:
+            raise ConfigError(f"--shard: {err}") from None
     known = Ledger.load(StoreLayout(cfg.store_root).ledger, cfg.data.dataset, cfg.data.shard_size).shard_keys
     if not requested:
         return known
@@ -110,15 +118,21 @@ def _keys(cfg: Eagle3Config, requested: Sequence[str] | None) -> list[str]:
     return list(requested)
 
 
+def _done(cfg: Eagle3Config, step_name: str, key: str) -> bool:
+    from eagle3_core.store.stats import shard_done
+
+    if step_name == "regenerate":
+        return StoreLayout(cfg.store_root).regenerated(key).exists()
+    return shard_done(cfg.store_root, key)  # the shard and its manifest: one without the other is not done
+
+
 def _run_shards(args: argparse.Namespace, step_name: str) -> int:
     from eagle3_core import pipeline
     from eagle3_core.targets.hf import TransformersTarget
     from eagle3_core.targets.resolve import target_dir
 
     cfg = _config(args)
-    layout = StoreLayout(cfg.store_root)
-    done = layout.regenerated if step_name == "regenerate" else layout.hidden_states
-    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not done(k).exists()]
+    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not _done(cfg, step_name, k)]
     if not keys:
         console.print(f"{step_name}: nothing to do (every shard is done; --force to redo)")
         return 0
@@ -152,8 +166,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from eagle3_core import pipeline
     from eagle3_core.targets.resolve import open_extraction_target
 
-    done = StoreLayout(cfg.store_root).hidden_states
-    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not done(k).exists()]
+    keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not _done(cfg, "extract", k)]
     if not keys:
         console.print("extract: nothing to do (every shard is done; --force to redo)")
         return 0
@@ -219,20 +232,31 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _repair_manifest(cfg: Eagle3Config, shard: Path) -> None:
+    """Rewrite a shard's manifest from its header, holding the shard's writer lock: an extraction of the
+    shard at work is left alone (StoreBusyError), its temporary files untouched."""
     from eagle3_core.store.atomic import atomic_write_json
+    from eagle3_core.store.locks import writer_lock
     from eagle3_core.store.shards import manifest_from_header
+
+    key = shard.stem
+    layout = StoreLayout(cfg.store_root)
+    with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
+        atomic_write_json(layout.hidden_states_manifest(key), manifest_from_header(shard))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
     from eagle3_core.store.stats import verify_store
 
     cfg = _config(args)
-    results = verify_store(cfg.store_root, args.shard)
+    results = verify_store(cfg.store_root, _keys(cfg, args.shard) if args.shard else None)
     bad = 0
     for r in results:
         if r.ok:
             console.print(f"[green]ok[/green]      {r.path.name}")
             continue
         if args.repair and all("manifest" in p for p in r.problems):
-            atomic_write_json(r.path.with_suffix(".json"), manifest_from_header(r.path))
+            _repair_manifest(cfg, r.path)
             console.print(f"[yellow]repaired[/yellow] {r.path.name}: manifest rewritten from the header")
             continue
         bad += 1
@@ -256,6 +280,13 @@ def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
         f"drafter: run {metadata['run']}, {metadata['steps']} steps, {metadata['tokens']:,} tokens, "
         f"{metadata['seconds']} s"
     )
+    if all(a is None for a in acc):  # nothing was measured: no accuracy or tau to print, not 0 and 1
+        console.print(
+            "validation: no validation samples"
+            if metadata.get("val_samples") == 0
+            else f"validation: nothing measured on {metadata.get('val_samples')} validation samples"
+        )
+        return
     console.print(
         "validation accuracy per position: "
         + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
@@ -295,18 +326,31 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def print_evaluation(metadata: dict[str, object], ks: Sequence[int]) -> None:
     per_position = json.loads(str(metadata["per_position"]))
+    device = str(metadata["device"])
     console.print(
         f"drafter {metadata['run']}: measured on {metadata['prompts']} {str(metadata['prompt_set']).replace('heldout', 'held-out')} prompts "
-        f"({metadata['device']}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)"
+        f"({device}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)"
     )
     for k in ks:
         accepts = "  ".join(f"{a:.2f}" for a in per_position[str(k)])
         tau = float(metadata[f"tau_k{k}"])  # type: ignore[arg-type]
         console.print(
-            f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (training estimate tau({k}) "
+            f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (95% CI {metadata[f'al_k{k}_ci95_low']:.2f}-"
+            f"{metadata[f'al_k{k}_ci95_high']:.2f}; training estimate tau({k}) "
             f"{'n/a' if tau < 0 else f'{tau:.2f}'}), acceptance rate {metadata[f'acceptance_rate_k{k}']:.2f}, "
-            f"speedup {metadata[f'speedup_k{k}']:.2f}x; per position {accepts}"
+            f"{speedup_text(float(metadata[f'speedup_k{k}']), device)}; per position {accepts}"  # type: ignore[arg-type]
         )
+
+
+def speedup_text(median: float, device: str) -> str:
+    """The median per-prompt speedup, said plainly where drafting cannot pay (a tiny target on a CPU)."""
+    text = f"speedup {median:.2f}x (median over prompts)"
+    if device.startswith("cpu") and median < 1.0:
+        return (
+            f"{text}: no speedup is expected on a CPU, where a target this small costs about what a drafter "
+            "round does; speculative decoding pays where the target's forward is memory-bound (a GPU)"
+        )
+    return text
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -420,7 +464,8 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         return int(args.fn(args))
     except (Eagle3Error, FileNotFoundError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        # one line however long (soft_wrap), and the message's brackets printed, not read as markup
+        console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True)
         return 2
 
 

@@ -27,6 +27,7 @@ from eagle3_core.pipeline import Log, StepResult, _quiet
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import decode_metadata, read_header
+from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.trainer import train_drafter
 
@@ -37,6 +38,16 @@ def _shards(layout: StoreLayout) -> list[Path]:
         raise Eagle3Error(
             f"{layout.hidden_states_dir}: no hidden-state shards yet (materialize hidden_states)"
         )
+    return shards
+
+
+def _intact_shards(layout: StoreLayout, log: Log) -> list[Path]:
+    """Every shard, each checked against its checksums before anything reads it to build or train (a damaged
+    one is refused now, not when training reaches its sample). Under torchrun each rank checks its share:
+    a rank that refuses stops them all, before any of them gets past the process group."""
+    shards = _shards(layout)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    require_intact(shards[rank::world], log if rank == 0 else _quiet)
     return shards
 
 
@@ -65,7 +76,7 @@ def vocab_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     well a drafter bound to the old mapping would serve the new data.
     """
     layout = StoreLayout(cfg.store_root)
-    shards = _shards(layout)
+    shards = _intact_shards(layout, log)
     tokenizer, vocab = _tokenizer_and_vocab(shards)
     expected = expected_mapping_fingerprint(cfg, shards)
     previous = _previous(layout)
@@ -104,13 +115,14 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     In this process; under torchrun every rank calls it (see `train_distributed`).
     """
     layout = StoreLayout(cfg.store_root)
-    shards = _shards(layout)
+    shards = _intact_shards(layout, log)
     mapping = load_vocab_mapping(
         layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
     )
     result = train_drafter(shards, target_dir(cfg, log=log), mapping, layout.drafter_runs, cfg.train, log=log)
     if int(os.environ.get("RANK", "0")) == 0:
-        atomic_write_json(layout.drafter_latest, {"run": result.run_dir.name, "final": str(result.final_dir)})
+        pointer = {"run": result.run_dir.name, "final": layout.pointer_path(result.final_dir)}
+        atomic_write_json(layout.drafter_latest, pointer)
     return _training_result(cfg, result.final_dir, result.resumed_from)
 
 
@@ -163,7 +175,7 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
 def latest_final(layout: StoreLayout) -> Path:
     if not layout.drafter_latest.exists():
         raise Eagle3Error("no trained drafter yet (materialize drafter_checkpoint, or run `eagle3 train`)")
-    final = Path(json.loads(layout.drafter_latest.read_text())["final"])
+    final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
     if not (final / "summary.json").exists():
         raise Eagle3Error(f"{final}: the latest training run has no finished drafter")
     return final

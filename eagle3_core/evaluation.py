@@ -197,7 +197,7 @@ def _current_on_same_prompts(
     current = read_current(layout)
     if current is None or current["run"] == run:
         return current
-    export_dir = Path(current["export_dir"]) / cfg.evaluate.export_format
+    export_dir = layout.from_pointer(current["export_dir"]) / cfg.evaluate.export_format
     try:
         drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
     except (ExportError, FileNotFoundError, ValueError) as err:
@@ -253,7 +253,7 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     )
     report = {
         "run": run,
-        "export_dir": str(export_root),
+        "export_dir": layout.pointer_path(export_root),
         "format": ev.export_format,
         "device": str(target.device),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
@@ -302,6 +302,7 @@ def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
     }
     for k, r in heldout["by_k"].items():
         meta[f"al_k{k}"] = r["acceptance_length"]
+        meta[f"al_k{k}_ci95_low"], meta[f"al_k{k}_ci95_high"] = r["al_ci95"]
         meta[f"acceptance_rate_k{k}"] = r["acceptance_rate"]
         meta[f"speedup_k{k}"] = r["speedup"]
         meta[f"tau_k{k}"] = report["tau"][k] if report["tau"][k] is not None else -1.0
@@ -341,13 +342,13 @@ def promote_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
         raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
     record = {
         "run": report["run"],
-        "export_dir": report["export_dir"],
+        "export_dir": layout.pointer_path(layout.exports / report["run"]),
         "acceptance_length": gate.candidate_al,
         "k": gate.k,
         "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "replaced": gate.current_run,
     }
-    _point(layout.drafter_current_link, Path(report["export_dir"]))
+    _point(layout.drafter_current_link, layout.exports / report["run"])
     atomic_write_json(layout.drafter_current, record)
     log(
         f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
@@ -386,7 +387,7 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
     from eagle3_core.evaluate.sglang_client import benchmark_sglang
 
     ev = cfg.evaluate
-    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log))
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log, weights=False))
     meta: dict[str, Any] = {"url": url, "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
     for prompts in _prompt_sets(cfg):
         ids = [encode(tokenizer, p.messages) for p in prompts.prompts]

@@ -26,6 +26,9 @@ data:
     - kind: chitchat
       limit: {limit}
   shard_size: {shard_size}
+  # 12% held out (fixed by sample id): enough conversations for 120 evaluation prompts, so an AL is known to
+  # within a few hundredths (its 95% interval is printed) and two demos can be compared.
+  holdout_fraction: 0.12
 target:
   path: toy
   toy: {{size: xs, seed: 0}}
@@ -54,9 +57,9 @@ train:
   eval_every: 50
   checkpoint_every: 50
 evaluate:
-  # Every held-out conversation's first two user turns, decoded with and without the drafter (greedy).
+  # Held-out conversations' first two user turns, decoded with and without the drafter (greedy).
   ks: [3, 7]
-  max_prompts: 32
+  max_prompts: 120
   max_new_tokens: 48
 """
 
@@ -139,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo", help="Run the whole pipeline on the embedded default (chitchat, toy target, CPU)."
     )
     p.add_argument("--workdir", default="demo")
-    p.add_argument("--conversations", type=int, default=640, help="How many chitchat conversations to use.")
+    p.add_argument("--conversations", type=int, default=720, help="How many chitchat conversations to use.")
     p.add_argument("--shard-size", type=int, default=128)
     p.set_defaults(fn=cmd_demo)
     add_ops_commands(sub)  # status, materialize, ui

@@ -11,6 +11,10 @@ an execution plan for every new sequence length (milliseconds each), which bills
 length first (on an H200 with the m toy target, the target alone ran at 49.8 tokens/s with it and 106.8
 without, in two runs of bench/gpu_pipeline.py).
 
+The speedup is the median over prompts of each prompt's ratio (speculative tokens/s over the target's on
+that prompt, decoded back to back), and the AL comes with a 95% bootstrap interval over prompts, so two
+measurements can be told apart from noise. Per-prompt results are kept in the report.
+
 At temperature 0 speculative decoding must give the target's greedy output: each K counts the prompts
 where it did not (`greedy_mismatches`), which is 0 in float32 and may not be in bfloat16, where a K+1-token
 verification forward and a 1-token step round differently.
@@ -18,12 +22,15 @@ verification forward and a 1-token step round differently.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
@@ -49,39 +56,111 @@ class PathTiming:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+@dataclass(frozen=True)
+class PromptRun:
+    """One prompt decoded at one K, beside the target alone on the same prompt in the same rotation."""
+
+    accepted: tuple[int, ...]  # emitted drafts per verification round
+    spec: PathTiming
+    target: PathTiming
+
+    @property
+    def speedup(self) -> float:
+        """Speculative tokens/s over the target's on this prompt (nan when either was not timed)."""
+        base, spec = self.target.tokens_per_s, self.spec.tokens_per_s
+        return spec / base if base and spec else float("nan")
+
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_al_interval(runs: Sequence[PromptRun], level: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval of the pooled AL, resampling prompts (rounds within a prompt are not
+    independent: one hard prompt gives many short rounds). Seeded, so one measurement gives one interval."""
+    if not runs:
+        return float("nan"), float("nan")
+    accepted = np.array([sum(r.accepted) for r in runs], dtype=np.float64)
+    rounds = np.array([len(r.accepted) for r in runs], dtype=np.float64)
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    picks = rng.integers(0, len(runs), size=(BOOTSTRAP_RESAMPLES, len(runs)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        al = 1.0 + accepted[picks].sum(axis=1) / rounds[picks].sum(axis=1)
+    al = al[np.isfinite(al)]
+    if not al.size:
+        return float("nan"), float("nan")
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(al, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def median_speedup(runs: Sequence[PromptRun]) -> float:
+    """The median over prompts of each prompt's speculative-over-target speed ratio: both paths decoded that
+    prompt back to back, so load that comes and goes cancels within a ratio, and the median ignores the few
+    prompts a burst of it still hit."""
+    ratios = [r.speedup for r in runs if not math.isnan(r.speedup)]
+    return float(statistics.median(ratios)) if ratios else float("nan")
+
+
 @dataclass
 class Measurement:
-    """One drafter on one prompt set: acceptance at each K, and the speed of every path."""
+    """One drafter on one prompt set: acceptance at each K, and the speed of every path, prompt by prompt."""
 
     prompts: int
-    acceptance: dict[int, Acceptance]
-    speculative: dict[int, PathTiming]
-    target: PathTiming
+    runs: dict[int, list[PromptRun]]
+    device: str = "cpu"
     greedy_mismatches: dict[int, int] = field(default_factory=dict)
 
+    @property
+    def acceptance(self) -> dict[int, Acceptance]:
+        return {k: acceptance((a for r in runs for a in r.accepted), k) for k, runs in self.runs.items()}
+
+    @property
+    def target(self) -> PathTiming:
+        """The target alone, over every prompt (timed once per prompt; the runs of each K share it)."""
+        first = next(iter(self.runs.values()), [])
+        return PathTiming(sum(r.target.tokens for r in first), sum(r.target.seconds for r in first))
+
+    def speculative(self, k: int) -> PathTiming:
+        runs = self.runs[k]
+        return PathTiming(sum(r.spec.tokens for r in runs), sum(r.spec.seconds for r in runs))
+
     def speedup(self, k: int) -> float:
-        base = self.target.tokens_per_s
-        return self.speculative[k].tokens_per_s / base if base else 0.0
+        return median_speedup(self.runs[k])
+
+    def al_interval(self, k: int) -> tuple[float, float]:
+        return bootstrap_al_interval(self.runs[k])
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "prompts": self.prompts,
+            "device": self.device,
             "target_tokens_per_s": round(self.target.tokens_per_s, 2),
-            "by_k": {
-                str(k): {
-                    **a.as_metadata(),
-                    "per_position": [round(x, 4) for x in a.per_position],
-                    "tokens_per_s": round(self.speculative[k].tokens_per_s, 2),
-                    "speedup": round(self.speedup(k), 4),
-                    **(
-                        {"greedy_mismatches": self.greedy_mismatches[k]}
-                        if k in self.greedy_mismatches
-                        else {}
-                    ),
-                }
-                for k, a in self.acceptance.items()
-            },
+            "by_k": {str(k): self._k_dict(k, a) for k, a in self.acceptance.items()},
         }
+
+    def _k_dict(self, k: int, a: Acceptance) -> dict[str, Any]:
+        lo, hi = self.al_interval(k)
+        out: dict[str, Any] = {
+            **a.as_metadata(),
+            "al_ci95": [round(lo, 4), round(hi, 4)],
+            "per_position": [round(x, 4) for x in a.per_position],
+            "tokens_per_s": round(self.speculative(k).tokens_per_s, 2),
+            "speedup": round(self.speedup(k), 4),
+            "speedup_statistic": "median over prompts of the per-prompt ratio",
+            "per_prompt": [
+                {
+                    "al": round(1 + sum(r.accepted) / len(r.accepted), 4) if r.accepted else None,
+                    "rounds": len(r.accepted),
+                    "accepted": sum(r.accepted),
+                    "speedup": None if math.isnan(r.speedup) else round(r.speedup, 4),
+                }
+                for r in self.runs[k]
+            ],
+        }
+        if k in self.greedy_mismatches:
+            out["greedy_mismatches"] = self.greedy_mismatches[k]
+        return out
 
 
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -143,33 +222,28 @@ def _measure(
         target(prompts[0])
         for k in settings.ks:
             spec(prompts[0], k)
-    rounds: dict[int, list[int]] = {k: [] for k in settings.ks}
-    spec_time = {k: PathTiming() for k in settings.ks}
-    base = PathTiming()
-    outputs: dict[int, list[int]] = {}
+    runs: dict[int, list[PromptRun]] = {k: [] for k in settings.ks}
     mismatches = dict.fromkeys(settings.ks, 0)
     paths = [0, *settings.ks]  # 0: the target alone
     for i, prompt in enumerate(prompts):
         shift = i % len(paths)  # each path goes first as often as the others
+        outputs: dict[int, list[int]] = {}
+        timings: dict[int, PathTiming] = {}
+        accepted: dict[int, tuple[int, ...]] = {}
         for path in paths[shift:] + paths[:shift]:
             if path == 0:
-                reference, seconds = _timed(device, partial(target, prompt))
-                base.tokens += len(reference)
-                base.seconds += seconds
-                outputs[0] = reference
+                outputs[0], seconds = _timed(device, partial(target, prompt))
             else:
                 result, seconds = _timed(device, partial(spec, prompt, path))
-                rounds[path].extend(result.accepted)
-                spec_time[path].tokens += len(result.tokens)
-                spec_time[path].seconds += seconds
-                outputs[path] = result.tokens
+                outputs[path], accepted[path] = result.tokens, tuple(result.accepted)
+            timings[path] = PathTiming(len(outputs[path]), seconds)
         for k in settings.ks:
+            runs[k].append(PromptRun(accepted[k], timings[k], timings[0]))
             mismatches[k] += int(outputs[k] != outputs[0])
         progress(i + 1, len(prompts))
     return Measurement(
         prompts=len(prompts),
-        acceptance={k: acceptance(rounds[k], k) for k in settings.ks},
-        speculative=spec_time,
-        target=base,
+        runs=runs,
+        device=device.type,
         greedy_mismatches=mismatches if settings.temperature == 0 else {},
     )

@@ -166,7 +166,7 @@ class _CapturedRound:
 @dataclass
 class SpecResult:
     tokens: list[int]  # the generated tokens (the prompt excluded)
-    accepted: list[int] = field(default_factory=list)  # drafts accepted in each verification round
+    accepted: list[int] = field(default_factory=list)  # drafts emitted in each verification round
 
 
 @dataclass(frozen=True)
@@ -314,11 +314,13 @@ def speculative_generate(
                 sampling.probs(vlogits),
                 sampling.generator,
             )
-        result.accepted.append(a)
         _crop(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
         # the next extend writes entries n..n+a: the target's aux states paired with the next committed token
         committed, committed_aux, start = seq.new_tensor(accepted), vaux[: a + 1], n
-        out.extend(_until_stop(accepted, eos_ids, max_new_tokens - len(out)))
+        emitted = _until_stop(accepted, eos_ids, max_new_tokens - len(out))
+        # AL counts what the round emitted: drafts past the budget or past end-of-turn are never served
+        result.accepted.append(len(emitted) - 1)
+        out.extend(emitted)
     return result
 
 

@@ -108,7 +108,7 @@ def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output
     )
     assert m.greedy_mismatches == {3: 0}
     assert m.acceptance[3].acceptance_length < 1.15
-    assert m.acceptance[3].rounds >= m.speculative[3].tokens - 6 * 2  # nearly one round per token
+    assert m.acceptance[3].rounds >= m.speculative(3).tokens - 6 * 2  # nearly one round per token
 
 
 def _run_gate(config: Path) -> dg.ExecuteInProcessResult:

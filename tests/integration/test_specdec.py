@@ -46,7 +46,7 @@ def test_a_random_drafter_changes_nothing_in_the_output(target: object, k: int) 
         expected = target_generate(target, prompt, 24, eos_ids=set())
         got = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 24, k, eos_ids=set())
         assert got.tokens == expected
-        assert sum(a + 1 for a in got.accepted) >= len(expected) - 1  # every round commits accepted + 1
+        assert 1 + sum(a + 1 for a in got.accepted) == len(expected)  # the prefill's token, then each round's
 
 
 def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: object) -> None:
@@ -57,7 +57,48 @@ def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: obj
     assert report.rounds == len(result.accepted)
     assert abs(sum(report.per_position) - (report.acceptance_length - 1)) < 1e-12
     assert result.tokens == target_generate(target, prompt, 30, eos_ids=set())
-    assert sum(a + 1 for a in result.accepted) >= 30 - 1
+    assert 1 + sum(a + 1 for a in result.accepted) == 30
+
+
+class OracleDecoder(DraftDecoder):
+    """Drafts the target's own greedy continuation: every draft is accepted, so rounds run into the budget and
+    past end-of-turn, where what they accepted and what they emit differ."""
+
+    def __init__(self, drafter: Eagle3Drafter, prompt: list[int], continuation: list[int]) -> None:
+        super().__init__(drafter, capacity=len(prompt) + len(continuation) + 16)
+        self.prompt, self.continuation = prompt, continuation
+
+    def draft(self, committed, committed_aux, start, k, to_target, sampling):  # type: ignore[no-untyped-def]
+        # `committed` (extended now) starts at position `start`; the prompt's first token has no entry
+        out = start + len(committed) - len(self.prompt) + 1  # tokens generated before this round
+        drafts = (self.continuation[out : out + k] + [0] * k)[:k]
+        return torch.tensor(drafts), None
+
+
+@pytest.mark.parametrize("cut", ["budget", "end_of_turn"])
+def test_al_counts_the_tokens_each_round_emitted_not_the_drafts_it_accepted(target: object, cut: str) -> None:
+    """An independent count: (tokens generated - the prefill's one) / verification rounds. Rounds of K=5 emit
+    6 tokens (1 + 6r after r rounds); the budget of 23 ends the fourth round after 4, and an end-of-turn
+    token placed mid-round ends it early."""
+    drafter, d2t = _drafter(torch.arange(64), seed=0)
+    prompt = [1, 2, 3, 4, 5]
+    continuation = target_generate(target, prompt, 40, eos_ids=set())
+    if cut == "budget":
+        budget, eos, expected = 23, set[int](), continuation[:23]
+    else:
+        # the latest first occurrence that is not a round's last token: generation stops right there
+        first = {tok: i for i, tok in reversed(list(enumerate(continuation)))}
+        stops = [i for i in first.values() if i >= 2 and i % 6 != 0]
+        assert stops, f"no usable end-of-turn position in {continuation}"
+        stop = max(stops)
+        budget, eos, expected = 40, {continuation[stop]}, continuation[: stop + 1]
+    oracle = OracleDecoder(drafter, prompt, continuation)
+    result = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, budget, 5, eos, decoder=oracle)
+    assert result.tokens == expected
+    rounds = len(result.accepted)
+    assert acceptance(result.accepted, k=5).acceptance_length == pytest.approx((len(expected) - 1) / rounds)
+    assert result.accepted[:-1] == [5] * (rounds - 1)  # every full round accepted all five drafts
+    assert result.accepted[-1] < 5  # the last round's drafts were all accepted, not all emitted
 
 
 def test_a_round_after_rejected_drafts_equals_one_over_the_committed_prefix() -> None:
@@ -165,10 +206,11 @@ def test_speculative_sampling_matches_the_target_distribution_through_real_model
     counts = torch.zeros(8, dtype=torch.float64)
     accepted = 0
     for _ in range(1500):
-        result = speculative_generate(model, drafter, d2t, (1, 3, 4), prompt, 2, 3, set(), sampling)
+        # a budget of 3: the first round emits at most 2 tokens, so it counts at most one accepted draft
+        result = speculative_generate(model, drafter, d2t, (1, 3, 4), prompt, 3, 3, set(), sampling)
         counts[result.tokens[1]] += 1
         accepted += result.accepted[0]
     kept = expected > 1e-3  # cells with (almost) no mass would blow up the statistic
     assert _chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
     assert counts[~kept].sum() <= 3
-    assert 0 < accepted < 3 * 1500  # the drafter is sometimes right and sometimes rejected: both paths ran
+    assert 0 < accepted < 1500  # the drafter is sometimes right and sometimes rejected: both paths ran

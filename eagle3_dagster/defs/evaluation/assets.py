@@ -43,14 +43,15 @@ def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> d
 
 def acceptance_table(report: dict[str, Any]) -> str:
     rows = [
-        "| prompts | K | AL | tau(K) | acceptance rate | speedup | tokens/s | per position |",
+        "| prompts | K | AL (95% CI) | tau(K) | acceptance rate | median speedup | tokens/s | per position |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, measured in report["sets"].items():
         for k, r in measured["by_k"].items():
             tau = report["tau"].get(k)
             rows.append(
-                f"| {name} ({measured['prompts']}) | {k} | {r['acceptance_length']:.3f} | "
+                f"| {name} ({measured['prompts']}) | {k} | {r['acceptance_length']:.3f} "
+                f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | "
                 f"{'n/a' if tau is None else f'{tau:.3f}'} | {r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
                 f"{r['tokens_per_s']:.1f} (target {measured['target_tokens_per_s']:.1f}) | "
                 f"{' '.join(f'{a:.2f}' for a in r['per_position'])} |"
