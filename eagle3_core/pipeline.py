@@ -114,7 +114,6 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
     seconds = time.perf_counter() - started
     if [r["id"] for r in result.rows] != [s["id"] for s in train]:
         raise RuntimeError(f"{key}: regeneration returned other sample ids than it was given")
-    write_jsonl(layout.regenerated(key), result.rows)
     metadata = {
         "samples": len(train) - result.counts["errors"],
         "errors": result.counts["errors"],
@@ -128,7 +127,11 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
         "temperature": cfg.regenerate.temperature,
         "max_new_tokens": cfg.regenerate.max_new_tokens,
     }
+    # The manifest before the shard, the shard's rename last: a regenerated shard is whole with its manifest
+    # or absent (what a redo replaces is gone first, so a crash between the two never pairs old and new).
+    layout.regenerated(key).unlink(missing_ok=True)
     atomic_write_json(layout.regenerated_manifest(key), {"key": key, **metadata})
+    write_jsonl(layout.regenerated(key), result.rows)
     # The shard is committed: a journal of a server run (this one, or an earlier one) has nothing left to give.
     remove_journal(layout.regenerated(key))
     return StepResult(key, layout.regenerated(key), metadata)

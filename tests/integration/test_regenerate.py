@@ -67,3 +67,32 @@ def test_greedy_regeneration_is_deterministic_and_atomic(setup: tuple[Path, Tran
     first = regenerate_step(cfg, "r-00000", target).path.read_bytes()
     assert regenerate_step(cfg, "r-00000", target).path.read_bytes() == first
     assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_regenerated_shard_is_whole_with_its_manifest_or_absent(
+    setup: tuple[Path, TransformersTarget], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while a redo writes the shard: neither the old shard beside the new manifest nor a
+    half-written file is left, and the next run completes it."""
+    import errno
+
+    from eagle3_core import pipeline
+
+    config, target = setup
+    cfg = load_config(config)
+    layout = StoreLayout(cfg.store_root)
+    regenerate_step(cfg, "r-00000", target)
+    reference = layout.regenerated("r-00000").read_bytes()
+
+    def disk_full(path: Path, rows: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pipeline, "write_jsonl", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        regenerate_step(cfg, "r-00000", target)
+    assert not layout.regenerated("r-00000").exists()  # not done: the next run redoes it
+    assert [p.name for p in layout.regenerated("r-00000").parent.iterdir() if ".tmp-" in p.name] == []
+    monkeypatch.undo()
+    regenerate_step(cfg, "r-00000", target)
+    assert layout.regenerated("r-00000").read_bytes() == reference
+    assert json.loads(layout.regenerated_manifest("r-00000").read_text())["key"] == "r-00000"
