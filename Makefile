@@ -32,10 +32,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/python bench/extract_overhead.py
-	$(BIN)/python bench/stats_scale.py
-	$(BIN)/python bench/shard_memory.py
-	$(BIN)/python bench/train_throughput.py
+	$(BIN)/python -m bench.extract_overhead
+	$(BIN)/python -m bench.stats_scale
+	$(BIN)/python -m bench.shard_memory
+	$(BIN)/python -m bench.train_throughput
 
 clean:
 	rm -rf demo .cache .pytest_cache .mypy_cache .ruff_cache

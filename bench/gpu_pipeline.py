@@ -1,9 +1,9 @@
 """The whole pipeline on a GPU machine, through the `eagle3` commands, then AL and speedup at batch 1.
 
-    python bench/gpu_pipeline.py --stage data    # build the m toy target, ingest, regenerate, extract
-    python bench/gpu_pipeline.py --stage train   # vocab mapping, training, both exports
-    python bench/gpu_pipeline.py --stage eval    # speculative decoding of the held-out prompts at K = 3, 5, 7
-    python bench/gpu_pipeline.py --stage all
+    python -m bench.gpu_pipeline --stage data    # build the m toy target, ingest, regenerate, extract
+    python -m bench.gpu_pipeline --stage train   # vocab mapping, training, both exports
+    python -m bench.gpu_pipeline --stage eval    # speculative decoding of the held-out prompts at K = 3, 5, 7
+    python -m bench.gpu_pipeline --stage all
 
 Stages are separate so that each fits a time-limited remote command; every step is resumable and skips what
 is done. The configuration is bench/configs/h200_m.yaml (chitchat, m toy, regenerated replies). The eval stage

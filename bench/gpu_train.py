@@ -1,13 +1,13 @@
 """Drafter training on GPUs: tokens/s and peak memory per precision and attention, flex against SDPA, DDP.
 
-    python bench/gpu_train.py --all        # everything below, in this order (about 8 minutes on 2 H200s)
-    python bench/gpu_train.py --variants   # one GPU: fp32 + sdpa, bf16 autocast + sdpa, bf16 autocast + flex
+    python -m bench.gpu_train --all        # everything below, in this order (about 8 minutes on 2 H200s)
+    python -m bench.gpu_train --variants   # one GPU: fp32 + sdpa, bf16 autocast + sdpa, bf16 autocast + flex
                                            # (compiled; warm-up steps untimed), peak memory of each, and the
                                            # draft logits of flex against sdpa (ttt_forward, 7 steps, bf16 and fp32)
-    python bench/gpu_train.py --ddp        # train_drafter (flex, bf16) on 1 GPU here, then on 2 GPUs through
+    python -m bench.gpu_train --ddp        # train_drafter (flex, bf16) on 1 GPU here, then on 2 GPUs through
                                            # torchrun + NCCL; tokens/s of both, their final validation compared
     torchrun --standalone --nproc-per-node 2 bench/gpu_train.py --ddp   # one DDP run alone (what --ddp spawns)
-    python bench/gpu_train.py --all --device cpu --tiny                 # smoke test on CPU (gloo), tiny sizes
+    python -m bench.gpu_train --all --device cpu --tiny                 # smoke test on CPU (gloo), tiny sizes
 
 The data: a random-weight Llama target (hidden 2048, 16 layers, vocab 32000), shards extracted from it by the
 real extraction path (bf16 storage, lengths 64..2048), a K=32000 vocab mapping; built once under --workdir

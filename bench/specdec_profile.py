@@ -4,7 +4,7 @@ Acceptance does not matter here (a forced accept count is used), only the cost o
 one-token forward (what target-only decoding pays per token), its verify forward over K+1 tokens, the
 drafter's steps, and what a whole round costs beyond the sum of those. Prints one table; run on the GPU:
 
-    python bench/specdec_profile.py --device cuda
+    python -m bench.specdec_profile --device cuda
 """
 
 from __future__ import annotations

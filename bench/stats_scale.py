@@ -1,7 +1,8 @@
 """`eagle3 stats` over manifests describing 100,000 samples: wall time, and proof that no tensor file is opened.
 
-The store holds manifests only (400 shards of 250 samples, each with its sample ids and lengths, as the
-writer produces them); an audit hook counts every attempt to open a .safetensors file during the call.
+The store holds manifests (400 shards of 250 samples, each with its sample ids and lengths, as the writer
+produces them) beside empty stand-ins of their shard files; an audit hook counts every attempt to open a
+.safetensors file during the call.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def write_manifests(root: Path) -> None:
             "header_checksum": "0" * 32,
         }
         layout.hidden_states_manifest(key).write_text(json.dumps(manifest))
+        # stats counts a shard only beside its file (stat, never opened): an empty stand-in is enough
+        layout.hidden_states(key).touch()
 
 
 def main() -> None:

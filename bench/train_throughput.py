@@ -10,8 +10,8 @@ the same plan held in memory, after warm-up steps (flex attention compiles in th
 each timer read. The data: a random-weight Llama target, shards extracted from it by the real extraction
 path (bf16 storage), a vocab mapping counted from them.
 
-    python bench/train_throughput.py                  # CPU-sized, this machine (about 2 minutes)
-    python bench/train_throughput.py --device cuda --suffix h200 --hidden 2048 --layers 16 --vocab 32000 \
+    python -m bench.train_throughput                  # CPU-sized, this machine (about 2 minutes)
+    python -m bench.train_throughput --device cuda --suffix h200 --hidden 2048 --layers 16 --vocab 32000 \
         --k 32000 --max-len 2048 --samples-per-shard 64 --batch-tokens 16384 --warmup 3 --steps 10 --fed \
         --workdir .cache/bench-gpu                    # the same data as bench/gpu_train.py's, reused
 """
