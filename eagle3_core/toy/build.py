@@ -399,21 +399,22 @@ def ensure_toy_target(
     if final.is_dir():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(cache_root / f".{final.name}.lock", log):
+    with _build_lock(cache_root, log):
         if final.is_dir():  # built by the process we waited for
             return final
         return _build_into(final, preset, seed, steps, log)
 
 
 @contextmanager
-def _build_lock(path: Path, log: Log) -> Iterator[None]:
-    """Wait for another process building the same target (two builds would only halve each other's speed)."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+def _build_lock(cache_root: Path, log: Log) -> Iterator[None]:
+    """Wait for another process building a toy target in this cache (two builds only halve each other's
+    speed). The lock is an flock on the cache directory itself, so no lock file is left in the cache."""
+    fd = os.open(cache_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"toy: another process is building {path.name.removesuffix('.lock')[1:]}; waiting for it")
+            log(f"toy: another process is building a toy target in {cache_root}; waiting for it")
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

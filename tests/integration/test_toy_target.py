@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,6 +165,38 @@ def test_crashed_build_leaves_no_target(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="mid-build"):
         ensure_toy_target(tmp_path, "xs", seed=0, log=lambda _: None, steps=STEPS)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_build_waits_for_the_first_and_reuses_its_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another process holds the cache (an flock on the directory itself), ensure_toy_target waits,
+    then finds the target built and builds nothing; no lock file is left in the cache."""
+    builds: list[Path] = []
+
+    def fake_build(out_dir: Path, *args: object, **kwargs: object) -> None:
+        builds.append(out_dir)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(build, "build_toy_target", fake_build)
+    said: list[str] = []
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other builder
+    waiter = threading.Thread(
+        target=lambda: ensure_toy_target(tmp_path, "xs", seed=0, log=said.append, steps=STEPS)
+    )
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not builds
+    assert any("waiting for it" in line for line in said), said
+    # the other builder finishes: its target is in place when it lets go
+    final = tmp_path / f"toy-xs-{build.cache_key(build.get_preset('xs'), 0, STEPS)}"
+    final.mkdir()
+    os.close(fd)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and not builds
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
 
 
 def test_packing_cuts_the_concatenated_stream() -> None:
