@@ -17,6 +17,7 @@ from typing import Any
 
 from eagle3_core.config import Eagle3Config
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.sglang_server import launch_command
 
@@ -47,15 +48,9 @@ def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
 
 
 def _config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Eagle3Error(f"{path.parent}: not an export (no config.json)") from None
-    except json.JSONDecodeError as e:
-        raise Eagle3Error(f"{path}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise Eagle3Error(f"{path}: not a JSON object")
-    return config
+    if not path.is_file():
+        raise Eagle3Error(f"{path.parent}: not an export (no config.json)")
+    return read_json_object(path, Eagle3Error)
 
 
 def served_target(cfg: Eagle3Config, export_dir: Path) -> str:

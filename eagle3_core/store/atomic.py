@@ -97,6 +97,19 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
 
 
+def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
+    """A JSON file that must hold an object; anything else raises `error` naming the file and the problem."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

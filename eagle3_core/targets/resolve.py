@@ -3,7 +3,6 @@ backend computes its hidden states at extraction (`target.backend`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from eagle3_core.config import Eagle3Config, TargetConfig
 from eagle3_core.data.tokenize import check_chat_template
 from eagle3_core.errors import TargetError
+from eagle3_core.store.atomic import read_json_object
 from eagle3_core.targets.base import check_aux_layer_ids, default_aux_layer_ids
 
 if TYPE_CHECKING:  # resolving a directory must not import torch (`eagle3 stats` never does)
@@ -76,7 +76,10 @@ def safetensors_weights(model_dir: Path) -> list[Path]:
         )
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
-        missing = sorted(set(_read_json(index).get("weight_map", {}).values()) - {p.name for p in weights})
+        missing = sorted(
+            set(read_json_object(index, TargetError).get("weight_map", {}).values())
+            - {p.name for p in weights}
+        )
         if missing:
             raise TargetError(f"{index} names weight files {model_dir} does not have: {', '.join(missing)}")
     return weights
@@ -84,7 +87,7 @@ def safetensors_weights(model_dir: Path) -> list[Path]:
 
 def config_num_layers(config_path: Path) -> int:
     """num_hidden_layers of a config.json transformers can load (a known model_type, and a hidden_size)."""
-    outer = _read_json(config_path)
+    outer = read_json_object(config_path, TargetError)
     model_type = outer.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise TargetError(f"{config_path}: no model_type; transformers needs it to choose the architecture")
@@ -110,18 +113,6 @@ def _positive_int(config: dict[str, Any], key: str, config_path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise TargetError(f"{config_path}: {key} must be a positive integer, got {value!r}")
     return value
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise TargetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-    if not isinstance(data, dict):
-        raise TargetError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 class ExtractionTarget(Protocol):

@@ -152,22 +152,6 @@ CASES: dict[str, tuple[Break, list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_extract_names_what_is_wrong_with_the_target(
-    case: str,
-    toy_target_dir: Path,
-    store: Path,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    breaks, expected = CASES[case]
-    config = _project(tmp_path, store, _broken_copy(toy_target_dir, tmp_path, breaks))
-    capsys.readouterr()
-    line = _one_error_line(main(["--config", str(config), "extract"]), capsys.readouterr().out)
-    for text in expected:
-        assert text in line
-
-
 def test_aux_layer_ids_out_of_range_name_the_field_and_the_range(
     toy_target_dir: Path, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -180,7 +164,7 @@ def test_aux_layer_ids_out_of_range_name_the_field_and_the_range(
 
 # every command that loads the target, or only its tokenizer or config, goes through the same check
 SERVER = "regenerate: {server: {url: 'http://127.0.0.1:9'}}\n"
-COMMAND_CASES = [
+COMMAND_CASES = [("extract", "", case) for case in CASES] + [
     (command, extra, case)
     for command, extra in (("regenerate", ""), ("regenerate", SERVER), ("eval", ""))
     for case in ("pickled weights only", "jinja syntax error", "unknown model_type")
