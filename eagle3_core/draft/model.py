@@ -8,6 +8,14 @@ One Llama decoder layer whose attention sees the target token's embedding and a 
     prenorm = h1 + mlp(post_attention_layernorm(h1))
     logits  = lm_head(norm(prenorm))               # over the draft vocabulary
 
+The variants both engines read from the drafter's config (SGLang 0.5.23 `srt/models/llama_eagle3.py`, vLLM
+`model_executor/models/llama_eagle3.py`; docs/drafter-variants.md), each off by default:
+    norm_before_fc        fc(input_norm(aux))                  one RMSNorm over the concatenated aux states
+    fc_norm               fc(cat[fc_norm_i(aux_i)])            one RMSNorm per aux state
+    norm_output           the next step is fed norm(prenorm), not prenorm
+    norm_before_residual  h1 = hn + attn(...)                  vLLM only: SGLang has no such option
+    sliding_window W      a query at position q sees keys at positions > q - W
+
 Training-time test (TTT) unrolls this `steps` times: step 0 uses h = fc(aux), step k feeds back step k-1's
 `prenorm`, with the token input teacher-forced one position further each step. Entry p of step k reads
 token ids[p+1+k] at RoPE position p+k and predicts ids[p+2+k]; it attends to entries 0..p of step 0 (the
@@ -43,9 +51,17 @@ class DrafterConfig(BaseModel):
     target_vocab_size: Positive
     draft_vocab_size: Positive
     num_aux: Positive = 3
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
+    sliding_window: Positive | None = None
 
     @model_validator(mode="after")
     def _shapes(self) -> DrafterConfig:
+        if self.norm_before_fc and self.fc_norm:
+            # both engines would apply both; speculators refuses the pair, and so do we
+            raise ValueError("norm_before_fc and fc_norm are exclusive: set one of them")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim is None and self.hidden_size % self.num_heads:
@@ -148,16 +164,23 @@ class Attention(nn.Module):
         The chain part is a per-entry dot product, so step k costs one T x T block instead of k+1 of them.
         """
         pk, pv = self._expand(prefix[0]), self._expand(prefix[1])
-        if not chain:
+        if not chain and self.cfg.sliding_window is None:
             return self._out(F.scaled_dot_product_attention(q, pk, pv, is_causal=True))
+        if not chain:
+            mask = prefix_mask(q.shape[2], 0, self.cfg.sliding_window, q.device)
+            return self._out(F.scaled_dot_product_attention(q, pk, pv, attn_mask=mask))
         t, scale = q.shape[2], q.shape[-1] ** -0.5
         ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, T, k, d]
         cv = torch.stack([self._expand(v) for _, v in chain], dim=3)
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        allowed = prefix_mask(t, len(chain), self.cfg.sliding_window, q.device)
         prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(
-            ~causal, float("-inf")
+            ~allowed, float("-inf")
         )  # [B, heads, T, T]
         chain_scores = (q.unsqueeze(3) * ck).sum(-1) * scale  # [B, heads, T, k]
+        if self.cfg.sliding_window is not None:  # chain entry j sits at position p + j, the query at p + k
+            k = len(chain)
+            too_far = torch.arange(1, k + 1, device=q.device) <= k - self.cfg.sliding_window
+            chain_scores = chain_scores.masked_fill(too_far, float("-inf"))
         weights = torch.softmax(torch.cat([prefix_scores, chain_scores], dim=-1).float(), dim=-1).to(q.dtype)
         out = weights[..., :t] @ pv + (weights[..., t:].unsqueeze(-1) * cv).sum(3)
         return self._out(out)
@@ -169,6 +192,20 @@ class Attention(nn.Module):
     def _out(self, out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def prefix_mask(length: int, step: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[T, T] bool: entry p of step `step` (RoPE position p + step) may see step 0's entry j (position j).
+
+    Causal (j <= p), and with a sliding window only j > p + step - window, as the engines' draft attention
+    windows by position (the chain's entries, at positions p + 1..p + step, are windowed in `attend_ttt`).
+    """
+    rows = torch.arange(length, device=device)[:, None]
+    cols = torch.arange(length, device=device)[None, :]
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols > rows + step - window
+    return allowed
 
 
 class MLP(nn.Module):
@@ -187,6 +224,7 @@ class MidLayer(nn.Module):
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -200,8 +238,8 @@ class MidLayer(nn.Module):
         return self.self_attn.project(x, positions)
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The pre-norm output: residual from h (not from hidden_norm(h)), then the MLP block."""
-        h1 = h + attn_out
+        """The pre-norm output: residual from h (from hidden_norm(h) with norm_before_residual), then the MLP."""
+        h1 = (self.hidden_norm(h) if self.norm_before_residual else h) + attn_out
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
 
@@ -212,12 +250,17 @@ def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torc
     return torch.cat([causal, *([eye] * step)], dim=1)
 
 
-def ttt_block_mask(length: int, step: int, device: torch.device) -> Any:
-    """The same mask as `ttt_mask`, as a flex attention BlockMask over (step+1)*length keys."""
+def ttt_block_mask(length: int, step: int, device: torch.device, window: int | None = None) -> Any:
+    """The same mask as `ttt_mask` (and `prefix_mask`'s window), as a flex BlockMask over (step+1)*length keys."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def allowed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return ((kv < length) & (kv <= q)) | ((kv >= length) & (kv % length == q))
+        prefix = (kv < length) & (kv <= q)
+        chain = (kv >= length) & (kv % length == q)
+        if window is not None:  # by position: prefix entry kv sits at kv, chain entry of step j at q + j
+            prefix = prefix & (kv > q + step - window)
+            chain = chain & (kv // length > step - window)
+        return prefix | chain
 
     return create_block_mask(
         allowed, B=None, H=None, Q_LEN=length, KV_LEN=(step + 1) * length, device=str(device)
@@ -248,7 +291,14 @@ class Eagle3Drafter(nn.Module):
         if embed_weight is not None:
             self.embed_tokens.weight.data.copy_(embed_weight)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding: shared, never trained
-        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        aux_width = cfg.num_aux * cfg.target_hidden_size
+        self.input_norm = RMSNorm(aux_width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+            if cfg.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(aux_width, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -257,6 +307,20 @@ class Eagle3Drafter(nn.Module):
         self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
     ) -> list[torch.Tensor]:
         return self.ttt_forward(aux, input_ids, steps, attention)  # what DDP wraps
+
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [.., 3H_t] -> the first step's h [.., H] (with the variant's norms)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def head(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's pre-norm output -> (draft logits, the state the next step is fed)."""
+        normed = self.norm(prenorm)
+        return self.lm_head(normed), normed if self.cfg.norm_output else prenorm
 
     def ttt_forward(
         self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
@@ -267,7 +331,7 @@ class Eagle3Drafter(nn.Module):
         Right padding is harmless: a real entry never attends to a later one.
         """
         t = input_ids.shape[1]
-        h = self.fc(aux)  # [B, T, H]
+        h = self.features(aux)  # [B, T, H]
         attn = self.midlayer.self_attn
         kvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key, value) of each step so far
         logits = []
@@ -280,9 +344,10 @@ class Eagle3Drafter(nn.Module):
                     torch.cat([kv[0] for kv in kvs], dim=2),
                     torch.cat([kv[1] for kv in kvs], dim=2),
                 )
-                attn_out = attn.attend_flex(q, keys, values, ttt_block_mask(t, k, aux.device))
+                mask = ttt_block_mask(t, k, aux.device, self.cfg.sliding_window)
+                attn_out = attn.attend_flex(q, keys, values, mask)
             else:
                 attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])
-            h = self.midlayer.finish(h, attn_out)  # the pre-norm output feeds the next step
-            logits.append(self.lm_head(self.norm(h)))
+            step_logits, h = self.head(self.midlayer.finish(h, attn_out))
+            logits.append(step_logits)
         return logits

@@ -3,7 +3,7 @@
 The drafter runs as the engines run it (REFERENCE.md, "How the engines run a drafter"), with its own KV cache:
 
     extend  entry p pairs fc(aux(p)) with the next token seq[p+1], at RoPE position p
-    decode  draft j feeds (embed(d_j), h = previous pre-norm output) at position n-1+j
+    decode  draft j feeds (embed(d_j), h = previous output, pre-norm unless norm_output) at position n-1+j
     verify  one target forward over [seq[n], d_1..d_K]; accept a prefix of the drafts, then one more token
             from the target (its own next token, or a draw from the residual where a draft was rejected)
     commit  the target's cache is cut back to the committed length; the drafter's next extend overwrites its
@@ -59,16 +59,19 @@ class DraftDecoder:
     def step(
         self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries (tokens [n], features h [n, H]) written at positions [n]; (draft logits [n, Vd], pre-norm [n, H])."""
+        """Entries (tokens [n], features h [n, H]) written at positions [n]; (draft logits [n, Vd], the state
+        the next draft is fed [n, H]: pre-norm, or post-norm for a norm_output drafter)."""
         d = self.drafter
         angles = self.cos[positions], self.sin[positions]
         q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], angles)
         self.keys.index_copy_(2, positions, k)
         self.values.index_copy_(2, positions, v)
         mask = self.slots[None, :] <= positions[:, None]  # [n, capacity]: the entries up to each query's own
+        if d.cfg.sliding_window is not None:
+            mask &= self.slots[None, :] > positions[:, None] - d.cfg.sliding_window
         out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask, enable_gqa=True)
-        prenorm = d.midlayer.finish(h[None], d.midlayer.self_attn._out(out))[0]
-        return d.lm_head(d.norm(prenorm)), prenorm
+        logits, fed = d.head(d.midlayer.finish(h[None], d.midlayer.self_attn._out(out)))
+        return logits[0], fed[0]
 
     def draft(
         self,
@@ -105,7 +108,7 @@ class DraftDecoder:
         to_target: torch.Tensor,
         sampling: Sampling,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits, h = self.step(tokens, self.drafter.fc(aux), positions)
+        logits, h = self.step(tokens, self.drafter.features(aux), positions)
         logits, h, position = logits[-1], h[-1:], positions[-1:]
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []

@@ -1,4 +1,5 @@
-"""The vectorised TTT forward equals a plain step-by-step loop with an explicit KV cache (float64)."""
+"""The vectorised TTT forward equals a plain step-by-step loop with an explicit KV cache (float64), for every
+variant the engines read (written out here as SGLang's and vLLM's llama_eagle3.py compute them)."""
 
 import pytest
 import torch
@@ -16,10 +17,41 @@ CFG = DrafterConfig(
 )
 
 
+VARIANTS = {
+    "plain": {},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "speculators_defaults": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+    "sliding_window": {"sliding_window": 4},
+}
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+def engine_features(model: Eagle3Drafter, aux: torch.Tensor) -> torch.Tensor:
+    """fc over the aux states, after input_norm (norm_before_fc) or one norm per aux chunk (fc_norm)."""
+    cfg = model.cfg
+    if cfg.norm_before_fc:
+        assert model.input_norm is not None
+        aux = rms(aux, model.input_norm.weight, cfg.rms_norm_eps)
+    if cfg.fc_norm:
+        assert model.fc_norm is not None
+        chunks = aux.split(cfg.target_hidden_size, dim=-1)
+        aux = torch.cat(
+            [rms(c, n.weight, cfg.rms_norm_eps) for c, n in zip(chunks, model.fc_norm, strict=True)], -1
+        )
+    return model.fc(aux)
+
+
 def reference_logits(model: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """One sequence, one entry at a time, as an engine drafts: [steps, T, V]. No masks, no batching."""
     layer, attn, cfg = model.midlayer, model.midlayer.self_attn, model.cfg
     t, d, groups = ids.shape[0], cfg.dim, cfg.num_heads // cfg.num_kv_heads
+    window = cfg.sliding_window or 10**9
 
     def token(i: int) -> torch.Tensor:
         return ids[i] if i < t else torch.tensor(0)
@@ -32,39 +64,46 @@ def reference_logits(model: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor,
         p = torch.tensor([pos])
         return rope(q, p, cfg.rope_theta)[:, 0], rope(k, p, cfg.rope_theta)[:, 0], v[:, 0]
 
-    def attend(q: torch.Tensor, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor]) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, pos: int, cache: list[tuple[int, torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        seen = [(k, v) for at, k, v in cache if pos - window < at <= pos]  # the engines' window, by position
         out = torch.zeros(cfg.num_heads, d, dtype=q.dtype)
         for head in range(cfg.num_heads):
             kv = head // groups
-            scores = torch.stack([q[head] @ k[kv] for k in cache_k]) / d**0.5
+            scores = torch.stack([q[head] @ k[kv] for k, _ in seen]) / d**0.5
             weights = torch.softmax(scores, dim=0)
-            out[head] = sum(w * v[kv] for w, v in zip(weights, cache_v, strict=True))
+            out[head] = sum(w * v[kv] for w, (_, v) in zip(weights, seen, strict=True))
         return attn.o_proj(out.reshape(-1))
 
+    def layer_out(h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, what the next step is fed)"""
+        residual = rms(h, layer.hidden_norm.weight, cfg.rms_norm_eps) if cfg.norm_before_residual else h
+        h1 = residual + attn_out
+        prenorm = h1 + layer.mlp(rms(h1, layer.post_attention_layernorm.weight, cfg.rms_norm_eps))
+        normed = rms(prenorm, model.norm.weight, cfg.rms_norm_eps)
+        return model.lm_head(normed), normed if cfg.norm_output else prenorm
+
     out = torch.zeros(steps, t, cfg.draft_vocab_size, dtype=aux.dtype)
-    prefix_k: list[torch.Tensor] = []
-    prefix_v: list[torch.Tensor] = []
+    prefix: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for p in range(t):  # extend: entry p pairs fc(aux[p]) with token p+1, at position p
-        h = model.fc(aux[p])
+        h = engine_features(model, aux[p])
         q, k, v = qkv(token(p + 1), h, p)
-        prefix_k.append(k)
-        prefix_v.append(v)
-        chain_k, chain_v = list(prefix_k), list(prefix_v)
-        h = layer.finish(h, attend(q, chain_k, chain_v))
-        out[0, p] = model.lm_head(model.norm(h))
+        prefix.append((p, k, v))
+        chain = list(prefix)
+        out[0, p], h = layer_out(h, attend(q, p, chain))
         for step in range(1, steps):  # decode along entry p's own chain
             q, k, v = qkv(token(p + 1 + step), h, p + step)
-            chain_k.append(k)
-            chain_v.append(v)
-            h = layer.finish(h, attend(q, chain_k, chain_v))
-            out[step, p] = model.lm_head(model.norm(h))
+            chain.append((p + step, k, v))
+            out[step, p], h = layer_out(h, attend(q, p + step, chain))
     return out
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("steps", [1, 3, 7])
-def test_vectorised_ttt_equals_the_step_by_step_reference(steps: int) -> None:
+def test_vectorised_ttt_equals_the_step_by_step_reference(steps: int, variant: str) -> None:
     torch.manual_seed(steps)
-    model = Eagle3Drafter(CFG).double()
+    model = Eagle3Drafter(CFG.model_copy(update=VARIANTS[variant])).double()
     for p in model.parameters():  # norms start at 1: randomise them so a misplaced norm shows
         torch.nn.init.normal_(p, std=0.3)
     t = 11
@@ -76,6 +115,30 @@ def test_vectorised_ttt_equals_the_step_by_step_reference(steps: int) -> None:
             ref = reference_logits(model, aux[b], ids[b], steps)
             rel = (fast[b] - ref).abs().max() / ref.abs().max()
             assert rel < 1e-6, f"sequence {b}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_evaluators_decoder_drafts_what_the_reference_computes(variant: str) -> None:
+    """DraftDecoder (what `eagle3 eval` runs): an extend over a prefix, then chained steps on its own outputs."""
+    from eagle3_core.evaluate.specdec import DraftDecoder
+
+    torch.manual_seed(1)
+    model = Eagle3Drafter(CFG.model_copy(update=VARIANTS[variant])).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    t, steps = 9, 4
+    aux = torch.randn(t, 3 * CFG.target_hidden_size, dtype=torch.float64)
+    ids = torch.randint(0, CFG.target_vocab_size, (t,))
+    with torch.no_grad():
+        ref = reference_logits(model, aux, ids, steps)  # entry t-1's chain reads ids past the end as 0
+        decoder = DraftDecoder(model, capacity=t + steps)
+        next_tokens = torch.cat([ids[1:], torch.tensor([0])])  # entry p reads token p + 1
+        logits, h = decoder.step(next_tokens, model.features(aux), torch.arange(t))
+        torch.testing.assert_close(logits, ref[0])
+        h = h[-1:]
+        for step in range(1, steps):
+            logits, h = decoder.step(torch.tensor([0]), h, torch.tensor([t - 1 + step]))
+            torch.testing.assert_close(logits[0], ref[step, t - 1])
 
 
 def test_a_sequence_does_not_see_its_batch_neighbours_or_the_future() -> None:
@@ -104,14 +167,15 @@ def test_ttt_mask_shape_and_blocks() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_block_mask_gives_the_sdpa_logits() -> None:
+@pytest.mark.parametrize("window", [None, 3])
+def test_flex_attention_block_mask_gives_the_sdpa_logits(window: int | None) -> None:
     # eager flex attention on CPU: the same BlockMask and kernel interface the GPU path compiles
     torch.manual_seed(3)
-    model = Eagle3Drafter(CFG)
+    model = Eagle3Drafter(CFG.model_copy(update={"sliding_window": window}))
     aux = torch.randn(2, 13, 3 * CFG.target_hidden_size)
     ids = torch.randint(0, CFG.target_vocab_size, (2, 13))
     with torch.no_grad():
-        sdpa = model.ttt_forward(aux, ids, 3, attention="sdpa")
-        flex = model.ttt_forward(aux, ids, 3, attention="flex")
+        sdpa = model.ttt_forward(aux, ids, 5, attention="sdpa")
+        flex = model.ttt_forward(aux, ids, 5, attention="flex")
     for a, b in zip(sdpa, flex, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
