@@ -198,8 +198,55 @@ class ExtractConfig(_Model):
     )
 
 
+class DrafterVariant(_Model):
+    """The drafter's architecture variants, as both engines read them from its config (docs/drafter-variants.md).
+
+    Defaults are the variant measured best on bench/vs_speculators.py that SGLang and vLLM both serve.
+    """
+
+    norm_before_fc: bool = Field(
+        default=False, description="One RMSNorm over the concatenated aux states before fc."
+    )
+    fc_norm: bool = Field(default=False, description="One RMSNorm per aux state before fc.")
+    norm_output: bool = Field(
+        default=False, description="Feed the post-norm state to the next draft step (EAGLE-3.1)."
+    )
+    norm_before_residual: bool = Field(
+        default=False,
+        description="Residual from hidden_norm(h): served by vLLM only; an SGLang export of it is refused.",
+    )
+    sliding_window: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Draft attention sees only keys this close to the query's position."
+    )
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> DrafterVariant:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are exclusive: set one of them")
+        return self
+
+
 class TrainConfig(_Model):
-    """The drafter and how it is trained (defaults follow EAGLE-3 and SpecForge; see REFERENCE.md)."""
+    """The drafter and how it is trained (defaults measured on bench/vs_speculators.py; see docs/)."""
+
+    variant: DrafterVariant = Field(default_factory=DrafterVariant)
+    init_from: Literal["scratch", "current"] = Field(
+        default="scratch",
+        description="current: start from the promoted drafter's weights (same vocab mapping and shapes), "
+        "as a nightly retrain on fresh data does.",
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw",
+        description="muon: torch.optim.Muon on the 2-D weights of fc and the decoder layer, AdamW on the rest.",
+    )
+    schedule: Literal["cosine", "linear"] = Field(
+        default="cosine", description="Learning-rate decay to zero after the warmup."
+    )
+    loss: Literal["kl", "lk_hybrid"] = Field(
+        default="kl",
+        description="kl: forward KL to the target over the draft vocabulary; lk_hybrid: KL blended into "
+        "total variation as acceptance grows (Samarin et al. 2026, LK losses).",
+    )
 
     draft_vocab_size: Annotated[int, Field(gt=0)] = Field(
         default=32000, description="K: the draft vocabulary's size, capped at the target's vocabulary."

@@ -29,7 +29,7 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import decode_metadata, read_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.trainer import train_drafter
+from eagle3_core.train.trainer import FINAL, train_drafter
 
 
 def _shards(layout: StoreLayout) -> list[Path]:
@@ -119,7 +119,15 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     mapping = load_vocab_mapping(
         layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
     )
-    result = train_drafter(shards, target_dir(cfg, log=log), mapping, layout.drafter_runs, cfg.train, log=log)
+    result = train_drafter(
+        shards,
+        target_dir(cfg, log=log),
+        mapping,
+        layout.drafter_runs,
+        cfg.train,
+        log=log,
+        init_from=promoted_final(layout) if cfg.train.init_from == "current" else None,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         pointer = {"run": result.run_dir.name, "final": layout.pointer_path(result.final_dir)}
         atomic_write_json(layout.drafter_latest, pointer)
@@ -170,6 +178,19 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         },
     }
     return StepResult("drafter_checkpoint", final, meta)
+
+
+def promoted_final(layout: StoreLayout) -> Path:
+    """The finished training run of the promoted drafter (what train.init_from: current starts from)."""
+    if not layout.drafter_current.exists():
+        raise Eagle3Error("train.init_from is 'current' but no drafter is promoted yet; set it to 'scratch'")
+    run = json.loads(layout.drafter_current.read_text())["run"]
+    final = layout.drafter_runs / run / FINAL
+    if not (final / "summary.json").exists():
+        raise Eagle3Error(
+            f"train.init_from current: the promoted run {run} has no finished drafter at {final}"
+        )
+    return final
 
 
 def latest_final(layout: StoreLayout) -> Path:

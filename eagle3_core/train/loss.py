@@ -11,6 +11,7 @@ ranks combine exactly by addition; ratios are taken only when a number is report
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -99,13 +100,37 @@ class TTTStats:
         return out
 
 
+LossKind = Literal["kl", "lk_hybrid"]
+LK_ETA = 3.0  # the LK paper's best hybrid setting
+
+
+def entry_loss(teacher_logp: torch.Tensor, draft_logits: torch.Tensor, kind: LossKind) -> torch.Tensor:
+    """Per-entry loss [..] of draft logits [.., V] against the teacher's log-probabilities [.., V].
+
+    kl: the soft cross-entropy, which is forward KL plus the teacher's entropy (a constant: same gradient).
+    lk_hybrid: lam * KL + (1 - lam) * TV with lam = exp(-eta * alpha), alpha = sum min(p, q) the acceptance
+    probability, held constant in lam; KL leads while the draft is far off, then TV, which is 1 - alpha
+    itself (Samarin et al. 2026, "LK losses: direct acceptance rate optimization for speculative decoding").
+    """
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
+    p = teacher_logp.exp()
+    ce = -(p * logq).sum(-1)
+    if kind == "kl":
+        return ce
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    kl = ce + (p * teacher_logp).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha.detach())
+    return lam * kl + (1.0 - lam) * (1.0 - alpha)
+
+
 def ttt_loss(
     draft_logits: list[torch.Tensor],
     targets: TTTTargets,
     step_weight: float = 0.8,
     normalizer: torch.Tensor | None = None,
+    loss: LossKind = "kl",
 ) -> tuple[torch.Tensor, TTTStats]:
-    """sum_k step_weight**k * loss_k, with loss_k = (summed soft CE at step k) / normalizer[k].
+    """sum_k step_weight**k * loss_k, with loss_k = (summed entry loss at step k) / normalizer[k].
 
     `normalizer` defaults to this batch's counts; under DDP pass the global counts times the world size, so
     that the averaged gradient equals one process's gradient on the whole global batch.
@@ -123,8 +148,8 @@ def ttt_loss(
         # end have no teacher and are masked out anyway)
         n = t - k - 1
         teacher, mask = targets.teacher_logp[:, k + 1 :], targets.masks[k][:, :n]
-        ce = -(teacher.exp() * F.log_softmax(logits[:, :n].float(), dim=-1)).sum(-1)  # [B, n]
-        loss_sum = (ce * mask).sum()
+        per_entry = entry_loss(teacher, logits[:, :n], loss)  # [B, n]
+        loss_sum = (per_entry * mask).sum()
         total = total + step_weight**k * loss_sum / norm[k].to(loss_sum.device, loss_sum.dtype)
         right = torch.zeros_like(all_right)
         right[:, :n] = logits[:, :n].argmax(-1) == teacher_top[:, k + 1 :]

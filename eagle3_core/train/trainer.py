@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from eagle3_core.config import TrainConfig
+from eagle3_core.config import DrafterVariant, TrainConfig
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
@@ -43,6 +43,7 @@ from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData, plan_epoch, plan_validation
 from eagle3_core.train.distributed import World, close_world, init_world
 from eagle3_core.train.loss import TTTStats, TTTTargets, ttt_loss, ttt_targets
+from eagle3_core.train.optim import build_optimizer
 
 Log = Callable[[str], None]
 FINAL = "final"
@@ -54,7 +55,9 @@ BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 sampl
 
 
 # ---- the drafter's shape, from the target's config --------------------------------------------------------
-def drafter_config_for(target_dir: Path, draft_vocab_size: int) -> DrafterConfig:
+def drafter_config_for(
+    target_dir: Path, draft_vocab_size: int, variant: DrafterVariant | None = None
+) -> DrafterConfig:
     """One decoder layer shaped like the target's (what SGLang and SpecForge configure by default)."""
     raw = json.loads((target_dir / "config.json").read_text())
     cfg = raw.get("text_config", raw)
@@ -71,6 +74,7 @@ def drafter_config_for(target_dir: Path, draft_vocab_size: int) -> DrafterConfig
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         target_vocab_size=int(cfg["vocab_size"]),
         draft_vocab_size=draft_vocab_size,
+        **(variant or DrafterVariant()).model_dump(),
     )
 
 
@@ -102,9 +106,51 @@ def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor
         )
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """The trained drafter a run starts from (train.init_from: current): its run and its trainable weights."""
+
+    final_dir: Path
+    run: str
+    weights: dict[str, torch.Tensor]
+
+
+def warm_start(final_dir: Path, mapping: VocabMapping, dcfg: DrafterConfig) -> WarmStart:
+    """The weights of a finished run, refused unless it is bound to this vocab mapping and has this shape.
+
+    Another mapping puts other tokens on the lm_head rows (and d2t), and another shape cannot load; either
+    would start the run from a drafter that is not the one it claims to continue.
+    """
+    from safetensors.torch import load_file
+
+    summary = json.loads((final_dir / "summary.json").read_text())
+    run = summary["run"]
+    if summary["vocab_mapping"] != mapping.fingerprint:
+        raise Eagle3Error(
+            f"train.init_from current: the promoted drafter {run} was trained with vocab mapping "
+            f"{summary['vocab_mapping'][:12]} and this run has {mapping.fingerprint[:12]} (its lm_head rows "
+            "would be other tokens); set train.init_from: scratch"
+        )
+    theirs = DrafterConfig(**summary["drafter_config"])
+    if theirs != dcfg:
+        changed = {k: [v, getattr(dcfg, k)] for k, v in theirs.model_dump().items() if getattr(dcfg, k) != v}
+        raise Eagle3Error(
+            f"train.init_from current: the promoted drafter {run} has another shape or variant "
+            f"({', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())}); set train.init_from: scratch"
+        )
+    return WarmStart(final_dir, run, load_file(str(final_dir / "drafter.safetensors")))
+
+
 # ---- the run's identity and schedule -----------------------------------------------------------------------
-def run_id(train: TrainConfig, mapping: VocabMapping, target_fingerprint: str, drafter: DrafterConfig) -> str:
-    """Same data, mapping, target and settings -> same run directory, so running again resumes it."""
+def run_id(
+    train: TrainConfig,
+    mapping: VocabMapping,
+    target_fingerprint: str,
+    drafter: DrafterConfig,
+    warm_from: str | None = None,
+) -> str:
+    """Same data, mapping, target, settings and starting weights -> same run directory, so running again
+    resumes it."""
     identity = {
         "train": train.model_dump(exclude=OPERATIONAL),
         "mapping": mapping.fingerprint,
@@ -112,17 +158,20 @@ def run_id(train: TrainConfig, mapping: VocabMapping, target_fingerprint: str, d
         "drafter": drafter.model_dump(),
         # the batch planner's version: a run checkpointed under another plan cannot resume exactly
         "batch_plan": BATCH_PLAN,
+        "warm_from": warm_from,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_ratio of the steps, then cosine decay to zero."""
+    """Linear warmup over warmup_ratio of the steps, then cosine or linear decay to zero."""
     warmup = max(1, round(cfg.warmup_ratio * total))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 SHARED_RANKS = 8  # the plan is the same for every world size up to this many ranks, as the budget allows
@@ -232,7 +281,9 @@ def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
     # Normalise by the count over all ranks (times the world size, as DDP averages gradients), so the step
     # equals one process's step on the whole global batch.
     normalizer = s.world.sum(targets.counts()) / s.world.size
-    loss, stats = ttt_loss(_draft_logits(s, batch, s.model), targets, s.cfg.step_weight, normalizer)
+    loss, stats = ttt_loss(
+        _draft_logits(s, batch, s.model), targets, s.cfg.step_weight, normalizer, s.cfg.loss
+    )
     loss.backward()
     if s.cfg.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), s.cfg.grad_clip)
@@ -251,7 +302,9 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     with torch.no_grad():
         for batch in prefetch(batches):
             batch = batch.to(s.world.device)
-            _, stats = ttt_loss(_draft_logits(s, batch, s.drafter), _teacher(s, batch), s.cfg.step_weight)
+            _, stats = ttt_loss(
+                _draft_logits(s, batch, s.drafter), _teacher(s, batch), s.cfg.step_weight, loss=s.cfg.loss
+            )
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
@@ -297,6 +350,7 @@ def _setup(
     head: TargetHead,
     mapping: VocabMapping,
     dcfg: DrafterConfig,
+    warm: WarmStart | None = None,
 ) -> Setup:
     cuda = world.device.type == "cuda"
     bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
@@ -314,16 +368,14 @@ def _setup(
         None if head.final_norm is None else head.final_norm.to(world.device, head_dtype),
         head.rms_norm_eps,
     )
-    drafter = new_drafter(dcfg, head, mapping, cfg.seed).to(world.device)
+    drafter = new_drafter(dcfg, head, mapping, cfg.seed)
+    if warm is not None:
+        load_trainable_state(drafter, warm.weights, warm.final_dir)
+    drafter = drafter.to(world.device)
     model: nn.Module = drafter
     if world.distributed:
         model = DistributedDataParallel(drafter, device_ids=[world.device] if cuda else None)
-    optimizer = torch.optim.AdamW(
-        [p for p in drafter.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=(0.9, 0.95),
-    )
+    optimizer = build_optimizer(drafter, cfg)
     return Setup(
         world,
         cfg,
@@ -401,13 +453,24 @@ def train_drafter(
     runs_dir: Path,
     cfg: TrainConfig,
     log: Log = print,
+    init_from: Path | None = None,
 ) -> TrainResult:
-    """Train (or resume, or return the finished) run for these shards, target, mapping and settings."""
+    """Train (or resume, or return the finished) run for these shards, target, mapping and settings.
+
+    `init_from`: a finished run's final/ directory to start from (warm start) instead of fresh weights.
+    """
     world = init_world(cfg.device)
     data = TrainingData(shard_paths)
     try:
         return _train(
-            world, data, target_dir, mapping, runs_dir, cfg, log if world.is_main else (lambda _: None)
+            world,
+            data,
+            target_dir,
+            mapping,
+            runs_dir,
+            cfg,
+            log if world.is_main else (lambda _: None),
+            init_from,
         )
     finally:
         data.close()
@@ -422,10 +485,14 @@ def _train(
     runs_dir: Path,
     cfg: TrainConfig,
     log: Log,
+    init_from: Path | None,
 ) -> TrainResult:
-    dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size)
+    dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size, cfg.variant)
     _check_inputs(data, mapping, dcfg)
-    run_dir = runs_dir / run_id(cfg, mapping, str(data.facts["target_fingerprint"]), dcfg)
+    warm = warm_start(init_from, mapping, dcfg) if init_from is not None else None
+    run_dir = runs_dir / run_id(
+        cfg, mapping, str(data.facts["target_fingerprint"]), dcfg, warm.run if warm else None
+    )
     if (run_dir / FINAL / "summary.json").exists():
         log(f"run {run_dir.name} already finished; nothing to train")
         return _result_from_final(run_dir, None)
@@ -433,7 +500,9 @@ def _train(
     check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
     plan = schedule(train_refs, cfg, world.size)
     run_dir.mkdir(parents=True, exist_ok=True)
-    s = _setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg)
+    s = _setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
+    if warm is not None:
+        log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
     metrics = MetricsLog(run_dir / METRICS, world.is_main)
 
     step, tokens, interval, interval_tokens = 0, 0, TTTStats.zeros(cfg.ttt_steps, world.device), 0
@@ -533,6 +602,7 @@ def _train(
         "attention": s.attention,
         "bf16": s.autocast_bf16,
         "train_config": cfg.model_dump(),
+        "warm_from": warm.run if warm else None,
     }
     if world.is_main:
         _write_final(run_dir, s.drafter, mapping, summary)
