@@ -2,11 +2,14 @@
 
 `eval_step` loads the newest export exactly as an engine would (the exported directory, nothing from
 training), decodes the held-out prompts and every configured prompt file with and without it, and writes
-`export/<run>/eval/report.json` with the pictures. When a drafter is already promoted it is measured again
-on the same prompts in the same run, so the gate compares two numbers taken the same way.
+`export/<run>/eval/report-<format>.json` (one per export format measured) with the pictures. When a drafter
+is already promoted it is measured again on the same prompts in the same run, so the gate compares two
+measurements taken the same way, prompt by prompt.
 
-`promote_step` moves the `current` pointer to the new run only if the gate passed: its AL at `gate_k` is not
-below the promoted drafter's minus `promotion_tolerance`.
+`promote_step` moves the `current` pointer to the new run only if the gate passed: the lower end of the
+paired-bootstrap 95% interval of AL(new) - AL(promoted) at `gate_k` is at least -`promotion_tolerance`. A
+worse drafter is refused once the prompts show it, and two drafters within noise of each other promote the
+newer one only when the noise is smaller than the tolerance.
 """
 
 from __future__ import annotations
@@ -24,9 +27,17 @@ import torch
 from eagle3_core.config import Eagle3Config
 from eagle3_core.drafting import latest_final
 from eagle3_core.errors import Eagle3Error, ExportError
-from eagle3_core.evaluate.measure import DecodeSettings, Measurement, measure
+from eagle3_core.evaluate.acceptance import acceptance
+from eagle3_core.evaluate.measure import (
+    DecodeSettings,
+    Measurement,
+    PromptRun,
+    bootstrap_al_interval,
+    measure,
+    paired_al_difference,
+)
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
-from eagle3_core.evaluate.prompts import PromptSet, encode, file_prompts, heldout_prompts
+from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.pipeline import Log, StepResult, _quiet
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.store.layout import StoreLayout
@@ -48,6 +59,20 @@ class GateDecision:
     current_al: float | None
     tolerance: float
     reason: str
+    candidate_ci95: list[float] | None = None
+    current_ci95: list[float] | None = None
+    difference: float | None = None  # AL(candidate) - AL(current) on the same prompts
+    difference_ci95: list[float] | None = None  # its paired-bootstrap interval
+    prompts: int = 0
+
+
+@dataclass(frozen=True)
+class Incumbent:
+    """The promoted drafter as the gate sees it: its rounds on the same prompts, or why it has none."""
+
+    run: str
+    runs: list[PromptRun] | None
+    reason: str = ""
 
 
 @dataclass
@@ -117,14 +142,14 @@ def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
     return sets
 
 
-def encode_fitting(tokenizer: Any, prompts: PromptSet, room: int) -> list[list[int]]:
-    """Token ids of the prompts that leave room for the reply within the context extraction used; the others
-    are kept in `prompts.rejected` as too_long."""
+def encode_fitting(tokenizer: Any, prompts: PromptSet, room: int) -> list[tuple[EvalPrompt, list[int]]]:
+    """(prompt, token ids) of the prompts that leave room for the reply within the context extraction used;
+    the others are kept in `prompts.rejected` as too_long."""
     ids = []
     for p in prompts.prompts:
         encoded = encode(tokenizer, p.messages)
         if len(encoded) <= room:
-            ids.append(encoded)
+            ids.append((p, encoded))
         elif not any(r["id"] == p.id for r in prompts.rejected):
             prompts.rejected.append(
                 {"id": p.id, "reason": "too_long", "detail": f"{len(encoded)} > {room} tokens"}
@@ -162,26 +187,61 @@ def read_current(layout: StoreLayout) -> dict[str, Any] | None:
     return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
 
 
-def gate_decision(
-    k: int, run: str, candidate_al: float, current: dict[str, Any] | None, tolerance: float
-) -> GateDecision:
-    def decide(passed: bool, reason: str) -> GateDecision:
-        return GateDecision(passed, k, run, candidate_al, current_run, current_al, tolerance, reason)
+def _pooled(runs: list[PromptRun], k: int) -> float:
+    return acceptance((a for r in runs for a in r.accepted), k).acceptance_length
 
-    current_run = current["run"] if current else None
-    current_al = current.get("acceptance_length") if current else None
-    if math.isnan(candidate_al):
-        return decide(False, "no verification round was measured (every reply ended at once)")
-    if current is None or current_al is None:
-        return decide(True, current["reason"] if current else "no drafter is promoted yet")
-    if current_run == run:
-        return decide(True, "this run is the promoted one")
-    floor = current_al - tolerance
-    if candidate_al < floor:
-        return decide(
-            False, f"AL {candidate_al:.3f} at K={k} is below the promoted {current_al:.3f} - {tolerance}"
+
+def _rounded(interval: tuple[float, float]) -> list[float]:
+    return [round(x, 4) for x in interval]
+
+
+def gate_decision(
+    k: int, run: str, candidate: list[PromptRun], incumbent: Incumbent | None, tolerance: float
+) -> GateDecision:
+    """Promote when the lower 95% bound of AL(candidate) - AL(incumbent), paired over the same prompts, is at
+    least -tolerance; also when nothing (or nothing measurable) is promoted, or the candidate is the promoted run.
+    """
+    al = _pooled(candidate, k)
+    base: dict[str, Any] = {
+        "k": k,
+        "candidate_run": run,
+        "candidate_al": al,
+        "candidate_ci95": _rounded(bootstrap_al_interval(candidate)),
+        "tolerance": tolerance,
+        "prompts": len(candidate),
+        "current_run": incumbent.run if incumbent else None,
+    }
+    if math.isnan(al):
+        return GateDecision(
+            False,
+            reason="no verification round was measured (every reply ended at once)",
+            current_al=None,
+            **base,
         )
-    return decide(True, f"AL {candidate_al:.3f} at K={k} >= the promoted {current_al:.3f} - {tolerance}")
+    if incumbent is None:
+        return GateDecision(True, reason="no drafter is promoted yet", current_al=None, **base)
+    if incumbent.run == run:
+        return GateDecision(True, reason="this run is the promoted one", current_al=None, **base)
+    if incumbent.runs is None:
+        return GateDecision(True, reason=incumbent.reason, current_al=None, **base)
+    current_al = _pooled(incumbent.runs, k)
+    diff = paired_al_difference(candidate, incumbent.runs)
+    low, high = diff.ci95
+    passed = low >= -tolerance
+    reason = (
+        f"AL {al:.3f} against the promoted {current_al:.3f} at K={k} on the same {len(candidate)} prompts: "
+        f"difference {diff.difference:+.3f} (95% CI {low:+.3f} to {high:+.3f}); its lower bound is "
+        f"{'at least' if passed else 'below'} -{tolerance}"
+    )
+    return GateDecision(
+        passed,
+        reason=reason,
+        current_al=current_al,
+        current_ci95=_rounded(bootstrap_al_interval(incumbent.runs)),
+        difference=round(diff.difference, 4),
+        difference_ci95=_rounded(diff.ci95),
+        **base,
+    )
 
 
 def _current_on_same_prompts(
@@ -192,29 +252,26 @@ def _current_on_same_prompts(
     ids: list[list[int]],
     run: str,
     log: Log,
-) -> dict[str, Any] | None:
-    """The promoted drafter's AL at gate_k on these prompts, measured now (None when nothing is promoted)."""
+) -> Incumbent | None:
+    """The promoted drafter's rounds at gate_k on these prompts, measured now (None when nothing is promoted)."""
     current = read_current(layout)
-    if current is None or current["run"] == run:
-        return current
+    if current is None:
+        return None
+    if current["run"] == run:
+        return Incumbent(run, None, "this run is the promoted one")
     export_dir = layout.from_pointer(current["export_dir"]) / cfg.evaluate.export_format
     try:
         drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
     except (ExportError, FileNotFoundError, ValueError) as err:
         # a promoted drafter this target cannot run (deleted, or for another target) cannot hold a new one back
-        return {
-            "run": current["run"],
-            "acceptance_length": None,
-            "reason": f"the promoted drafter cannot be measured: {err}",
-        }
+        return Incumbent(current["run"], None, f"the promoted drafter cannot be measured: {err}")
     log(f"measuring the promoted drafter {current['run']} on the same prompts")
     k = cfg.evaluate.gate_k
-    m = _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log)
-    return {"run": current["run"], "acceptance_length": m.acceptance[k].acceptance_length}
+    return Incumbent(current["run"], _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
 
 
 def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
-    """Measure the newest export on the held-out prompts and prompt files; write report.json and PNGs."""
+    """Measure the newest export on the held-out prompts and prompt files; write report-<format>.json and PNGs."""
     ev = cfg.evaluate
     layout = StoreLayout(cfg.store_root)
     final = latest_final(layout)
@@ -230,8 +287,9 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     ks = tuple(sorted(set(ev.ks)))
     sets = _prompt_sets(cfg)
     room = cfg.tokenize.max_seq_len - ev.max_new_tokens
+    fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
     encoded = {
-        s.name: encode_fitting(target.tokenizer, s, room) for s in sets
+        name: [ids for _, ids in kept] for name, kept in fitting.items()
     }  # once: both drafters use them
     measured = {
         name: _measure_set(cfg, target, drafter, d2t, name, ids, ks, log) for name, ids in encoded.items()
@@ -239,13 +297,12 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     primary = sets[0].name
     heldout = measured[primary]
     current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, log)
-    gate = gate_decision(
-        ev.gate_k, run, heldout.acceptance[ev.gate_k].acceptance_length, current, ev.promotion_tolerance
-    )
+    gate = gate_decision(ev.gate_k, run, heldout.runs[ev.gate_k], current, ev.promotion_tolerance)
     out = layout.export_eval(run)
     pictures = _pictures(
         out,
-        f"{run}: per-position acceptance, {primary} prompts",
+        ev.export_format,
+        f"{run} ({ev.export_format} export): per-position acceptance, {primary} prompts",
         heldout,
         final.parent,
         summary,
@@ -263,11 +320,18 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
         },
         "tau": {str(k): _tau(summary, k) for k in ks},
         "primary": primary,
-        "sets": {s.name: {**measured[s.name].as_dict(), "rejected": s.reject_counts} for s in sets},
+        "sets": {
+            s.name: {
+                **with_prompt_ids(measured[s.name].as_dict(), [p for p, _ in fitting[s.name]]),
+                "rejected": s.reject_counts,
+                **by_category([p for p, _ in fitting[s.name]], measured[s.name]),
+            }
+            for s in sets
+        },
         "gate": asdict(gate),
         "pictures": {name: str(p) for name, p in pictures.items()},
     }
-    atomic_write_json(out / "report.json", report)
+    atomic_write_json(report_file(out, ev.export_format), report)
     log(
         f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
         f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}"
@@ -275,13 +339,53 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     return StepResult("drafter_eval", out, _metadata(report, ev.gate_k))
 
 
+def report_file(eval_dir: Path, fmt: str) -> Path:
+    """Each export format's measurement in its own file: measuring one never overwrites the other's."""
+    return eval_dir / f"report-{fmt}.json"
+
+
+def with_prompt_ids(measured: dict[str, Any], prompts: list[EvalPrompt]) -> dict[str, Any]:
+    """Each per-prompt result named by its prompt (and category), so a reader can find the hard ones."""
+    for by_k in measured["by_k"].values():
+        for row, prompt in zip(by_k["per_prompt"], prompts, strict=True):
+            row["id"] = prompt.id
+            if prompt.category is not None:
+                row["category"] = prompt.category
+    return measured
+
+
+def by_category(prompts: list[EvalPrompt], measured: Measurement) -> dict[str, Any]:
+    """{"by_category": {category: {K: AL, its interval, prompts}}} when the prompts carry a category, else {}."""
+    categories = sorted({p.category for p in prompts if p.category is not None})
+    if not categories:
+        return {}
+    out: dict[str, Any] = {}
+    for category in categories:
+        picked = [i for i, p in enumerate(prompts) if p.category == category]
+        out[category] = {
+            str(k): {
+                "prompts": len(picked),
+                "acceptance_length": round(_pooled([runs[i] for i in picked], k), 4),
+                "al_ci95": _rounded(bootstrap_al_interval([runs[i] for i in picked])),
+            }
+            for k, runs in measured.runs.items()
+        }
+    return {"by_category": out}
+
+
 def _pictures(
-    out: Path, title: str, heldout: Measurement, run_dir: Path, summary: dict[str, Any], steps: int
+    out: Path,
+    fmt: str,
+    title: str,
+    heldout: Measurement,
+    run_dir: Path,
+    summary: dict[str, Any],
+    steps: int,
 ) -> dict[str, Path]:
     bars = acceptance_bars(
         {k: a.per_position for k, a in heldout.acceptance.items()},
         {k: a.acceptance_length for k, a in heldout.acceptance.items()},
-        out / "acceptance.png",
+        out / f"acceptance-{fmt}.png",
         f"drafter {title}",
     )
     curves = training_curves(
@@ -321,7 +425,7 @@ def read_report(cfg: Eagle3Config) -> dict[str, Any]:
     """The newest run's evaluation report (written by eval_step)."""
     layout = StoreLayout(cfg.store_root)
     run = json.loads((latest_final(layout) / "summary.json").read_text())["run"]
-    path = layout.export_eval(run) / "report.json"
+    path = report_file(layout.export_eval(run), cfg.evaluate.export_format)
     if not path.exists():
         raise Eagle3Error(
             f"{path}: drafter {run} is not evaluated yet (materialize drafter_eval, or `eagle3 eval`)"

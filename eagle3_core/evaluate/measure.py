@@ -84,14 +84,60 @@ def bootstrap_al_interval(runs: Sequence[PromptRun], level: float = 0.95) -> tup
     rounds = np.array([len(r.accepted) for r in runs], dtype=np.float64)
     rng = np.random.default_rng(BOOTSTRAP_SEED)
     picks = rng.integers(0, len(runs), size=(BOOTSTRAP_RESAMPLES, len(runs)))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        al = 1.0 + accepted[picks].sum(axis=1) / rounds[picks].sum(axis=1)
+    al = pooled_al(accepted[picks], rounds[picks])
     al = al[np.isfinite(al)]
     if not al.size:
         return float("nan"), float("nan")
     tail = (1.0 - level) / 2 * 100
     lo, hi = np.percentile(al, [tail, 100 - tail])
     return float(lo), float(hi)
+
+
+def pooled_al(accepted: np.ndarray, rounds: np.ndarray) -> np.ndarray:
+    """1 + accepted / rounds, summed over the last axis (prompts): the AL of the pooled rounds."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.asarray(1.0 + accepted.sum(axis=-1) / rounds.sum(axis=-1))
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """AL(challenger) - AL(incumbent) on the same prompts, with its paired-bootstrap interval."""
+
+    difference: float
+    ci95: tuple[float, float]
+    prompts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "difference": round(self.difference, 4),
+            "ci95": [round(self.ci95[0], 4), round(self.ci95[1], 4)],
+            "prompts": self.prompts,
+        }
+
+
+def paired_al_difference(
+    challenger: Sequence[PromptRun], incumbent: Sequence[PromptRun], level: float = 0.95
+) -> PairedDifference:
+    """The pooled-AL difference of two drafters decoded on the same prompts, in the same order, and its
+    percentile interval from resampling prompts: each resample takes the same prompts for both drafters, so
+    what a prompt does to both (an easy prompt lifts both) cancels, and the interval is that of the difference.
+    """
+    if len(challenger) != len(incumbent):
+        raise ValueError(f"paired runs need the same prompts: {len(challenger)} against {len(incumbent)}")
+    if not challenger:
+        return PairedDifference(float("nan"), (float("nan"), float("nan")), 0)
+    a = np.array([[sum(r.accepted), len(r.accepted)] for r in challenger], dtype=np.float64)
+    b = np.array([[sum(r.accepted), len(r.accepted)] for r in incumbent], dtype=np.float64)
+    point = float(pooled_al(a[:, 0], a[:, 1]) - pooled_al(b[:, 0], b[:, 1]))
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    picks = rng.integers(0, len(a), size=(BOOTSTRAP_RESAMPLES, len(a)))
+    diffs = pooled_al(a[picks, 0], a[picks, 1]) - pooled_al(b[picks, 0], b[picks, 1])
+    diffs = diffs[np.isfinite(diffs)]
+    if not diffs.size:
+        return PairedDifference(point, (float("nan"), float("nan")), len(a))
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(diffs, [tail, 100 - tail])
+    return PairedDifference(point, (float(lo), float(hi)), len(a))
 
 
 def median_speedup(runs: Sequence[PromptRun]) -> float:

@@ -31,6 +31,7 @@ Messages = list[dict[str, str]]
 class EvalPrompt:
     id: str  # the sample id and turn, or file:line
     messages: Messages  # ends with the user turn the reply answers
+    category: str | None = None  # a prompt file's `category` field: AL is reported per category too
 
 
 @dataclass
@@ -99,6 +100,15 @@ def _prompt_of(record: Any, system_prompt: str | None) -> Messages:
     return messages
 
 
+def _category(record: Any) -> str | None:
+    category = record.get("category") if isinstance(record, dict) else None
+    if category is None:
+        return None
+    if not isinstance(category, str) or not category.strip():
+        raise RowRejected("wrong_shape", f"'category' must be a non-empty string, got {category!r}")
+    return category.strip()
+
+
 def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) -> PromptSet:
     """The prompts of a JSONL file, up to `limit`; unreadable rows are kept in `rejected` with their reason."""
     if not path.is_file():
@@ -107,7 +117,8 @@ def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) ->
     for row in jsonl_rows(path, path.name):
         where = f"{path.name}:{row.location.line}"
         try:
-            result.prompts.append(EvalPrompt(where, _prompt_of(decode_record(row), system_prompt)))
+            record = decode_record(row)
+            result.prompts.append(EvalPrompt(where, _prompt_of(record, system_prompt), _category(record)))
         except RowRejected as err:
             result.rejected.append({"id": where, "reason": err.reason, "detail": err.detail})
         if len(result.prompts) == limit:

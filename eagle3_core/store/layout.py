@@ -114,7 +114,7 @@ class StoreLayout:
         return self.root / "drafter" / "export"
 
     def export_eval(self, run: str) -> Path:
-        """The measured acceptance of one run's export: report.json and the PNGs, beside the export."""
+        """The measured acceptance of one run's export: report-<format>.json and the PNGs, beside the export."""
         return self.exports / run / "eval"
 
     @property

@@ -14,7 +14,7 @@ from eagle3_core.data.ingest import ingest
 from eagle3_core.drafting import export_step, train_step, vocab_step
 from eagle3_core.evaluate.measure import DecodeSettings, measure
 from eagle3_core.evaluate.prompts import encode, heldout_prompts
-from eagle3_core.evaluation import eval_step, load_exported, load_target, read_current
+from eagle3_core.evaluation import eval_step, load_exported, load_target, read_current, report_file
 from eagle3_core.pipeline import extract_step, regenerate_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
@@ -62,9 +62,18 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
         }
     )
     result = eval_step(cfg)
-    report = json.loads((result.path / "report.json").read_text())
+    report = json.loads(report_file(result.path, "sglang").read_text())
     heldout, from_file = report["sets"]["heldout"], report["sets"]["prompts"]
     assert heldout["prompts"] == 6 and from_file["prompts"] == 4
+    categories = from_file["by_category"]  # rows 1 (writing), 2 and 4 (chat) carry a category; 3 none
+    assert {c: v["3"]["prompts"] for c, v in categories.items()} == {"chat": 2, "writing": 1}
+    assert "by_category" not in heldout
+    runs = from_file["by_k"]["3"]["per_prompt"]  # prompts in file order: chat is the 2nd and 4th usable row
+    chat = [runs[1], runs[3]]
+    assert [r["id"] for r in chat] == ["prompts.jsonl:2", "prompts.jsonl:4"]
+    assert {r["category"] for r in chat} == {"chat"}
+    expected = 1 + sum(r["accepted"] for r in chat) / sum(r["rounds"] for r in chat)
+    assert categories["chat"]["3"]["acceptance_length"] == pytest.approx(expected, abs=1e-4)
     assert from_file["rejected"] == {
         "malformed_json": 1,
         "unknown_role": 1,
@@ -85,6 +94,26 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
     assert meta["al_k3"] == heldout["by_k"]["3"]["acceptance_length"]
     assert meta["greedy_mismatches_k3"] == 0
     assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
+
+
+def test_each_export_format_is_measured_into_its_own_report(project: Path) -> None:
+    cfg = load_config(project / "eagle3.yaml")
+    first = eval_step(cfg)
+    sglang = report_file(first.path, "sglang")
+    before = sglang.read_bytes()
+    other = cfg.model_copy(
+        update={"evaluate": cfg.evaluate.model_copy(update={"export_format": "speculators"})}
+    )
+    eval_step(other)
+    speculators = json.loads(report_file(first.path, "speculators").read_text())
+    assert speculators["format"] == "speculators" and json.loads(before)["format"] == "sglang"
+    assert sglang.read_bytes() == before  # measuring the second format left the first one's report alone
+    # one drafter in two formats is one network: the same rounds, prompt by prompt
+    a = json.loads(before)["sets"]["heldout"]["by_k"]["3"]["per_prompt"]
+    b = speculators["sets"]["heldout"]["by_k"]["3"]["per_prompt"]
+    assert [(r["id"], r["accepted"], r["rounds"]) for r in a] == [
+        (r["id"], r["accepted"], r["rounds"]) for r in b
+    ]
 
 
 def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(

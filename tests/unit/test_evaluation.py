@@ -1,15 +1,17 @@
 """Prompt files, the promotion gate's decision and the evaluation settings, without a model."""
 
 import math
+import random
 from pathlib import Path
 
 import pytest
 
 from eagle3_core.config import config_from_dict
 from eagle3_core.errors import ConfigError, Eagle3Error
+from eagle3_core.evaluate.measure import PathTiming, PromptRun
 from eagle3_core.evaluate.plots import acceptance_bars, markdown_image, training_curves
 from eagle3_core.evaluate.prompts import encode, file_prompts
-from eagle3_core.evaluation import gate_decision
+from eagle3_core.evaluation import Incumbent, gate_decision
 from tests.conftest import FIXTURES
 
 
@@ -49,25 +51,81 @@ def test_a_prompt_file_stops_at_the_limit_and_an_unusable_one_is_an_error(tmp_pa
         file_prompts(tmp_path / "missing.jsonl", limit=10)
 
 
+def _runs(per_prompt_al: list[float], rounds: int = 20, k: int = 3) -> list[PromptRun]:
+    """One PromptRun per prompt with `rounds` rounds whose accepted counts give that prompt's AL."""
+    runs = []
+    for al in per_prompt_al:
+        total = round((al - 1) * rounds)
+        accepted = [min(k, max(0, total - k * i)) for i in range(rounds)]
+        runs.append(PromptRun(tuple(accepted), PathTiming(), PathTiming()))
+    return runs
+
+
+def _prompt_als(seed: int, n: int = 60) -> list[float]:
+    """Prompts differ a lot from one another (what a paired comparison cancels)."""
+    g = random.Random(seed)
+    return [1.5 + 2.0 * g.random() for _ in range(n)]
+
+
+def test_the_paired_gate_refuses_a_worse_challenger() -> None:
+    base = _prompt_als(0)
+    decision = gate_decision(3, "new", _runs([a - 0.3 for a in base]), Incumbent("old", _runs(base)), 0.05)
+    assert not decision.passed and "below -0.05" in decision.reason
+    assert decision.difference == pytest.approx(-0.3, abs=0.02)
+    assert decision.difference_ci95 is not None and decision.difference_ci95[1] < 0
+    assert decision.candidate_ci95 is not None and decision.current_ci95 is not None
+
+
+def test_the_paired_gate_promotes_a_better_challenger_and_a_tie_within_tolerance() -> None:
+    base = _prompt_als(1)
+    better = gate_decision(3, "new", _runs([a + 0.2 for a in base]), Incumbent("old", _runs(base)), 0.05)
+    assert better.passed and better.difference_ci95 is not None and better.difference_ci95[0] > 0
+    tie = gate_decision(3, "new", _runs(base), Incumbent("old", _runs(base)), 0.05)
+    assert tie.passed and tie.difference == 0 and tie.difference_ci95 == [0.0, 0.0]
+    # a tie with noise: half the prompts 0.1 better, half 0.1 worse, in random order: the interval straddles 0
+    offsets = [0.1, -0.1] * (len(base) // 2)
+    random.Random(2).shuffle(offsets)
+    noisy = gate_decision(
+        3,
+        "new",
+        _runs([a + o for a, o in zip(base, offsets, strict=True)]),
+        Incumbent("old", _runs(base)),
+        0.05,
+    )
+    assert noisy.difference_ci95 is not None
+    assert noisy.difference_ci95[0] < 0 < noisy.difference_ci95[1] and noisy.passed
+
+
+def test_pairing_tells_apart_what_the_two_separate_intervals_cannot() -> None:
+    """A challenger 0.1 better on every prompt: the separate intervals overlap, the paired one is above 0."""
+    base = _prompt_als(3)
+    challenger, incumbent = _runs([a + 0.1 for a in base]), _runs(base)
+    decision = gate_decision(3, "new", challenger, Incumbent("old", incumbent), 0.0)
+    assert decision.candidate_ci95 is not None and decision.current_ci95 is not None
+    assert decision.candidate_ci95[0] < decision.current_ci95[1]  # overlapping
+    assert decision.difference_ci95 is not None and decision.difference_ci95[0] > 0 and decision.passed
+
+
 @pytest.mark.parametrize(
-    ("candidate", "current", "passed", "reason"),
+    ("incumbent", "passed", "reason"),
     [
-        (2.1, None, True, "no drafter is promoted yet"),
-        (2.1, {"run": "new", "acceptance_length": 9.0}, True, "this run is the promoted one"),
-        (2.1, {"run": "old", "acceptance_length": 2.0}, True, ">= the promoted"),
-        (1.96, {"run": "old", "acceptance_length": 2.0}, True, ">= the promoted"),  # within the tolerance
-        (1.94, {"run": "old", "acceptance_length": 2.0}, False, "below the promoted"),
-        (math.nan, None, False, "no verification round"),
-        (1.5, {"run": "old", "acceptance_length": None, "reason": "cannot be measured: gone"}, True, "gone"),
+        (None, True, "no drafter is promoted yet"),
+        (Incumbent("new", None, "this run is the promoted one"), True, "this run is the promoted one"),
+        (Incumbent("old", None, "the promoted drafter cannot be measured: gone"), True, "gone"),
     ],
 )
-def test_the_gate_promotes_unless_the_new_drafter_measured_worse(
-    candidate: float, current: dict | None, passed: bool, reason: str
+def test_the_gate_without_an_incumbent_to_measure(
+    incumbent: Incumbent | None, passed: bool, reason: str
 ) -> None:
-    decision = gate_decision(3, "new", candidate, current, tolerance=0.05)
-    assert decision.passed is passed
-    assert reason in decision.reason
-    assert decision.current_al == (current or {}).get("acceptance_length")
+    decision = gate_decision(3, "new", _runs([2.0] * 5), incumbent, tolerance=0.05)
+    assert decision.passed is passed and reason in decision.reason and decision.current_al is None
+
+
+def test_a_candidate_without_rounds_is_refused() -> None:
+    empty = [PromptRun((), PathTiming(), PathTiming())]
+    decision = gate_decision(3, "new", empty, None, tolerance=0.05)
+    assert not decision.passed and "no verification round" in decision.reason
+    assert math.isnan(decision.candidate_al)
 
 
 def test_gate_k_must_be_one_of_the_measured_ks(tmp_path: Path) -> None:
@@ -123,8 +181,12 @@ def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_ke
     prompts = sets[0]
     lengths = [len(encode(tokenizer, p.messages)) for p in prompts.prompts]
     room = sorted(lengths)[1]  # the two shortest fit
-    ids = encode_fitting(tokenizer, prompts, room)
+    kept = encode_fitting(tokenizer, prompts, room)
+    ids = [i for _, i in kept]
     assert len(ids) == sum(n <= room for n in lengths) and all(len(i) <= room for i in ids)
+    assert [p.id for p, _ in kept] == [
+        p.id for p, n in zip(prompts.prompts, lengths, strict=True) if n <= room
+    ]
     too_long = [r for r in prompts.rejected if r["reason"] == "too_long"]
     assert len(too_long) == len(lengths) - len(ids) > 0
     encode_fitting(tokenizer, prompts, room)  # measuring the same set again records nothing twice

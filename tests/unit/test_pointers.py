@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eagle3_core.config import load_config
 from eagle3_core.drafting import latest_final
-from eagle3_core.evaluation import GateDecision, promote_step, read_current
+from eagle3_core.evaluation import GateDecision, promote_step, read_current, report_file
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from tests.conftest import write_config
@@ -27,7 +27,7 @@ def _store_with_an_evaluated_run(project: Path) -> Path:
     (layout.exports / "r1" / "sglang").mkdir(parents=True)
     gate = GateDecision(True, 3, "r1", 2.5, None, None, 0.05, "no drafter is promoted yet")
     report = {"run": "r1", "export_dir": layout.pointer_path(layout.exports / "r1"), "gate": asdict(gate)}
-    atomic_write_json(layout.export_eval("r1") / "report.json", report)
+    atomic_write_json(report_file(layout.export_eval("r1"), "sglang"), report)
     return config
 
 

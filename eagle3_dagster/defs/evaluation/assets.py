@@ -24,8 +24,9 @@ from eagle3_dagster.defs.resources import Eagle3Resource
 )
 def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The exported drafter run by speculative decoding on held-out prompts: AL, per position, speedup."""
-    result = evaluation.eval_step(eagle3.config(), context.log.info)
-    report = json.loads((result.path / "report.json").read_text())
+    cfg = eagle3.config()
+    result = evaluation.eval_step(cfg, context.log.info)
+    report = json.loads(evaluation.report_file(result.path, cfg.evaluate.export_format).read_text())
     pictures = {name: Path(p) for name, p in report["pictures"].items()}
     return dg.MaterializeResult(
         metadata={
@@ -37,8 +38,49 @@ def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> d
             "training_curves": dg.MetadataValue.md(
                 markdown_image(pictures["training_curves"], "training curves")
             ),
+            "gate": dg.MetadataValue.md(gate_table(report["gate"])),
+            **(
+                {"acceptance_by_category": dg.MetadataValue.md(category_table(report))}
+                if any("by_category" in s for s in report["sets"].values())
+                else {}
+            ),
         }
     )
+
+
+def gate_table(gate: dict[str, Any]) -> str:
+    """The promotion decision with both drafters' intervals and the paired difference's."""
+
+    def interval(ci: list[float] | None) -> str:
+        return "" if not ci else f" ({ci[0]:.3f} to {ci[1]:.3f})"
+
+    rows = [
+        f"**{'promote' if gate['passed'] else 'refuse'}**: {gate['reason']}",
+        "",
+        f"| drafter | AL at K={gate['k']} (95% CI) |",
+        "|---|---|",
+        f"| new {gate['candidate_run']} | {gate['candidate_al']:.3f}{interval(gate.get('candidate_ci95'))} |",
+    ]
+    if gate.get("current_al") is not None:
+        rows.append(
+            f"| promoted {gate['current_run']} | {gate['current_al']:.3f}{interval(gate.get('current_ci95'))} |"
+        )
+        rows.append(
+            f"| difference (paired) | {gate['difference']:+.3f}{interval(gate.get('difference_ci95'))} |"
+        )
+    return "\n".join(rows)
+
+
+def category_table(report: dict[str, Any]) -> str:
+    rows = ["| prompts | category | K | AL (95% CI) | prompts |", "|---|---|---|---|---|"]
+    for name, measured in report["sets"].items():
+        for category, by_k in measured.get("by_category", {}).items():
+            for k, r in by_k.items():
+                rows.append(
+                    f"| {name} | {category} | {k} | {r['acceptance_length']:.3f} "
+                    f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | {r['prompts']} |"
+                )
+    return "\n".join(rows)
 
 
 def acceptance_table(report: dict[str, Any]) -> str:
@@ -62,7 +104,8 @@ def acceptance_table(report: dict[str, Any]) -> str:
 @dg.asset_check(
     asset=drafter_eval,
     blocking=True,
-    description="AL at gate_k not below the promoted drafter's minus the tolerance",
+    description="AL at gate_k, paired with the promoted drafter's on the same prompts: the lower 95% bound of "
+    "the difference is at least -promotion_tolerance",
 )
 def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
     gate = evaluation.gate_of(evaluation.read_report(eagle3.config()))
@@ -77,6 +120,16 @@ def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
             "current_run": gate.current_run or "",
             "current_al": -1.0 if gate.current_al is None else round(gate.current_al, 4),
             "tolerance": gate.tolerance,
+            "prompts": gate.prompts,
+            **(
+                {
+                    "difference": gate.difference,
+                    "difference_ci95_low": gate.difference_ci95[0],
+                    "difference_ci95_high": gate.difference_ci95[1],
+                }
+                if gate.difference is not None and gate.difference_ci95 is not None
+                else {}
+            ),
         },
     )
 
