@@ -220,6 +220,49 @@ def test_a_vocab_mapping_older_than_the_shards_is_refused(
         train_step(cfg, log=lambda _: None)
 
 
+def _short(lr: float, init_from: str = "scratch", vocab: int = 512, steps: int = 4) -> str:
+    return (
+        f"train: {{draft_vocab_size: {vocab}, batch_tokens: 2048, max_len: 256, max_steps: {steps}, lr: {lr}, "
+        f"log_every: 2, eval_every: 100, checkpoint_every: 100, val_fraction: 0.15, seed: 7, "
+        f"init_from: {init_from}}}\n"
+    )
+
+
+def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapping(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from eagle3_core.errors import Eagle3Error
+    from eagle3_core.store.atomic import atomic_write_json
+
+    first_cfg = load_config(_copy(shard_store, tmp_path / "p", train=_short(0.003)))
+    vocab_step(first_cfg)
+    promoted = train_step(first_cfg, log=lambda _: None)
+    layout = StoreLayout(first_cfg.store_root)
+    with pytest.raises(Eagle3Error, match="no drafter is promoted yet"):
+        train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current"))))
+    atomic_write_json(
+        layout.drafter_current, {"run": promoted.metadata["run"]}
+    )  # the field promote_step writes
+    before = _final_weights(tmp_path / "p")
+
+    # a vanishing learning rate: a warm run ends where the promoted run ended, a scratch run far from it
+    warm = train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current", steps=1))))
+    assert warm.metadata["run"] != promoted.metadata["run"]
+    summary = json.loads((warm.path / "summary.json").read_text())
+    assert summary["warm_from"] == promoted.metadata["run"]
+    after = load_file(str(warm.path / "drafter.safetensors"))
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6)
+    scratch = train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, steps=1))))
+    fresh = load_file(str(scratch.path / "drafter.safetensors"))
+    assert (fresh["fc.weight"] - before["fc.weight"]).abs().max() > 1e-3  # 1000x the tolerance above
+
+    other = load_config(_config(tmp_path / "p", shard_store[1], _short(0.003, "current", vocab=256)))
+    vocab_step(other)  # another draft vocabulary: another mapping, other tokens on the lm_head rows
+    with pytest.raises(Eagle3Error, match="trained with vocab mapping"):
+        train_step(other, log=lambda _: None)
+
+
 def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     shard_store: tuple[Path, Path], tmp_path: Path
 ) -> None:
