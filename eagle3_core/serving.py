@@ -5,6 +5,10 @@ SGLang loads `<export>/sglang` through `--speculative-draft-model-path`; vLLM lo
 through `--speculative-config` (method `eagle3`). Both draft K = `evaluate.gate_k` tokens a round, the K the
 promotion gate measured. The target is the one the export was made for, as its config.json records it.
 
+A drafter trained with a sliding window W: vLLM reads it from the speculators config, SGLang takes it only as
+the server argument `--speculative-draft-window-size`, which counts the keys left of the query (W - 1; see
+export/sglang.py), so the SGLang command passes it from the export's provenance block.
+
 Reads config.json files only, so printing the commands never imports torch.
 """
 
@@ -21,8 +25,9 @@ from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.sglang_server import launch_command
 
-# Mirrors eagle3_core.export.common.PROVENANCE_KEY (that module imports torch; this one must not).
+# Mirror eagle3_core.export.common's PROVENANCE_KEY and VARIANT_KEY (that module imports torch; this one must not).
 PROVENANCE_KEY = "eagle3_export"
+VARIANT_KEY = "drafter_variant"
 
 
 def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
@@ -67,9 +72,32 @@ def served_target(cfg: Eagle3Config, export_dir: Path) -> str:
     return str(name)
 
 
+def sglang_draft_window(export_dir: Path) -> int | None:
+    """SGLang's `--speculative-draft-window-size` for the export's drafter, None without a window.
+
+    Our window W admits the W keys in (q - W, q]; SGLang's S the keys in [q - S, q]: S = W - 1 (the exporter
+    refuses W = 1, which SGLang cannot take).
+    """
+    block = _config(export_dir / "sglang" / "config.json").get(PROVENANCE_KEY)
+    variant = block.get(VARIANT_KEY) if isinstance(block, dict) else None
+    window = variant.get("sliding_window") if isinstance(variant, dict) else None
+    if window is None:
+        return None
+    if type(window) is not int or window < 2:
+        raise Eagle3Error(
+            f"{export_dir / 'sglang' / 'config.json'}: {PROVENANCE_KEY}.{VARIANT_KEY}.sliding_window is "
+            f"{window!r}, not a window SGLang can take (an integer >= 2)"
+        )
+    return window - 1
+
+
 def sglang_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:
     target = target or served_target(cfg, export_dir)
-    return launch_command(cfg, target, "serve", drafter_dir=export_dir / "sglang")
+    argv = launch_command(cfg, target, "serve", drafter_dir=export_dir / "sglang")
+    window = sglang_draft_window(export_dir)
+    if window is not None:
+        argv += ["--speculative-draft-window-size", str(window)]
+    return argv
 
 
 def vllm_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:

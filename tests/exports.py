@@ -47,11 +47,12 @@ def drafter_config(target: ExportTarget, draft_vocab_size: int, **overrides: obj
 
 
 def random_drafter(cfg: DrafterConfig, embed: torch.Tensor | None = None, seed: int = 0) -> Eagle3Drafter:
-    """A randomly initialised drafter whose norm weights are not all ones (a swapped norm must show)."""
+    """A randomly initialised drafter whose norm weights are not all ones (a swapped norm must show): the
+    layer's, the final one, and the variants' input_norm and fc_norm.{i}."""
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg, embed)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:
                 param.add_(0.2 * torch.randn_like(param))
     return drafter.eval()

@@ -1,10 +1,20 @@
-"""What the SGLang and speculators/vLLM exports share: the target's facts, the weight layout, strict validation,
-an atomic directory write, and reloading an export into our drafter.
+"""What the SGLang and speculators/vLLM exports share: the target's facts, the weight layout, the drafter's
+variant flags, strict validation, an atomic directory write, and loading a drafter directory into our drafter.
 
 A format (sglang.py, speculators.py) says only what differs: how it names the decoder layer's weights, whether it
-carries the embedding, how it numbers the aux layers, and how it writes and reads its config.json. A missing or
-unexpected key is an error, never a warning (DESIGN.md section 3): the engines skip unknown keys silently and
-run random weights in place of missing ones (REFERENCE.md failure mode 2).
+carries the embedding, how it numbers the aux layers, how it writes and reads its config.json, and which variants
+its engine can run. A missing or unexpected key is an error, never a warning (DESIGN.md section 3): the engines
+skip unknown keys silently and run random weights in place of missing ones (REFERENCE.md failure mode 2).
+
+Two kinds of directory are read:
+- our own exports (config.json carries the `eagle3_export` provenance block): every field must be written
+  explicitly, the weights file holds exactly the format's tensors in the dtype config.json names, and the
+  engine fields must agree with the variant the provenance records;
+- a drafter from another trainer (speculators' `save_pretrained`, SpecForge, EAGLE's releases): no provenance,
+  and every field is read as its engine reads it, the engine's defaults included. Its weights get the same shape
+  checks, with what those trainers write beside the drafter tolerated (an embedding the engine replaces or may
+  take, speculators' `verifier_*` copies, no d2t/t2d when the draft vocab is the target's, sharded safetensors,
+  speculators' optimizer/scheduler state); its dtype is the weights' own. Pickled weights are refused.
 """
 
 from __future__ import annotations
@@ -21,21 +31,35 @@ from typing import Any, ClassVar, Literal, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
 from eagle3_core.store.atomic import fsync_path
-from eagle3_core.targets.base import AUX_LAYER_CONVENTION, FinalStateConvention, check_aux_layer_ids
+from eagle3_core.targets.base import (
+    AUX_LAYER_CONVENTION,
+    FinalStateConvention,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+)
 
 FormatName = Literal["sglang", "speculators"]
-SCHEMA = "eagle3.export/1"
+SCHEMA = "eagle3.export/2"
+# exports written before the variant flags: their drafter had none (all false, no window), and their SGLang
+# config names no flag, so they are read as the engine reads them and checked against that all-false variant
+LEGACY_SCHEMA = "eagle3.export/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+SHARD_INDEX_FILE = "model.safetensors.index.json"
 PROVENANCE_KEY = "eagle3_export"  # our own block inside config.json; the engines ignore unknown fields
+VARIANT_KEY = "drafter_variant"  # inside the provenance: the variant the drafter was trained as
 OUR_LAYER_PREFIX = "midlayer."
 EMBED_KEY = "embed_tokens.weight"
+# the variant flags of DrafterConfig that engines read from config.json (the sliding window is apart: where it
+# is said differs per engine)
+FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 # torch dtype <-> config.json name <-> safetensors header name, for the dtypes a drafter is exported in
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -50,6 +74,11 @@ def dtype_name(dtype: torch.dtype) -> str:
         if torch_dtype == dtype:
             return name
     raise ExportError(f"cannot export in {dtype}: choose one of {', '.join(DTYPES)}")
+
+
+def variant_of(cfg: DrafterConfig) -> dict[str, Any]:
+    """The drafter's variant as the provenance records it: every flag and the window, explicitly."""
+    return {**{flag: bool(getattr(cfg, flag)) for flag in FLAGS}, "sliding_window": cfg.sliding_window}
 
 
 # ---- the target ------------------------------------------------------------------------------------------
@@ -117,11 +146,12 @@ class ExportInfo:
 
     format: FormatName
     aux_layer_ids: tuple[int, int, int]  # project convention
-    engine_aux_layer_ids: tuple[int, int, int]  # as written in config.json for the engine
+    engine_aux_layer_ids: tuple[int, int, int]  # as config.json gives them to the engine (or its default)
     dtype: torch.dtype
     final_state_convention: FinalStateConvention | None  # None for an export made elsewhere (no provenance)
     vocab_mapping_fingerprint: str | None
     target_name_or_path: str | None
+    external: bool = False  # made by another trainer: read as its engine reads it, no provenance
 
 
 class LoadedExport(NamedTuple):
@@ -154,12 +184,29 @@ def field(
     return value
 
 
+def optional_field(
+    config: dict[str, Any],
+    path: str,
+    kind: type | tuple[type, ...],
+    default: Any,
+    where: str,
+    within: str = "",
+) -> Any:
+    """`field`, or `default` where the config lacks it (what an engine does for an absent field)."""
+    value: Any = config
+    for part in path.split("."):
+        value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is _MISSING:
+            return default
+    return field(config, path, kind, where, within)
+
+
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
 def _names(kind: type | tuple[type, ...]) -> str:
-    return " or ".join(k.__name__ for k in _as_tuple(kind))
+    return " or ".join("null" if k is type(None) else k.__name__ for k in _as_tuple(kind))
 
 
 def expect(condition: bool, where: str, message: str) -> None:
@@ -189,13 +236,25 @@ def config_dtype(config: dict[str, Any], where: str) -> torch.dtype:
     return DTYPES[name][0]
 
 
+def read_flag(
+    config: dict[str, Any], key: str, where: str, *, ours: bool, default: bool = False, within: str = ""
+) -> bool:
+    """A variant flag: required in our exports (every flag is written), else the engine's default when absent."""
+    if ours:
+        return bool(field(config, key, bool, where, within))
+    value = optional_field(config, key, (bool, type(None)), None, where, within)
+    return default if value is None else bool(value)  # the engines read a null flag as unset
+
+
 @dataclass(frozen=True)
 class ConfigFacts:
     """What a format's config.json says, in our terms."""
 
     drafter: DrafterConfig
-    engine_aux_layer_ids: tuple[int, int, int]
-    dtype: torch.dtype
+    # None: the config names no aux layers, and the engines use their default for the target
+    engine_aux_layer_ids: tuple[int, int, int] | None
+    # None: a drafter made elsewhere, whose dtype is its weights' own (the engines cast to theirs anyway)
+    dtype: torch.dtype | None
 
 
 def llama_layer_config(cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype) -> dict[str, Any]:
@@ -228,15 +287,10 @@ def llama_layer_config(cfg: DrafterConfig, target: ExportTarget, dtype: torch.dt
 
 
 def read_llama_layer(
-    layer: dict[str, Any],
-    where: str,
-    prefix: str,
-    *,
-    target_hidden_size: int | None,
-    draft_vocab_size: int,
-    require_rope_theta: bool,
-) -> tuple[DrafterConfig, torch.dtype]:
-    """The inverse of `llama_layer_config`, every field checked; `prefix` names the fields' place in the file.
+    layer: dict[str, Any], where: str, prefix: str, *, require_rope_theta: bool
+) -> tuple[dict[str, Any], torch.dtype]:
+    """The inverse of `llama_layer_config` for our own exports, every field required and checked: the sizes
+    as DrafterConfig fields, and the dtype. `prefix` names the fields' place in the file.
 
     `require_rope_theta`: the reader knows only the transformers 4 field (SGLang), not `rope_parameters`.
     """
@@ -282,30 +336,86 @@ def read_llama_layer(
     hidden = get("hidden_size", int)
     heads = get("num_attention_heads", int)
     head_dim = get("head_dim", int)
+    sizes = {
+        "hidden_size": hidden,
+        "intermediate_size": get("intermediate_size", int),
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads", int),
+        # None when it is the derived value, so a reloaded config equals the one that was exported
+        "head_dim": None if head_dim * heads == hidden else head_dim,
+        "rms_norm_eps": float(get("rms_norm_eps", (int, float))),
+        "rope_theta": thetas.pop(),
+        "target_vocab_size": get("vocab_size", int),
+    }
+    return sizes, config_dtype(layer, where)
+
+
+def read_external_layer(layer: dict[str, Any], where: str, prefix: str) -> dict[str, Any]:
+    """The decoder layer of a drafter made elsewhere, as the engines build it: through transformers'
+    LlamaConfig, so an absent field takes the value the engines' readers give it. Sizes as DrafterConfig fields.
+    """
+    from transformers import LlamaConfig
+
+    place = prefix or "config"
+    kind = layer.get("model_type")
+    expect(
+        kind == "llama",
+        where,
+        f"{place} model_type is {kind!r}: only a Llama decoder layer is supported (eagle3's drafter)",
+    )
     try:
-        drafter = DrafterConfig(
-            target_hidden_size=target_hidden_size if target_hidden_size is not None else hidden,
-            hidden_size=hidden,
-            intermediate_size=get("intermediate_size", int),
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", int),
-            # None when it is the derived value, so a reloaded config equals the one that was exported
-            head_dim=None if head_dim * heads == hidden else head_dim,
-            rms_norm_eps=float(get("rms_norm_eps", (int, float))),
-            rope_theta=thetas.pop(),
-            target_vocab_size=get("vocab_size", int),
-            draft_vocab_size=draft_vocab_size,
-        )
+        llama = LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"})
+    except Exception as e:  # transformers' own validation: say which file, not a library traceback
+        message = " ".join(str(e).split())  # one line: transformers' messages span several
+        raise ExportError(f"{where}: {place} is not a valid LlamaConfig ({message})") from e
+    layers = llama.num_hidden_layers
+    expect(
+        layers == 1, where, f"{place} num_hidden_layers is {layers}: eagle3's drafter has one decoder layer"
+    )
+    expect(
+        llama.tie_word_embeddings is False,
+        where,
+        f"{place} tie_word_embeddings is true: the engine would use the embedding as lm_head",
+    )
+    expect(llama.hidden_act == "silu", where, f"{place} hidden_act must be silu, got {llama.hidden_act!r}")
+    biases = [k for k in ("attention_bias", "mlp_bias") if getattr(llama, k, False)]
+    expect(not biases, where, f"{place} {biases} set: eagle3's drafter has no biases")
+    rope = dict(llama.rope_parameters or {})
+    theta = rope.pop("rope_theta", None)
+    rope_type = rope.pop("rope_type", "default")
+    partial = rope.pop("partial_rotary_factor", 1.0)
+    expect(
+        rope_type == "default" and not rope and partial == 1.0 and isinstance(theta, int | float),
+        where,
+        f"{place} rope_parameters {llama.rope_parameters!r}: eagle3's drafter runs plain full-head RoPE only",
+    )
+    assert isinstance(theta, int | float)  # for mypy; expect() raised otherwise
+    head_dim = int(llama.head_dim or llama.hidden_size // llama.num_attention_heads)
+    return {
+        "hidden_size": llama.hidden_size,
+        "intermediate_size": llama.intermediate_size,
+        "num_heads": llama.num_attention_heads,
+        "num_kv_heads": llama.num_key_value_heads,
+        "head_dim": None if head_dim * llama.num_attention_heads == llama.hidden_size else head_dim,
+        "rms_norm_eps": float(llama.rms_norm_eps),
+        "rope_theta": float(theta),
+        "target_vocab_size": llama.vocab_size,
+    }
+
+
+def drafter_config(fields: dict[str, Any], where: str) -> DrafterConfig:
+    try:
+        return DrafterConfig(**fields)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
-        raise ExportError(f"{where}: inconsistent sizes ({e})") from e
-    return drafter, config_dtype(layer, where)
+        message = " ".join(str(e).split())  # one line: pydantic's messages span several
+        raise ExportError(f"{where}: inconsistent drafter config ({message})") from e
 
 
 # ---- formats ---------------------------------------------------------------------------------------------
 class ExportFormat(ABC):
     name: ClassVar[FormatName]
     layer_prefix: ClassVar[str]  # what our "midlayer." is called in this format
-    with_embedding: ClassVar[bool]  # whether the target's embedding travels in the weights file
+    with_embedding: ClassVar[bool]  # whether our export puts the target's embedding in the weights file
 
     @abstractmethod
     def engine_layer_ids(self, project_ids: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -316,14 +426,35 @@ class ExportFormat(ABC):
         """The inverse of `engine_layer_ids`."""
 
     @abstractmethod
+    def check_expressible(self, cfg: DrafterConfig) -> None:
+        """ExportError unless this format's engine can run exactly the drafter `cfg` describes."""
+
+    @abstractmethod
     def build_config(
         self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
     ) -> dict[str, Any]:
         """The whole config.json of an export."""
 
     @abstractmethod
-    def read_config(self, config: dict[str, Any], where: str) -> ConfigFacts:
-        """Check every field the engine needs and turn them into our terms; ExportError on anything absent or off."""
+    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
+        """Check the fields the engine needs and turn them into our terms; ExportError on anything absent or off.
+
+        `ours`: the directory is our own export (every field written explicitly); otherwise fields are read as
+        the engine reads them, its defaults for absent ones included.
+        """
+
+    def canonical_key(self, theirs: str) -> str:
+        """A weight name of a drafter made elsewhere -> this format's name for the same tensor (the aliases the
+        engine's loader accepts). Our exports use the format's names only."""
+        return theirs
+
+    def external_optional(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+        """Tensors a drafter made elsewhere may carry or not, beside the format's own (with their shapes)."""
+        shapes: dict[str, tuple[int, ...]] = {EMBED_KEY: (cfg.target_vocab_size, cfg.hidden_size)}
+        if cfg.draft_vocab_size == cfg.target_vocab_size:
+            # no vocab pruning: trainers leave the identity mapping out, and the engines need none
+            shapes |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.target_vocab_size,)}
+        return shapes
 
     def engine_key(self, ours: str) -> str:
         return (
@@ -340,7 +471,7 @@ class ExportFormat(ABC):
         )
 
     def expected_shapes(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-        """Exactly the tensors this format's weights file holds, with their shapes."""
+        """Exactly the tensors our export in this format holds, with their shapes."""
         shapes = {
             self.engine_key(k): s
             for k, s in drafter_shapes(cfg).items()
@@ -352,9 +483,14 @@ class ExportFormat(ABC):
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Our drafter's state_dict shapes, from the config alone (no model is built: the embedding can be GBs)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.dim
-    return {
-        EMBED_KEY: (cfg.target_vocab_size, h),
-        "fc.weight": (h, cfg.num_aux * cfg.target_hidden_size),
+    aux = cfg.num_aux * cfg.target_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED_KEY: (cfg.target_vocab_size, h)}
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (aux,)
+    if cfg.fc_norm:
+        shapes |= {f"fc_norm.{k}.weight": (cfg.target_hidden_size,) for k in range(cfg.num_aux)}
+    return shapes | {
+        "fc.weight": (h, aux),
         "midlayer.hidden_norm.weight": (h,),
         "midlayer.input_layernorm.weight": (h,),
         "midlayer.self_attn.q_proj.weight": (cfg.num_heads * d, 2 * h),
@@ -409,9 +545,10 @@ def _check_inputs(cfg: DrafterConfig, mapping: VocabMapping, target: ExportTarge
 
 
 def provenance(
-    fmt: ExportFormat, target: ExportTarget, mapping: VocabMapping, dtype: torch.dtype
+    fmt: ExportFormat, cfg: DrafterConfig, target: ExportTarget, mapping: VocabMapping, dtype: torch.dtype
 ) -> dict[str, Any]:
-    """Our block in config.json: what the engines' fields cannot say (conventions, fingerprint, origin)."""
+    """Our block in config.json: what the engines' fields cannot say (conventions, fingerprint, origin, and
+    the variant trained, which the engine fields must match)."""
     return {
         "schema": SCHEMA,
         "format": fmt.name,
@@ -419,8 +556,7 @@ def provenance(
         "aux_layer_convention": AUX_LAYER_CONVENTION,
         "engine_aux_layer_ids": list(fmt.engine_layer_ids(target.aux_layer_ids)),
         "final_state_convention": target.final_state_convention,
-        # our drafter's residual comes from h, not hidden_norm(h): the network SGLang runs (failure mode 11)
-        "norm_before_residual": False,
+        VARIANT_KEY: variant_of(cfg),
         "vocab_mapping_fingerprint": mapping.fingerprint,
         "dtype": dtype_name(dtype),
         "target": {
@@ -476,6 +612,7 @@ def write_export(
     """Write `out_dir` as `fmt`, validate it while still hidden, then put it in place atomically."""
     cfg = drafter.cfg
     dtype_name(dtype)  # refuse an unsupported dtype before any work
+    fmt.check_expressible(cfg)
     _check_inputs(cfg, mapping, target)
     tensors = {
         fmt.engine_key(name): tensor.detach().to("cpu", dtype).contiguous()
@@ -484,7 +621,7 @@ def write_export(
     }
     tensors["d2t"] = mapping.d2t.to("cpu", torch.int64).contiguous()
     tensors["t2d"] = mapping.t2d.to("cpu", torch.bool).contiguous()
-    config = fmt.build_config(cfg, target, dtype, provenance(fmt, target, mapping, dtype))
+    config = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
     with _staging_dir(out_dir) as temp:
         # transformers refuses a safetensors file whose metadata lacks format=pt
         save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -500,7 +637,66 @@ def write_export(
 class CheckedExport:
     config: dict[str, Any]
     facts: ConfigFacts
-    provenance: dict[str, Any] | None
+    provenance: dict[str, Any] | None  # None: a drafter made elsewhere
+    dtype: torch.dtype  # of its float tensors
+    tensors: dict[str, tuple[Path, str]]  # this format's name -> (the file holding it, the name there)
+
+
+def read_config_file(directory: Path, where: str) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    expect(path.is_file(), where, f"no {CONFIG_FILE}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: not JSON ({e})") from e
+    expect(isinstance(config, dict), where, f"{CONFIG_FILE} is not a JSON object")
+    return cast(dict[str, Any], config)
+
+
+def _weight_files(out_dir: Path, ours: bool, where: str) -> list[Path]:
+    """The safetensors files an engine loads from `out_dir`; any other weight file there is an error."""
+    present = sorted(p.name for p in out_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if ours:
+        expect(WEIGHTS_FILE in present, where, f"no {WEIGHTS_FILE}")
+        # another weights file would be loaded too (or instead) by an engine: only ours may be there
+        others = [n for n in present if n != WEIGHTS_FILE] + sorted(
+            p.name for p in out_dir.glob("*.index.json")
+        )
+        expect(not others, where, f"unexpected weight files {others}")
+        return [out_dir / WEIGHTS_FILE]
+    index = out_dir / SHARD_INDEX_FILE
+    if index.is_file():
+        expect(
+            WEIGHTS_FILE not in present, where, f"both {WEIGHTS_FILE} and {SHARD_INDEX_FILE}: which is it?"
+        )
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ExportError(f"{index}: not a safetensors index with a weight_map ({e})") from e
+        expect(
+            all(isinstance(s, str) and "/" not in s for s in shards),
+            where,
+            f"{SHARD_INDEX_FILE} names {shards}",
+        )
+        missing = [s for s in shards if not (out_dir / s).is_file()]
+        expect(not missing, where, f"{SHARD_INDEX_FILE} names missing shards {missing}")
+        files = shards
+    elif WEIGHTS_FILE in present:
+        files = [WEIGHTS_FILE]
+    else:
+        pickled = [n for n in present if not n.endswith(".safetensors")]
+        expect(
+            not pickled,
+            where,
+            f"weights {pickled} are pickled: eagle3 never unpickles; convert them to {WEIGHTS_FILE}",
+        )
+        raise ExportError(f"{where}: no {WEIGHTS_FILE}")
+    # SGLang's and vLLM's loaders take the safetensors when there are any and skip pickled files (speculators'
+    # optimizer/scheduler state, a repository's older .bin); a stray .safetensors they would load as well
+    stray = [n for n in present if n.endswith(".safetensors") and n not in files]
+    expect(not stray, where, f"unexpected weight files {stray} beside {files}")
+    return [out_dir / f for f in files]
 
 
 def _weights_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -514,16 +710,14 @@ def _weights_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _check_provenance(
-    fmt: ExportFormat, config: dict[str, Any], facts: ConfigFacts, where: str
-) -> dict[str, Any] | None:
-    block = config.get(PROVENANCE_KEY)
-    if block is None:
-        return None  # an export made elsewhere (SpecForge, speculators): the engine fields were checked all the same
+    fmt: ExportFormat, config: dict[str, Any], facts: ConfigFacts, block: Any, where: str
+) -> dict[str, Any]:
     expect(isinstance(block, dict), where, f"{PROVENANCE_KEY} must be an object")
+    schema = block.get("schema")
     expect(
-        block.get("schema") == SCHEMA,
+        schema in (SCHEMA, LEGACY_SCHEMA),
         where,
-        f"{PROVENANCE_KEY}.schema is {block.get('schema')!r}, not {SCHEMA!r}",
+        f"{PROVENANCE_KEY}.schema is {schema!r}, not {SCHEMA!r}",
     )
     expect(
         block.get("format") == fmt.name,
@@ -535,78 +729,157 @@ def _check_provenance(
         fmt.engine_layer_ids(ours) == facts.engine_aux_layer_ids,
         where,
         f"aux layers {list(ours)} (project convention) should be written {list(fmt.engine_layer_ids(ours))} for "
-        f"{fmt.name}, but the config has {list(facts.engine_aux_layer_ids)}",
+        f"{fmt.name}, but the config has {list(facts.engine_aux_layer_ids or [])}",
     )
     expect(
         block.get("final_state_convention") in ("pre_norm", "post_norm"),
         where,
         f"{PROVENANCE_KEY}.final_state_convention is {block.get('final_state_convention')!r}",
     )
+    trained = (
+        field(config, f"{PROVENANCE_KEY}.{VARIANT_KEY}", dict, where)
+        if schema == SCHEMA
+        else {**dict.fromkeys(FLAGS, False), "sliding_window": None}
+    )
+    served = variant_of(facts.drafter)
+    off = [
+        f"{k} {served[k]!r} (trained {trained.get(k, 'unsaid')!r})"
+        for k in served
+        if trained.get(k, _MISSING) != served[k]
+    ]
+    expect(
+        not off,
+        where,
+        f"the engine fields give another drafter than the one trained: {'; '.join(off)}",
+    )
     return block
 
 
 def check_export(fmt: ExportFormat, out_dir: Path) -> CheckedExport:
-    """Validate a directory as `fmt`; returns what it read. Reads the weights' header and d2t/t2d only."""
+    """Validate a directory as `fmt`; returns what it read. Reads the weights' header and d2t/t2d only.
+
+    Our own exports (with provenance) are checked strictly; a drafter made elsewhere as its engine reads it.
+    """
     out_dir = Path(out_dir)
     where = f"{out_dir} ({fmt.name} export)"
-    config_path, weights_path = out_dir / CONFIG_FILE, out_dir / WEIGHTS_FILE
-    expect(config_path.is_file(), where, f"no {CONFIG_FILE}")
-    expect(weights_path.is_file(), where, f"no {WEIGHTS_FILE}")
-    # another weights file would be loaded too (or instead) by an engine: only ours may be there
-    others = sorted(
-        p.name
-        for p in out_dir.iterdir()
-        if p.name != WEIGHTS_FILE and p.suffix in (".safetensors", ".bin", ".pt", ".pth")
-    )
-    others += sorted(p.name for p in out_dir.glob("*.index.json"))
-    expect(not others, where, f"unexpected weight files {others}")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{config_path}: not JSON ({e})") from e
-    expect(isinstance(config, dict), where, f"{CONFIG_FILE} is not a JSON object")
-    facts = fmt.read_config(config, where)
+    config = read_config_file(out_dir, where)
+    block = config.get(PROVENANCE_KEY)
+    ours = block is not None
+    files = _weight_files(out_dir, ours, where)
+    legacy = isinstance(block, dict) and block.get("schema") == LEGACY_SCHEMA
+    facts = fmt.read_config(config, where, ours=ours and not legacy)
+    provenance_block = _check_provenance(fmt, config, facts, block, where) if ours else None
 
-    header = _weights_header(weights_path)
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
+    tensors: dict[str, tuple[Path, str]] = {}
+    for path in files:
+        for name, meta in _weights_header(path).items():
+            key = name if ours else fmt.canonical_key(name)
+            if key in tensors:
+                raise ExportError(f"{where}: two tensors for {key} ({tensors[key][1]} and {name})")
+            header[key], tensors[key] = meta, (path, name)
     expected = fmt.expected_shapes(facts.drafter)
-    missing, unexpected = sorted(expected.keys() - header.keys()), sorted(header.keys() - expected.keys())
+    optional = {} if ours else fmt.external_optional(facts.drafter)
+    required = expected.keys() - optional.keys()
+    allowed = expected | optional
+    missing, unexpected = sorted(required - header.keys()), sorted(header.keys() - allowed.keys())
     if missing or unexpected:
         raise ExportError(
             f"{where}: weight keys differ from the {fmt.name} layout: missing {missing}, unexpected {unexpected}"
         )
     wrong = [
-        f"{k} {list(header[k][1])} (expected {list(s)})" for k, s in expected.items() if header[k][1] != s
+        f"{k} {list(header[k][1])} (expected {list(allowed[k])})"
+        for k in header
+        if header[k][1] != allowed[k]
     ]
     if wrong:
         raise ExportError(f"{where}: shapes do not match config.json: {'; '.join(wrong)}")
-    float_dtype = DTYPES[dtype_name(facts.dtype)][1]
-    want = {k: ("I64" if k == "d2t" else "BOOL" if k == "t2d" else float_dtype) for k in expected}
-    wrong = [f"{k} {header[k][0]} (expected {d})" for k, d in want.items() if header[k][0] != d]
-    if wrong:
-        raise ExportError(
-            f"{where}: dtypes do not match config.json ({dtype_name(facts.dtype)}): {'; '.join(wrong)}"
-        )
+    dtype = _float_dtype(header, facts.dtype, where)
 
-    with safe_open(str(weights_path), framework="pt") as f:
-        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    d2t, t2d = _read_pair(tensors, facts.drafter, where)
     problem = vocab_problem(d2t, t2d, facts.drafter.draft_vocab_size, facts.drafter.target_vocab_size)
     expect(problem is None, where, f"inconsistent d2t/t2d: {problem}")
-    return CheckedExport(config, facts, _check_provenance(fmt, config, facts, where))
+    return CheckedExport(config, facts, provenance_block, dtype, tensors)
+
+
+def _float_dtype(
+    header: dict[str, tuple[str, tuple[int, ...]]], declared: torch.dtype | None, where: str
+) -> torch.dtype:
+    """The one dtype of the drafter's float tensors: the declared one for our exports, the weights' own else."""
+    kinds = {k: ("I64" if k == "d2t" else "BOOL" if k == "t2d" else None) for k in header}
+    if declared is not None:
+        float_name = DTYPES[dtype_name(declared)][1]
+        want = {k: v or float_name for k, v in kinds.items()}
+        wrong = [f"{k} {header[k][0]} (expected {d})" for k, d in want.items() if header[k][0] != d]
+        if wrong:
+            raise ExportError(
+                f"{where}: dtypes do not match config.json ({dtype_name(declared)}): {'; '.join(wrong)}"
+            )
+        return declared
+    wrong = [f"{k} {header[k][0]} (expected {v})" for k, v in kinds.items() if v and header[k][0] != v]
+    expect(not wrong, where, f"vocab mapping dtypes: {'; '.join(wrong)}")
+    floats = {header[k][0] for k, v in kinds.items() if v is None}
+    by_header = {st: name for name, (_, st) in DTYPES.items()}
+    expect(
+        len(floats) == 1 and next(iter(floats)) in by_header,
+        where,
+        f"the weights must share one of {', '.join(DTYPES)}, got {sorted(floats)}",
+    )
+    return DTYPES[by_header[next(iter(floats))]][0]
+
+
+def _read_pair(
+    tensors: dict[str, tuple[Path, str]], cfg: DrafterConfig, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from the weights, or the identity mapping where a full-vocab drafter carries none."""
+    present = [key for key in ("d2t", "t2d") if key in tensors]
+    if not present:
+        # check_export allows this only when the draft vocab is the target's (external_optional)
+        return torch.zeros(cfg.draft_vocab_size, dtype=torch.int64), torch.ones(
+            cfg.target_vocab_size, dtype=torch.bool
+        )
+    expect(len(present) == 2, where, f"{present[0]} without its pair: give both d2t and t2d, or neither")
+    pair = []
+    for key in ("d2t", "t2d"):
+        path, name = tensors[key]
+        with safe_open(str(path), framework="pt") as f:
+            pair.append(f.get_tensor(name))
+    return pair[0], pair[1]
 
 
 # ---- loading ---------------------------------------------------------------------------------------------
-def load(fmt: ExportFormat, out_dir: Path, embed_weight: torch.Tensor | None) -> LoadedExport:
-    """Validate, then rebuild our drafter (in the export's dtype) with d2t, t2d and what the export says."""
+def load(
+    fmt: ExportFormat,
+    out_dir: Path,
+    embed_weight: torch.Tensor | None,
+    *,
+    target_num_layers: int | None = None,
+) -> LoadedExport:
+    """Validate, then rebuild our drafter (in the directory's dtype) with d2t, t2d and what the directory says.
+
+    `target_num_layers`: only for a config that names no aux layers, whose engines then use their default
+    (2, L//2, L-3) for the target.
+    """
     checked = check_export(fmt, out_dir)
-    facts, where = checked.facts, f"{out_dir} ({fmt.name} export)"
-    tensors = load_file(str(Path(out_dir) / WEIGHTS_FILE))
-    d2t, t2d = tensors.pop("d2t"), tensors.pop("t2d")
-    state = {fmt.our_key(name): tensor for name, tensor in tensors.items()}
+    facts, where, dtype = checked.facts, f"{out_dir} ({fmt.name} export)", checked.dtype
+    external = checked.provenance is None
+    d2t, t2d = _read_pair(checked.tensors, facts.drafter, where)
+    drafter_keys = {fmt.engine_key(k) for k in drafter_shapes(facts.drafter)}
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted({path for path, _ in checked.tensors.values()}):
+        with safe_open(str(path), framework="pt") as f:
+            for key, (where_is, name) in checked.tensors.items():
+                # d2t/t2d are returned apart; speculators' verifier_* copies are no part of the drafter
+                if where_is == path and key in drafter_keys:
+                    state[fmt.our_key(key)] = f.get_tensor(name)
+    if EMBED_KEY in state and not fmt.with_embedding:
+        # SGLang always gives an EAGLE-3 drafter the target's embedding (set_embed); the file's is not used
+        del state[EMBED_KEY]
     if EMBED_KEY in state:
-        # the export carries the embedding the engine will use; a different one from the caller is a wrong pairing
+        # the directory carries the embedding the engine will use; a different one from the caller is a wrong pairing
         if embed_weight is not None:
             same = embed_weight.shape == state[EMBED_KEY].shape and torch.equal(
-                embed_weight.to("cpu", facts.dtype), state[EMBED_KEY]
+                embed_weight.to("cpu", dtype), state[EMBED_KEY]
             )
             expect(
                 same, where, "its embed_tokens differ from the embedding given: exported for another target?"
@@ -620,18 +893,33 @@ def load(fmt: ExportFormat, out_dir: Path, embed_weight: torch.Tensor | None) ->
             where,
             f"embedding given is {list(embed_weight.shape)}, expected {list(expected)}",
         )
-        state[EMBED_KEY] = embed_weight.to("cpu", facts.dtype)
-    drafter = Eagle3Drafter(facts.drafter).to(facts.dtype)
+        state[EMBED_KEY] = embed_weight.to("cpu", dtype)
+    drafter = Eagle3Drafter(facts.drafter).to(dtype)
     # check_export made the key sets equal; strict all the same, so a drift in our own model cannot pass
     drafter.load_state_dict(state, strict=True)
+    engine_ids = facts.engine_aux_layer_ids
+    if engine_ids is None:
+        expect(
+            target_num_layers is not None,
+            where,
+            "config.json names no aux layers, so the engine uses its default (2, L//2, L-3) for the target: "
+            "pass target_num_layers",
+        )
+        assert target_num_layers is not None  # for mypy
+        try:
+            project_ids = default_aux_layer_ids(target_num_layers, where)
+        except ValueError as e:
+            raise ExportError(str(e)) from e
+        engine_ids = fmt.engine_layer_ids(project_ids)
     block = checked.provenance or {}
     info = ExportInfo(
         format=fmt.name,
-        aux_layer_ids=fmt.project_layer_ids(facts.engine_aux_layer_ids),
-        engine_aux_layer_ids=facts.engine_aux_layer_ids,
-        dtype=facts.dtype,
+        aux_layer_ids=fmt.project_layer_ids(engine_ids),
+        engine_aux_layer_ids=engine_ids,
+        dtype=dtype,
         final_state_convention=block.get("final_state_convention"),
         vocab_mapping_fingerprint=block.get("vocab_mapping_fingerprint"),
         target_name_or_path=(block.get("target") or {}).get("name_or_path"),
+        external=external,
     )
     return LoadedExport(drafter, d2t, t2d, info)

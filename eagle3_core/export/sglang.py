@@ -2,12 +2,34 @@
 
 SGLang's loader (`srt/models/llama_eagle3.py`, `LlamaForCausalLMEagle3`) builds one Llama decoder layer named
 `midlayer`, our own name, and skips unknown weight keys silently; it derives `hot_token_id = d2t + arange` and
-ignores `t2d` (written all the same: it is what the vocab mapping is, and other tools read it). It shares the
-target's embedding, so `embed_tokens` is left out. Its residual comes from h, as ours does; the layer has no
-`norm_before_residual` option at all (REFERENCE.md failure mode 11).
+ignores `t2d` (written all the same: it is what the vocab mapping is, and other tools read it). It gives an
+EAGLE-3 drafter the target's embedding (`set_embed`), so `embed_tokens` is left out.
+
+Variants, as SGLang 0.5.23 reads them (every one written explicitly, true or false):
+- `norm_before_fc`: `eagle_config.norm_before_fc`, else the top-level field; written in both places.
+- `fc_norm`: the top-level `fc_norm` (or the legacy `use_aux_norm`, weights `aux_norm_low/mid/high`, which a
+  drafter made elsewhere may use); ours writes `fc_norm` and `fc_norm.{i}.weight`.
+- `norm_output`: the top-level field.
+- `norm_before_residual`: SGLang has no such option, its residual is always h. A drafter trained with it is
+  refused (ExportError): SGLang would serve another network. `norm_before_residual: false` is written so that
+  vLLM, which also loads this architecture and defaults the flag false here, agrees.
+- the sliding window: not a config field for SGLang but the server argument `--speculative-draft-window-size`,
+  which LlamaForCausalLMEagle3 applies to its attention. SGLang's window counts the keys left of the query
+  (its attention backends see keys in [q - S, q]), where ours (and vLLM's, speculators') is the W keys in
+  (q - W, q]: the argument is S = W - 1, so a window of 1 cannot be expressed and is refused. The window is
+  written in our provenance block (`drafter_variant.sliding_window`), which `eagle3 serve-command`
+  (serving.py) reads to pass the argument; a drafter from elsewhere cannot say its window, and loads with none,
+  as SGLang runs it without the argument (and as vLLM runs this format: it reads a window from `layer_types`,
+  which only the speculators export writes).
 
 Layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the *input* of layer
-`id + 1` (`set_eagle3_layers_to_capture`), so project aux k (the input of layer k) is written k - 1.
+`id + 1` (`set_eagle3_layers_to_capture`), so project aux k (the input of layer k) is written k - 1. Without the
+field it captures the inputs of layers (2, L//2, L-3), which is the project convention's default.
+
+A drafter made elsewhere (SpecForge, EAGLE's releases) is read as SGLang reads it: its layer may be named
+`midlayer.` or `layers.0.`, its tensors may carry a `model.` prefix, `target_hidden_size` defaults to
+`hidden_size`. Without `draft_vocab_size` SGLang would use the target's lm_head, which the directory cannot
+give: refused.
 """
 
 from __future__ import annotations
@@ -21,20 +43,43 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
 from eagle3_core.export.common import (
+    FLAGS,
+    OUR_LAYER_PREFIX,
     PROVENANCE_KEY,
+    VARIANT_KEY,
     ConfigFacts,
     ExportFormat,
     ExportTarget,
     FormatName,
+    drafter_config,
     expect,
     field,
     layer_ids,
     llama_layer_config,
+    optional_field,
+    read_external_layer,
+    read_flag,
     read_llama_layer,
     write_export,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE_CONFIG = "eagle_config"
+# SGLang's legacy per-aux norm names (its load_weights renames them)
+LEGACY_FC_NORM = {
+    "aux_norm_low.": "fc_norm.0.",
+    "aux_norm_mid.": "fc_norm.1.",
+    "aux_norm_high.": "fc_norm.2.",
+}
+NO_RESIDUAL_NORM = (
+    "norm_before_residual is true: SGLang has no such option (its residual is h, not hidden_norm(h)), so it "
+    "would serve another network than the trained one; serve it with vLLM (the speculators export)"
+)
+
+
+def draft_window_argument(sliding_window: int) -> int:
+    """Our window W (the W keys in (q - W, q]) as SGLang's `--speculative-draft-window-size` (keys in [q - S, q])."""
+    return sliding_window - 1
 
 
 class SGLangFormat(ExportFormat):
@@ -55,6 +100,16 @@ class SGLangFormat(ExportFormat):
         a, b, c = engine_ids
         return (a + 1, b + 1, c + 1)
 
+    def check_expressible(self, cfg: DrafterConfig) -> None:
+        if cfg.norm_before_residual:
+            raise ExportError(f"cannot export for SGLang: {NO_RESIDUAL_NORM}")
+        if cfg.sliding_window is not None and draft_window_argument(cfg.sliding_window) < 1:
+            raise ExportError(
+                f"cannot export for SGLang: sliding_window {cfg.sliding_window} would be "
+                f"--speculative-draft-window-size {draft_window_argument(cfg.sliding_window)}, and SGLang "
+                "needs it positive"
+            )
+
     def build_config(
         self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
     ) -> dict[str, Any]:
@@ -63,37 +118,95 @@ class SGLangFormat(ExportFormat):
             "architectures": [ARCHITECTURE],
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
-            "eagle_config": {
+            **{flag: getattr(cfg, flag) for flag in FLAGS},
+            EAGLE_CONFIG: {
                 "eagle_aux_hidden_state_layer_ids": list(self.engine_layer_ids(target.aux_layer_ids)),
                 "use_aux_hidden_state": True,
+                "norm_before_fc": cfg.norm_before_fc,  # where SGLang and vLLM look first
             },
             PROVENANCE_KEY: provenance,
         }
 
-    def read_config(self, config: dict[str, Any], where: str) -> ConfigFacts:
+    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
         architectures = field(config, "architectures", list, where)
         expect(
             architectures == [ARCHITECTURE],
             where,
             f"architectures must be [{ARCHITECTURE!r}], got {architectures!r}",
         )
+        use_aux = (
+            field(config, f"{EAGLE_CONFIG}.use_aux_hidden_state", bool, where)
+            if ours
+            else optional_field(config, f"{EAGLE_CONFIG}.use_aux_hidden_state", bool, True, where)
+        )
+        expect(use_aux, where, f"{EAGLE_CONFIG}.use_aux_hidden_state must be true")
+        path = f"{EAGLE_CONFIG}.eagle_aux_hidden_state_layer_ids"
+        raw_ids = (
+            field(config, path, list, where) if ours else optional_field(config, path, list, None, where)
+        )
+        ids = None if raw_ids is None else layer_ids(raw_ids, path, where)
+        expect(ids is None or min(ids) >= 0, where, f"{path} {raw_ids}: SGLang ids are >= 0")
+        if ours:
+            sizes, dtype = read_llama_layer(config, where, "", require_rope_theta=True)
+            target_hidden = field(config, "target_hidden_size", int, where)
+        else:
+            sizes, dtype = read_external_layer(config, where, ""), None
+            target_hidden = optional_field(config, "target_hidden_size", int, sizes["hidden_size"], where)
+        draft_vocab = optional_field(config, "draft_vocab_size", int, None, where)
         expect(
-            field(config, "eagle_config.use_aux_hidden_state", bool, where),
+            draft_vocab is not None,
             where,
-            "eagle_config.use_aux_hidden_state must be true",
+            "config field 'draft_vocab_size' is missing: SGLang would then use the target's lm_head, "
+            "which is not in a drafter directory",
         )
-        path = "eagle_config.eagle_aux_hidden_state_layer_ids"
-        ids = layer_ids(field(config, path, list, where), path, where)
-        expect(min(ids) >= 0, where, f"{path} {list(ids)}: SGLang ids are >= 0")
-        drafter, dtype = read_llama_layer(
-            config,
-            where,
-            "",
-            target_hidden_size=field(config, "target_hidden_size", int, where),
-            draft_vocab_size=field(config, "draft_vocab_size", int, where),
-            require_rope_theta=True,
+        flags = self._flags(config, where, ours=ours)
+        return ConfigFacts(
+            drafter=drafter_config(
+                {
+                    **sizes,
+                    "target_hidden_size": target_hidden,
+                    "draft_vocab_size": draft_vocab,
+                    **flags,
+                    "sliding_window": self._window(config, where) if ours else None,
+                },
+                where,
+            ),
+            engine_aux_layer_ids=ids,
+            dtype=dtype,
         )
-        return ConfigFacts(drafter=drafter, engine_aux_layer_ids=ids, dtype=dtype)
+
+    def _flags(self, config: dict[str, Any], where: str, *, ours: bool) -> dict[str, bool]:
+        flags = {flag: read_flag(config, flag, where, ours=ours) for flag in FLAGS}
+        nested = optional_field(config, f"{EAGLE_CONFIG}.norm_before_fc", bool, None, where)
+        if ours:
+            expect(
+                nested == flags["norm_before_fc"],
+                where,
+                f"{EAGLE_CONFIG}.norm_before_fc {nested!r} must equal norm_before_fc {flags['norm_before_fc']!r}",
+            )
+        elif nested is not None:
+            flags["norm_before_fc"] = nested  # SGLang and vLLM read eagle_config's first
+        if not ours:
+            flags["fc_norm"] = flags["fc_norm"] or read_flag(config, "use_aux_norm", where, ours=False)
+        expect(not flags["norm_before_residual"], where, NO_RESIDUAL_NORM)
+        return flags
+
+    def _window(self, config: dict[str, Any], where: str) -> int | None:
+        # SGLang's config has no window field: ours records the trained one for the serve command
+        path = f"{PROVENANCE_KEY}.{VARIANT_KEY}.sliding_window"
+        window: int | None = field(config, path, (int, type(None)), where)
+        expect(window is None or window > 0, where, f"{path} must be positive, got {window}")
+        return window
+
+    def canonical_key(self, theirs: str) -> str:
+        # SGLang's load_weights accepts a "model." prefix, "layers.0." for "midlayer.", and the legacy norm names
+        name = theirs.removeprefix("model.")
+        if name.startswith("layers.0."):
+            name = OUR_LAYER_PREFIX + name.removeprefix("layers.0.")
+        for legacy, new in LEGACY_FC_NORM.items():
+            if name.startswith(legacy):
+                name = new + name.removeprefix(legacy)
+        return name
 
 
 SGLANG = SGLangFormat()
@@ -107,5 +220,8 @@ def export_sglang(
     *,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write a validated SGLang draft-model directory at `out_dir` (replacing one there, atomically)."""
+    """Write a validated SGLang draft-model directory at `out_dir` (replacing one there, atomically).
+
+    ExportError for a drafter SGLang cannot run as trained (norm_before_residual, a window of 1).
+    """
     return write_export(SGLANG, drafter, mapping, target, out_dir, dtype)

@@ -107,19 +107,41 @@ def speculators_eagle3() -> ModuleType:
     )
 
 
+VARIANTS: dict[str, dict[str, object]] = {
+    "plain": {},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "sliding_window": {"sliding_window": 16},  # narrower than the 128 tokens compared
+}
+
+
 # its CPU attention path (unfused, exact), and its calling convention under transformers 5.24
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_the_speculators_package_loads_our_export_with_the_same_logits(
-    tmp_path: Path, drafter: Eagle3Drafter, mapping: VocabMapping, target: ExportTarget, head: TargetHead
+    tmp_path: Path,
+    variant: str,
+    mapping: VocabMapping,
+    target: ExportTarget,
+    head: TargetHead,
 ) -> None:
     eagle3 = speculators_eagle3()
+    drafter = random_drafter(drafter_config(target, K, **VARIANTS[variant]), head.embed, seed=5)
     out = export_speculators(drafter, mapping, target, tmp_path / "speculators", dtype=torch.float32)
     # its own loader, from the directory alone: config class, weights, verifier weights (from the target dir)
     model = eagle3.Eagle3DraftModel.from_pretrained(str(out)).eval()
 
     config = model.config
-    assert config.norm_before_residual is False and config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    cfg = drafter.cfg
+    for flag in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+        assert getattr(config, flag) is getattr(cfg, flag), flag
+    assert model.sliding_window == cfg.sliding_window and model.uses_sliding_window_attn == (
+        cfg.sliding_window is not None
+    )
+    assert config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
     assert config.draft_vocab_size == K and config.transformer_layer_config.vocab_size == VOCAB
     assert torch.equal(model.d2t, mapping.d2t) and torch.equal(model.t2d, mapping.t2d)
     assert torch.equal(model.embed_tokens.weight, head.embed)
@@ -149,10 +171,16 @@ def test_the_speculators_package_loads_our_export_with_the_same_logits(
         ours = drafter.ttt_forward(aux, ids, STEPS)
     assert len(logits) == STEPS
     for step in range(STEPS):
-        torch.testing.assert_close(logits[step], ours[step], rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        # speculators windows step k's entry p by its step-0 index p, the engines (and we) by its position
+        # p + k: the two agree where neither cuts a key (tests/integration/test_speculators_parity.py)
+        window = cfg.sliding_window
+        agree = torch.arange(length) < (length if window is None or step == 0 else window - step)
+        torch.testing.assert_close(
+            logits[step][:, agree], ours[step][:, agree], rtol=1e-5, atol=1e-5, msg=f"step {step}"
+        )
 
     # the comparison is sharp: speculators' other residual convention is another network (failure mode 11)
-    model.layers[0].norm_before_residual = True
+    model.layers[0].norm_before_residual = not cfg.norm_before_residual
     run()
     hook.remove()
     assert (logits[0] - ours[0]).abs().max() > 1e-2

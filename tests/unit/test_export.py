@@ -18,8 +18,10 @@ from eagle3_core.errors import ExportError
 from eagle3_core.export import (
     ExportTarget,
     FormatName,
+    detect_format,
     export_sglang,
     export_speculators,
+    load_drafter_dir,
     load_export,
     validate_export,
 )
@@ -114,11 +116,6 @@ def test_the_engine_fields_are_written(pristine: dict[FormatName, Path]) -> None
     top = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
     assert keys["sglang"] == top | {f"midlayer.{k}" for k in layer}  # DESIGN.md section 3, exactly
     assert keys["speculators"] == top | {f"layers.0.{k}" for k in layer} | {"embed_tokens.weight"}
-
-
-def test_the_exporter_knows_every_drafter_tensor() -> None:
-    model = Eagle3Drafter(CFG)
-    assert drafter_shapes(CFG) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def test_sglang_cannot_express_aux_layer_0(tmp_path: Path, drafter: Eagle3Drafter) -> None:
@@ -277,9 +274,44 @@ CONFIG_CASES: list[tuple[FormatName, Callable[[dict[str, Any]], None], str]] = [
         r"should be written \[1, 3, 4\]",
     ),
     ("sglang", _set("draft_vocab_size", K + 1), "lm_head.weight"),
+    # every flag is written: an engine would take an absent one as its default
+    ("sglang", _drop("norm_before_fc"), "'norm_before_fc' is missing"),
+    ("sglang", _drop("fc_norm"), "'fc_norm' is missing"),
+    ("sglang", _drop("norm_output"), "'norm_output' is missing"),
+    ("sglang", _drop("norm_before_residual"), "'norm_before_residual' is missing"),
+    # SGLang and vLLM read eagle_config's norm_before_fc before the top-level one
+    ("sglang", _set("eagle_config.norm_before_fc", True), "eagle_config.norm_before_fc True must equal"),
+    ("sglang", _set("norm_before_residual", True), "SGLang has no such option"),
+    ("sglang", _set("norm_output", True), "another drafter than the one trained: norm_output True"),
+    # SGLang's window lives in the provenance alone (a server argument, not a config field)
+    (
+        "sglang",
+        _drop("eagle3_export.drafter_variant"),
+        "'eagle3_export.drafter_variant.sliding_window' is missing",
+    ),
+    ("sglang", _set("eagle3_export.drafter_variant.sliding_window", 0), "sliding_window must be positive"),
+    # the engine fields must give the network that was trained (here: no such step, no window)
     ("speculators", _drop("norm_before_residual"), "'norm_before_residual' is missing"),
-    ("speculators", _set("norm_before_residual", True), "norm_before_residual must be false"),
-    ("speculators", _set("norm_output", True), "norm_output must be false"),
+    ("speculators", _drop("eagle3_export.drafter_variant"), "'eagle3_export.drafter_variant' is missing"),
+    ("speculators", _drop("norm_output"), "'norm_output' is missing"),
+    (
+        "speculators",
+        _set("norm_before_residual", True),
+        "another drafter than the one trained: norm_before_residual True",
+    ),
+    ("speculators", _set("norm_output", True), "another drafter than the one trained: norm_output True"),
+    ("speculators", _set("fc_norm", True), r"fc_norm True \(trained False\)"),
+    ("speculators", _drop("transformer_layer_config.layer_types"), "'transformer_layer_config.layer_types'"),
+    (
+        "speculators",
+        _set("transformer_layer_config.layer_types", ["sliding_attention"]),
+        "layer_types is \\['sliding_attention'\\] but sliding_window is None",
+    ),
+    (
+        "speculators",
+        _set("transformer_layer_config.layer_types", ["full_attention", "full_attention"]),
+        "one decoder layer",
+    ),
     (
         "speculators",
         _drop("eagle_aux_hidden_state_layer_ids"),
@@ -381,3 +413,410 @@ def test_a_failed_export_leaves_the_previous_one(
         export_speculators(random_drafter(CFG, seed=1), MAPPING, TARGET, out)
     assert (out / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+# ---- variants: each flag written as the engines read it, and reloaded as the same network ----------------
+EMBED = torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=torch.Generator().manual_seed(9))
+STEPS = 3
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "sliding_window": {"sliding_window": 4},  # the inputs are 12 long: the window cuts
+    # what speculators' own trainer defaults to
+    "speculators_defaults": {
+        "norm_before_fc": True,
+        "norm_output": True,
+        "norm_before_residual": True,
+        "sliding_window": 2048,
+    },
+}
+PLAIN_VARIANT = {
+    "norm_before_fc": False,
+    "fc_norm": False,
+    "norm_output": False,
+    "norm_before_residual": False,
+    "sliding_window": None,
+}
+
+
+def engine_view(fmt: FormatName, config: dict[str, Any]) -> dict[str, Any]:
+    """The variant as each engine's reader takes it from config.json (SGLang 0.5.23 llama_eagle3.py, vLLM
+    configs/speculators/algos.py and llama.py's layer_types rule), written out again here independently."""
+    if fmt == "sglang":
+        eagle = config.get("eagle_config") or {}
+        return {
+            "norm_before_fc": bool(eagle.get("norm_before_fc", config.get("norm_before_fc", False))),
+            "fc_norm": bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
+            "norm_output": bool(config.get("norm_output", False)),
+            "norm_before_residual": False,  # SGLang has no such option: its residual is h
+            # not a config field: the serve command's --speculative-draft-window-size, from our provenance
+            "sliding_window": config["eagle3_export"]["drafter_variant"]["sliding_window"],
+        }
+    layer = config["transformer_layer_config"]
+    sliding = (layer.get("layer_types") or ["full_attention"])[0] == "sliding_attention"
+    return {
+        "norm_before_fc": config.get("norm_before_fc", False),
+        "fc_norm": config.get("fc_norm", False),
+        "norm_output": config.get("norm_output", False),
+        "norm_before_residual": config.get("norm_before_residual", True),  # vLLM: absent is true
+        "sliding_window": layer.get("sliding_window") if sliding else None,
+    }
+
+
+def inputs(length: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, length, 3 * TARGET.hidden_size, generator=g)
+    return aux, torch.randint(0, TARGET.vocab_size, (1, length), generator=g)
+
+
+def logits_of(drafter: Eagle3Drafter, length: int = 12) -> list[torch.Tensor]:
+    aux, ids = inputs(length)
+    with torch.no_grad():
+        return drafter.ttt_forward(aux, ids, STEPS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_each_variant_is_written_for_its_engine_and_reloads_as_the_same_network(
+    tmp_path: Path, fmt: FormatName, variant: str
+) -> None:
+    cfg = drafter_config(TARGET, K, **VARIANTS[variant])
+    drafter = random_drafter(cfg, EMBED, seed=2)
+    out = tmp_path / fmt
+    if fmt == "sglang" and cfg.norm_before_residual:
+        with pytest.raises(ExportError, match=r"SGLang has no such option .* residual is h"):
+            export_sglang(drafter, MAPPING, TARGET, out, dtype=torch.float32)
+        assert not out.exists()
+        return
+    EXPORTERS[fmt](drafter, MAPPING, TARGET, out, dtype=torch.float32)
+    config = config_of(out)
+    trained = {**PLAIN_VARIANT, **VARIANTS[variant]}
+    assert engine_view(fmt, config) == trained
+    # every flag explicitly, true or false: no engine default decides the network
+    assert all(isinstance(config[flag], bool) for flag in PLAIN_VARIANT if flag != "sliding_window")
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert ("input_norm.weight" in keys) == cfg.norm_before_fc
+    assert ({"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= keys) == cfg.fc_norm
+
+    loaded = load_export(out, fmt, EMBED)
+    assert loaded.drafter.cfg == cfg and loaded.info.external is False
+    ours, theirs = logits_of(drafter), logits_of(loaded.drafter)
+    for step in range(STEPS):
+        assert torch.equal(ours[step], theirs[step]), step
+    if variant != "plain":
+        # the flags are what makes the network: the same weights without them draft otherwise
+        plain = Eagle3Drafter(cfg.model_copy(update=PLAIN_VARIANT))
+        plain.load_state_dict(loaded.drafter.state_dict(), strict=False)
+        assert max(float((a - b).abs().max()) for a, b in zip(logits_of(plain), theirs, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_exporter_knows_every_tensor_of_each_variant(variant: str) -> None:
+    cfg = drafter_config(TARGET, K, **VARIANTS[variant])
+    assert drafter_shapes(cfg) == {k: tuple(v.shape) for k, v in Eagle3Drafter(cfg).state_dict().items()}
+
+
+def test_sglang_is_given_the_window_as_a_server_argument(tmp_path: Path) -> None:
+    """SGLang's --speculative-draft-window-size S admits keys [q - S, q]: a trained window W is S = W - 1."""
+    from eagle3_core.serving import sglang_draft_window
+
+    for window, argument in ((4, 3), (None, None)):
+        cfg = drafter_config(TARGET, K, sliding_window=window)
+        export_sglang(random_drafter(cfg), MAPPING, TARGET, tmp_path / str(window) / "sglang")
+        assert sglang_draft_window(tmp_path / str(window)) == argument
+        assert "sliding_window" not in config_of(
+            tmp_path / str(window) / "sglang"
+        )  # SGLang has no such field
+    with pytest.raises(ExportError, match="--speculative-draft-window-size 0"):
+        export_sglang(
+            random_drafter(drafter_config(TARGET, K, sliding_window=1)), MAPPING, TARGET, tmp_path / "w1"
+        )
+    export_speculators(
+        random_drafter(drafter_config(TARGET, K, sliding_window=1)), MAPPING, TARGET, tmp_path / "s1"
+    )
+
+
+# ---- drafters made elsewhere -----------------------------------------------------------------------------
+def external(
+    source: Path,
+    out: Path,
+    config_edit: Callable[[dict[str, Any]], None] | None = None,
+    tensors_edit: Callable[[Tensors], object] | None = None,
+) -> Path:
+    """A copy of one of our exports as another trainer would leave it: no provenance block, then edited."""
+    directory = Path(shutil.copytree(source, out))
+    config = config_of(directory)
+    del config["eagle3_export"]
+    if config_edit is not None:
+        config_edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    if tensors_edit is not None:
+        tensors = load_file(str(directory / "model.safetensors"))
+        tensors_edit(tensors)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def variant_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Eagle3Drafter, Path]]:
+    """fc_norm for SGLang, the speculators defaults for speculators: drafters with norm weights of their own."""
+    root = tmp_path_factory.mktemp("variants")
+    sglang = random_drafter(drafter_config(TARGET, K, fc_norm=True), EMBED, seed=3)
+    spec = random_drafter(drafter_config(TARGET, K, **VARIANTS["speculators_defaults"]), EMBED, seed=4)
+    return {
+        "sglang": (sglang, export_sglang(sglang, MAPPING, TARGET, root / "sglang", dtype=torch.float32)),
+        "speculators": (
+            spec,
+            export_speculators(spec, MAPPING, TARGET, root / "speculators", dtype=torch.float32),
+        ),
+    }
+
+
+def assert_same_network(a: Eagle3Drafter, b: Eagle3Drafter) -> None:
+    assert a.cfg == b.cfg
+    for step, (x, y) in enumerate(zip(logits_of(a), logits_of(b), strict=True)):
+        assert torch.equal(x, y), step
+
+
+def test_a_speculators_drafter_from_elsewhere_loads_as_its_engine_reads_it(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    drafter, source = variant_exports["speculators"]
+
+    def like_the_package(config: dict[str, Any]) -> None:
+        # what speculators' save_pretrained writes instead of our fields
+        config["architectures"] = ["Eagle3DraftModel"]
+        config["target_hidden_size"] = None
+        config["speculators_config"]["verifier"] = {"name_or_path": None, "architectures": []}
+        layer = config["transformer_layer_config"]
+        for key in ("head_dim", "rope_theta", "torch_dtype", "dtype", "tie_word_embeddings"):
+            del layer[key]  # LlamaConfig's defaults, or derived: head_dim = hidden / heads here
+        config["dtype"] = "float32"
+
+    def with_verifier_copies(t: Tensors) -> None:
+        t["verifier_lm_head.weight"] = torch.zeros(K, TARGET.hidden_size)
+        t["verifier_norm.weight"] = torch.ones(TARGET.hidden_size)
+
+    out = external(source, tmp_path / "ext", like_the_package, with_verifier_copies)
+    (out / "optimizer_state_dict.pt").write_bytes(b"not read")  # speculators' checkpointer leaves these
+    (out / "config.py").write_text("")
+    validate_export(out, "auto")
+    loaded = load_drafter_dir(out)  # the embedding travels with it
+    assert loaded.info.external and loaded.info.format == "speculators"
+    assert loaded.info.aux_layer_ids == (2, 4, 5) and loaded.info.final_state_convention is None
+    assert torch.equal(loaded.d2t, MAPPING.d2t) and torch.equal(loaded.t2d, MAPPING.t2d)
+    assert_same_network(drafter, loaded.drafter)
+
+    # without the embedding, the target's is needed
+    bare = external(source, tmp_path / "bare", tensors_edit=lambda t: t.pop("embed_tokens.weight"))
+    with pytest.raises(ExportError, match="pass the target's embedding"):
+        load_drafter_dir(bare)
+    assert_same_network(drafter, load_drafter_dir(bare, "speculators", EMBED).drafter)
+
+
+def test_a_drafter_from_elsewhere_is_loaded_in_its_own_dtype(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    drafter, source = variant_exports["speculators"]
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+
+        def cast(t: Tensors, dtype: torch.dtype = dtype) -> None:
+            for key in [k for k in t if t[k].is_floating_point()]:
+                t[key] = t[key].to(dtype)
+
+        # its config still says float32: the engines cast to their own dtype, the weights are what it is
+        loaded = load_drafter_dir(external(source, tmp_path / name, tensors_edit=cast))
+        assert loaded.info.dtype == dtype and loaded.drafter.fc.weight.dtype == dtype
+        assert torch.equal(loaded.drafter.fc.weight, drafter.fc.weight.to(dtype))
+
+    def mixed(t: Tensors) -> None:
+        t["lm_head.weight"] = t["lm_head.weight"].half()
+
+    with pytest.raises(ExportError, match=r"share one of .*\['F16', 'F32'\]"):
+        load_drafter_dir(external(source, tmp_path / "mixed", tensors_edit=mixed))
+
+
+def test_an_sglang_drafter_from_elsewhere_with_legacy_names_loads(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    drafter, source = variant_exports["sglang"]
+
+    def legacy_config(config: dict[str, Any]) -> None:
+        for key in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "target_hidden_size"):
+            del config[key]
+        del config["eagle_config"]["norm_before_fc"]
+        config["use_aux_norm"] = True  # SGLang's older name for fc_norm
+
+    def legacy_names(t: Tensors) -> None:
+        for i, level in enumerate(("low", "mid", "high")):
+            t[f"aux_norm_{level}.weight"] = t.pop(f"fc_norm.{i}.weight")
+        for name in [n for n in t if n.startswith("midlayer.")]:
+            t[name.replace("midlayer.", "model.layers.0.")] = t.pop(name)
+        t["embed_tokens.weight"] = torch.zeros(
+            TARGET.vocab_size, TARGET.hidden_size
+        )  # SGLang uses the target's
+
+    out = external(source, tmp_path / "ext", legacy_config, legacy_names)
+    assert detect_format(out) == "sglang"
+    loaded = load_drafter_dir(out, "auto", EMBED)
+    assert loaded.info.external and loaded.info.aux_layer_ids == (2, 4, 5)
+    assert_same_network(drafter, loaded.drafter)
+    assert torch.equal(loaded.drafter.embed_tokens.weight, EMBED)
+
+    def no_layer_ids(config: dict[str, Any]) -> None:
+        del config["eagle_config"]
+
+    bare = external(source, tmp_path / "no-ids", no_layer_ids)
+    with pytest.raises(ExportError, match=r"names no aux layers.*pass target_num_layers"):
+        load_drafter_dir(bare, "sglang", EMBED)
+    # SGLang then captures the inputs of layers (2, L//2, L-3)
+    defaulted = load_drafter_dir(bare, "sglang", EMBED, target_num_layers=8)
+    assert defaulted.info.aux_layer_ids == (2, 4, 5) and defaulted.info.engine_aux_layer_ids == (1, 3, 4)
+
+
+def test_a_sharded_drafter_from_elsewhere_loads(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    drafter, source = variant_exports["speculators"]
+    out = external(source, tmp_path / "sharded")
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(out / shard), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_same_network(drafter, load_drafter_dir(out).drafter)
+    (out / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ExportError, match="missing shards"):
+        load_drafter_dir(out)
+
+
+def test_a_full_vocab_drafter_from_elsewhere_needs_no_mapping(tmp_path: Path) -> None:
+    full = hand_mapping(TARGET.vocab_size, TARGET.vocab_size)  # the identity: d2t all zeros
+    drafter = random_drafter(drafter_config(TARGET, TARGET.vocab_size), EMBED, seed=5)
+    source = export_speculators(drafter, full, TARGET, tmp_path / "ours", dtype=torch.float32)
+
+    def no_mapping(t: Tensors) -> None:
+        del t["d2t"], t["t2d"]
+
+    loaded = load_drafter_dir(external(source, tmp_path / "ext", tensors_edit=no_mapping))
+    assert torch.equal(loaded.d2t, torch.zeros(TARGET.vocab_size, dtype=torch.long))
+    assert bool(loaded.t2d.all())
+    assert_same_network(drafter, loaded.drafter)
+    with pytest.raises(ExportError, match="d2t without its pair"):
+        load_drafter_dir(external(source, tmp_path / "half", tensors_edit=lambda t: t.pop("t2d")))
+
+
+def _pop(*keys: str) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        for key in keys:
+            del config[key]
+
+    return edit
+
+
+def _pruned_without_mapping(t: Tensors) -> None:
+    del t["d2t"], t["t2d"]
+
+
+def _scaled_rope(config: dict[str, Any]) -> None:
+    layer = config.get("transformer_layer_config", config)
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    layer["rope_parameters"] = rope
+    layer.pop("rope_theta", None)
+
+
+EXTERNAL_REFUSALS: list[tuple[FormatName, Callable[[dict[str, Any]], None] | None, Any, str]] = [
+    # vLLM takes an absent norm_before_residual as true, speculators as false: ambiguous
+    ("speculators", _pop("norm_before_residual"), None, "'norm_before_residual' is missing"),
+    ("speculators", _pop("draft_vocab_size"), None, "vLLM would take the target's vocab, speculators 32000"),
+    ("speculators", _set("transformer_layer_config.model_type", "qwen3"), None, "only a Llama decoder layer"),
+    ("sglang", _set("num_hidden_layers", 2), None, "num_hidden_layers is 2: eagle3's drafter has one"),
+    (
+        "speculators",
+        _set("transformer_layer_config.num_hidden_layers", 2),
+        None,
+        r"not a valid LlamaConfig \(.*`num_hidden_layers` \(2\) must be equal to the number of `layer_types`",
+    ),
+    ("speculators", _scaled_rope, None, "plain full-head RoPE only"),
+    ("speculators", _set("speculators_model_type", "peagle"), None, "must be 'eagle3'"),
+    ("speculators", None, _pruned_without_mapping, r"missing \['d2t', 't2d'\]"),
+    ("sglang", _set("norm_before_residual", True), None, "SGLang has no such option"),
+    ("sglang", _pop("draft_vocab_size"), None, "SGLang would then use the target's lm_head"),
+    ("sglang", _set("tie_word_embeddings", True), None, "tie_word_embeddings is true"),
+    ("sglang", _scaled_rope, None, "plain full-head RoPE only"),
+    ("sglang", None, _extra_key, r"unexpected \['midlayer.self_attn.q_norm.weight'\]"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "config_edit", "tensors_edit", "message"), EXTERNAL_REFUSALS)
+def test_drafters_from_elsewhere_that_no_engine_runs_as_ours_are_refused(
+    tmp_path: Path,
+    variant_exports: dict[str, tuple[Eagle3Drafter, Path]],
+    fmt: FormatName,
+    config_edit: Callable[[dict[str, Any]], None] | None,
+    tensors_edit: Callable[[Tensors], None] | None,
+    message: str,
+) -> None:
+    out = external(variant_exports[fmt][1], tmp_path / fmt, config_edit, tensors_edit)
+    with pytest.raises(ExportError, match=message):
+        load_drafter_dir(out, fmt, EMBED)
+
+
+def test_pickled_weights_and_unknown_configs_are_refused(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    out = external(variant_exports["sglang"][1], tmp_path / "bin")
+    (out / "model.safetensors").rename(out / "pytorch_model.bin")
+    with pytest.raises(ExportError, match=r"\['pytorch_model.bin'\] are pickled: eagle3 never unpickles"):
+        load_drafter_dir(out, "auto", EMBED)
+    shutil.copy(variant_exports["sglang"][1] / "model.safetensors", out / "model.safetensors")
+    # beside safetensors the engines skip it, and so do we: it is never opened
+    assert_same_network(variant_exports["sglang"][0], load_drafter_dir(out, "auto", EMBED).drafter)
+    save_file({"fc.weight": torch.zeros(1)}, str(out / "extra.safetensors"))  # one an engine would load too
+    with pytest.raises(ExportError, match=r"unexpected weight files \['extra.safetensors'\]"):
+        load_drafter_dir(out, "auto", EMBED)
+    target_like = tmp_path / "target"
+    target_like.mkdir()
+    (target_like / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ExportError, match=r"neither a speculators config .* nor an SGLang"):
+        load_drafter_dir(target_like)
+    with pytest.raises(ExportError, match=r"no config\.json"):
+        detect_format(tmp_path / "absent")
+    ours = variant_exports["speculators"][1]
+    copy = Path(shutil.copytree(ours, tmp_path / "ours"))
+    (copy / "optimizer_state_dict.pt").write_bytes(b"")  # beside our own export, nothing may be
+    with pytest.raises(ExportError, match=r"unexpected weight files \['optimizer_state_dict.pt'\]"):
+        validate_export(copy, "speculators")
+
+
+def test_an_export_of_the_first_schema_still_loads(tmp_path: Path, pristine: dict[FormatName, Path]) -> None:
+    """Written before the variant flags: no flag in its SGLang config, the plain drafter."""
+    for fmt, source in pristine.items():
+        out = Path(shutil.copytree(source, tmp_path / fmt))
+        config = config_of(out)
+        block = config["eagle3_export"]
+        block["schema"], block["norm_before_residual"] = "eagle3.export/1", False
+        del block["drafter_variant"]
+        if fmt == "sglang":
+            for flag in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+                del config[flag]
+            del config["eagle_config"]["norm_before_fc"]
+        else:
+            del (
+                config["transformer_layer_config"]["layer_types"],
+                config["transformer_layer_config"]["sliding_window"],
+            )
+        (out / "config.json").write_text(json.dumps(config))
+        loaded = load_export(out, fmt, EMBED if fmt == "sglang" else None)
+        assert loaded.drafter.cfg == CFG and loaded.info.final_state_convention == "post_norm"
+        config["norm_output"] = True  # a first-schema drafter had no such step
+        (out / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ExportError, match="another drafter than the one trained: norm_output True"):
+            validate_export(out, fmt)
