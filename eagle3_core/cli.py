@@ -354,9 +354,23 @@ def speedup_text(median: float, device: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eagle3_core.evaluation import eval_step, promote_step
+    from eagle3_core.evaluation import eval_drafter_dir_step, eval_step, promote_step
 
     cfg = _config(args)
+    prompts = Path(args.prompts) if args.prompts else None
+    if args.drafter:
+        if args.promote:
+            raise ConfigError(
+                "--promote takes the pipeline's own export; a --drafter directory is only measured"
+            )
+        result = eval_drafter_dir_step(cfg, Path(args.drafter), args.format, prompts, _log)
+        print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
+        console.print(f"report: {result.path}")
+        return 0
+    if prompts is not None:
+        raise ConfigError(
+            "--prompts goes with --drafter; for the pipeline's drafter set evaluate.prompt_files"
+        )
     result = eval_step(cfg, _log)
     print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
     if args.promote:
@@ -421,6 +435,17 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         "Measure the exported drafter by speculative decoding (AL, speedup) on held-out prompts.",
     )
     p.add_argument("--promote", action="store_true", help="Then promote it to `current` if the gate passes.")
+    p.add_argument(
+        "--drafter",
+        help="Measure this EAGLE-3 drafter directory instead (SGLang or speculators/vLLM format, any trainer).",
+    )
+    p.add_argument(
+        "--format",
+        choices=["auto", "sglang", "speculators"],
+        default="auto",
+        help="The --drafter directory's format (auto: from its config.json).",
+    )
+    p.add_argument("--prompts", help="With --drafter: measure on this prompt file (JSONL) only.")
     p = add(
         "bench-sglang",
         cmd_bench_sglang,

@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -38,6 +38,7 @@ from eagle3_core.evaluate.measure import (
 )
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
+from eagle3_core.export.common import FormatName
 from eagle3_core.pipeline import Log, StepResult, _quiet
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.store.layout import StoreLayout
@@ -371,6 +372,85 @@ def by_category(prompts: list[EvalPrompt], measured: Measurement) -> dict[str, A
             for k, runs in measured.runs.items()
         }
     return {"by_category": out}
+
+
+def eval_drafter_dir_step(
+    cfg: Eagle3Config,
+    drafter_dir: Path,
+    fmt: FormatName | Literal["auto"] = "auto",
+    prompts_file: Path | None = None,
+    log: Log = _quiet,
+) -> StepResult:
+    """Measure any EAGLE-3 drafter directory (SGLang or speculators/vLLM format, from any trainer) against the
+    configured target, on the held-out prompts and prompt files, or on one prompt file.
+
+    The target is run with the drafter's own aux layers (from its config), as its engine would serve it; the
+    report goes to `store/eval/drafters/<dir>-<digest>/report-<format>.json`, never into the drafter's dir.
+    """
+    from eagle3_core.export import detect_format, load_drafter_dir
+
+    ev = cfg.evaluate
+    chosen: FormatName = detect_format(drafter_dir) if fmt == "auto" else fmt
+    target = load_target(cfg, log)
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    loaded = load_drafter_dir(
+        drafter_dir,
+        chosen,
+        embed,
+        target_num_layers=int(target.model.config.num_hidden_layers),
+    )
+    dtype = next(target.model.parameters()).dtype
+    drafter, d2t = loaded.drafter.to(target.device, dtype).eval(), loaded.d2t.to(target.device)
+    aux = tuple(loaded.info.aux_layer_ids)
+    if aux != target.aux_layer_ids:
+        log(
+            f"{drafter_dir}: the drafter reads aux layers {list(aux)} (the target is configured with "
+            f"{list(target.aux_layer_ids)}); measuring with the drafter's own"
+        )
+    served = Target(target.model, target.tokenizer, aux, target.eos_ids)  # type: ignore[arg-type]
+    sets = (
+        [file_prompts(prompts_file, limit=ev.max_prompts, system_prompt=cfg.data.system_prompt)]
+        if prompts_file is not None
+        else _prompt_sets(cfg)
+    )
+    ks = tuple(sorted(set(ev.ks)))
+    room = cfg.tokenize.max_seq_len - ev.max_new_tokens
+    fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
+    measured = {
+        name: _measure_set(cfg, served, drafter, d2t, name, [ids for _, ids in kept], ks, log)
+        for name, kept in fitting.items()
+    }
+    primary = sets[0].name
+    out = StoreLayout(cfg.store_root).drafter_dir_eval(drafter_dir)
+    report = {
+        "run": Path(drafter_dir).resolve().name,
+        "drafter_dir": str(Path(drafter_dir).resolve()),
+        "format": chosen,
+        "variant": {
+            k: v
+            for k, v in loaded.drafter.cfg.model_dump().items()
+            if k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "sliding_window")
+        },
+        "aux_layer_ids": list(aux),
+        "device": str(target.device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "settings": {
+            **asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)),
+            "batch_size": 1,
+        },
+        "tau": {str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
+        "primary": primary,
+        "sets": {
+            s.name: {
+                **with_prompt_ids(measured[s.name].as_dict(), [p for p, _ in fitting[s.name]]),
+                "rejected": s.reject_counts,
+                **by_category([p for p, _ in fitting[s.name]], measured[s.name]),
+            }
+            for s in sets
+        },
+    }
+    atomic_write_json(report_file(out, chosen), report)
+    return StepResult("drafter_eval", out, _metadata({**report, "gate": {"passed": None}}, ev.gate_k))
 
 
 def _pictures(

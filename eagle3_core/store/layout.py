@@ -117,6 +117,15 @@ class StoreLayout:
         """The measured acceptance of one run's export: report-<format>.json and the PNGs, beside the export."""
         return self.exports / run / "eval"
 
+    def drafter_dir_eval(self, drafter_dir: Path) -> Path:
+        """Where `eagle3 eval --drafter DIR` keeps its measurement of a drafter directory from anywhere: named
+        by the directory and a digest of its resolved path, so two drafters never share a report."""
+        import hashlib
+
+        resolved = Path(drafter_dir).resolve()
+        digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:10]
+        return self.root / "eval" / "drafters" / f"{resolved.name}-{digest}"
+
     @property
     def drafter_current(self) -> Path:
         """JSON record of the promoted drafter (the one to serve), written only through the promotion gate."""

@@ -3,19 +3,21 @@ acceptance, the pictures, and the promotion gate through Dagster (worse refused,
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.config import load_config
+from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.drafting import export_step, train_step, vocab_step
 from eagle3_core.evaluate.measure import DecodeSettings, measure
 from eagle3_core.evaluate.prompts import encode, heldout_prompts
 from eagle3_core.evaluation import eval_step, load_exported, load_target, read_current, report_file
-from eagle3_core.pipeline import extract_step, regenerate_step
+from eagle3_core.pipeline import StepResult, extract_step, regenerate_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import FIXTURES
@@ -52,16 +54,21 @@ def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> P
     return project
 
 
+def _with_prompt_file(cfg: Eagle3Config) -> Eagle3Config:
+    files = [str(FIXTURES / "prompts.jsonl")]
+    return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompt_files": files})})
+
+
+@pytest.fixture(scope="module")
+def evaluated(project: Path) -> StepResult:
+    """The sglang export measured once, on the held-out prompts and the prompt file."""
+    return eval_step(_with_prompt_file(load_config(project / "eagle3.yaml")))
+
+
 def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_measured(
-    project: Path, toy_target_dir: Path
+    evaluated: StepResult,
 ) -> None:
-    cfg = load_config(project / "eagle3.yaml")
-    cfg = cfg.model_copy(
-        update={
-            "evaluate": cfg.evaluate.model_copy(update={"prompt_files": [str(FIXTURES / "prompts.jsonl")]})
-        }
-    )
-    result = eval_step(cfg)
+    result = evaluated
     report = json.loads(report_file(result.path, "sglang").read_text())
     heldout, from_file = report["sets"]["heldout"], report["sets"]["prompts"]
     assert heldout["prompts"] == 6 and from_file["prompts"] == 4
@@ -96,9 +103,9 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
     assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
 
 
-def test_each_export_format_is_measured_into_its_own_report(project: Path) -> None:
-    cfg = load_config(project / "eagle3.yaml")
-    first = eval_step(cfg)
+def test_each_export_format_is_measured_into_its_own_report(project: Path, evaluated: StepResult) -> None:
+    cfg = _with_prompt_file(load_config(project / "eagle3.yaml"))
+    first = evaluated
     sglang = report_file(first.path, "sglang")
     before = sglang.read_bytes()
     other = cfg.model_copy(
@@ -114,6 +121,40 @@ def test_each_export_format_is_measured_into_its_own_report(project: Path) -> No
     assert [(r["id"], r["accepted"], r["rounds"]) for r in a] == [
         (r["id"], r["accepted"], r["rounds"]) for r in b
     ]
+
+
+def _eagle3(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "eagle3_core.cli", "--config", str(project / "eagle3.yaml"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_eval_drafter_measures_a_directory_from_elsewhere_on_a_prompt_file(
+    project: Path, evaluated: StepResult, tmp_path: Path
+) -> None:
+    """`eagle3 eval --drafter DIR --prompts FILE`: another trainer's drafter (our speculators export without our
+    provenance block) measured by the real CLI gives, prompt by prompt, the pipeline's own measurement."""
+    cfg = load_config(project / "eagle3.yaml")
+    [run] = list(StoreLayout(cfg.store_root).exports.iterdir())
+    external = tmp_path / "someone-elses-drafter"
+    shutil.copytree(run / "speculators", external)
+    config = json.loads((external / "config.json").read_text())
+    del config["eagle3_export"]
+    (external / "config.json").write_text(json.dumps(config))
+    done = _eagle3(project, "eval", "--drafter", str(external), "--prompts", str(FIXTURES / "prompts.jsonl"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "K=3: AL" in done.stdout
+    out = StoreLayout(cfg.store_root).drafter_dir_eval(external)
+    report = json.loads(report_file(out, "speculators").read_text())
+    assert list(report["sets"]) == ["prompts"] and report["format"] == "speculators"
+    assert report["variant"]["norm_before_residual"] is False
+    ours = json.loads(report_file(evaluated.path, "sglang").read_text())["sets"]["prompts"]["by_k"]["3"]
+    theirs = report["sets"]["prompts"]["by_k"]["3"]
+    assert [(r["id"], r["accepted"], r["rounds"]) for r in theirs["per_prompt"]] == [
+        (r["id"], r["accepted"], r["rounds"]) for r in ours["per_prompt"]
+    ]
+    refused = _eagle3(project, "eval", "--drafter", str(tmp_path))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "config.json" in refused.stdout
 
 
 def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(
