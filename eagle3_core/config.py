@@ -205,11 +205,11 @@ class DrafterVariant(_Model):
     """
 
     norm_before_fc: bool = Field(
-        default=False, description="One RMSNorm over the concatenated aux states before fc."
+        default=True, description="One RMSNorm over the concatenated aux states before fc."
     )
     fc_norm: bool = Field(default=False, description="One RMSNorm per aux state before fc.")
     norm_output: bool = Field(
-        default=False, description="Feed the post-norm state to the next draft step (EAGLE-3.1)."
+        default=True, description="Feed the post-norm state to the next draft step (EAGLE-3.1)."
     )
     norm_before_residual: bool = Field(
         default=False,
@@ -254,19 +254,21 @@ class TrainConfig(_Model):
     ttt_steps: Annotated[int, Field(gt=0, le=16)] = Field(
         default=7, description="Training-time-test unroll length."
     )
-    step_weight: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    step_weight: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        default=1.0, description="Step k of the unroll weighs step_weight**k in the loss."
+    )
     epochs: Annotated[int, Field(gt=0)] = 2
     max_steps: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Stop after this many optimizer steps."
     )
     batch_tokens: Annotated[int, Field(gt=0)] = Field(
-        default=16384,
+        default=4096,
         description="Padded tokens per optimizer step, summed over all ranks (the global batch).",
     )
     max_len: Annotated[int, Field(gt=8)] = Field(
         default=4096, description="Samples are cut to this many tokens."
     )
-    lr: Annotated[float, Field(gt=0.0)] = 1e-4
+    lr: Annotated[float, Field(gt=0.0)] = 3e-3
     weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
     warmup_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.015
     grad_clip: Annotated[float, Field(gt=0.0)] | None = 0.5
