@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.stats_scale
 	$(BIN)/python -m bench.shard_memory
 	$(BIN)/python -m bench.train_throughput
+	$(BIN)/python -m bench.vs_speculators
 
 clean:
 	rm -rf demo .cache .pytest_cache .mypy_cache .ruff_cache
