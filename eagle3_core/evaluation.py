@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from eagle3_core.config import Eagle3Config
+from eagle3_core.config import DrafterVariant, Eagle3Config
 from eagle3_core.drafting import latest_final
 from eagle3_core.errors import Eagle3Error, ExportError
 from eagle3_core.evaluate.acceptance import acceptance
@@ -321,14 +321,7 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
         },
         "tau": {str(k): _tau(summary, k) for k in ks},
         "primary": primary,
-        "sets": {
-            s.name: {
-                **with_prompt_ids(measured[s.name].as_dict(), [p for p, _ in fitting[s.name]]),
-                "rejected": s.reject_counts,
-                **by_category([p for p, _ in fitting[s.name]], measured[s.name]),
-            }
-            for s in sets
-        },
+        "sets": set_reports(sets, fitting, measured),
         "gate": asdict(gate),
         "pictures": {name: str(p) for name, p in pictures.items()},
     }
@@ -343,6 +336,23 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
 def report_file(eval_dir: Path, fmt: str) -> Path:
     """Each export format's measurement in its own file: measuring one never overwrites the other's."""
     return eval_dir / f"report-{fmt}.json"
+
+
+def set_reports(
+    sets: list[PromptSet],
+    fitting: dict[str, list[tuple[EvalPrompt, list[int]]]],
+    measured: dict[str, Measurement],
+) -> dict[str, Any]:
+    """Each prompt set's measurement as the report holds it: per K, per prompt (named), per category."""
+    out: dict[str, Any] = {}
+    for s in sets:
+        prompts = [p for p, _ in fitting[s.name]]
+        out[s.name] = {
+            **with_prompt_ids(measured[s.name].as_dict(), prompts),
+            "rejected": s.reject_counts,
+            **by_category(prompts, measured[s.name]),
+        }
+    return out
 
 
 def with_prompt_ids(measured: dict[str, Any], prompts: list[EvalPrompt]) -> dict[str, Any]:
@@ -426,11 +436,7 @@ def eval_drafter_dir_step(
         "run": Path(drafter_dir).resolve().name,
         "drafter_dir": str(Path(drafter_dir).resolve()),
         "format": chosen,
-        "variant": {
-            k: v
-            for k, v in loaded.drafter.cfg.model_dump().items()
-            if k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "sliding_window")
-        },
+        "variant": loaded.drafter.cfg.model_dump(include=set(DrafterVariant.model_fields)),
         "aux_layer_ids": list(aux),
         "device": str(target.device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -440,14 +446,7 @@ def eval_drafter_dir_step(
         },
         "tau": {str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
         "primary": primary,
-        "sets": {
-            s.name: {
-                **with_prompt_ids(measured[s.name].as_dict(), [p for p, _ in fitting[s.name]]),
-                "rejected": s.reject_counts,
-                **by_category([p for p, _ in fitting[s.name]], measured[s.name]),
-            }
-            for s in sets
-        },
+        "sets": set_reports(sets, fitting, measured),
     }
     atomic_write_json(report_file(out, chosen), report)
     return StepResult("drafter_eval", out, _metadata({**report, "gate": {"passed": None}}, ev.gate_k))
