@@ -37,8 +37,8 @@ from bench.vs_speculators import (
     bf16_rounded,
     build_data,
     device_label,
+    evaluation_inputs,
     measure_drafter,
-    prompt_ids,
     resolve_device,
     run_eagle3,
     vocab_mapping,
@@ -125,7 +125,6 @@ def chosen(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def one(job: tuple[str, dict[str, Any], argparse.Namespace, str]) -> dict[str, Any]:
     """Train and measure one ablation (in its own process); its per-prompt rounds come back."""
     from eagle3_core.evaluate.measure import DecodeSettings
-    from eagle3_core.evaluation import load_target
     from eagle3_core.train.trainer import load_trained
 
     name, overrides, args, device = job
@@ -150,15 +149,7 @@ def one(job: tuple[str, dict[str, Any], argparse.Namespace, str]) -> dict[str, A
     started = time.perf_counter()
     result, _ = run_eagle3(cfg, data, mapping, args.workdir / "ablations" / name, lambda _: None)
     train_s = time.perf_counter() - started
-    target = load_target(data.cfg, lambda _: None)
-    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
-    ids = prompt_ids(
-        data.cfg,
-        target.tokenizer,
-        args.heldout_prompts,
-        args.per_conversation,
-        args.max_len - args.max_new_tokens,
-    )
+    target, embed, ids = evaluation_inputs(data, args, lambda _: None)
     drafter, drafter_mapping, _ = load_trained(result.final_dir, embed)
     decode = DecodeSettings(args.ks, args.max_new_tokens, args.temperature, 0)
     measured = measure_drafter(

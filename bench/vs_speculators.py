@@ -515,6 +515,19 @@ def prompt_ids(
     return ids
 
 
+def evaluation_inputs(
+    data: BenchData, args: argparse.Namespace, log: Log
+) -> tuple[Any, torch.Tensor, list[list[int]]]:
+    """(the target as evaluation loads it, its embedding on the CPU, the held-out prompts' token ids)."""
+    from eagle3_core.evaluation import load_target
+
+    target = load_target(data.cfg, log)
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    room = args.max_len - args.max_new_tokens
+    ids = prompt_ids(data.cfg, target.tokenizer, args.heldout_prompts, args.per_conversation, room)
+    return target, embed, ids
+
+
 def measure_drafter(
     target: Any, drafter: Any, d2t: torch.Tensor, ids: list[list[int]], settings: Any, name: str, log: Log
 ) -> Any:
@@ -642,7 +655,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
     from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.evaluate.measure import DecodeSettings
-    from eagle3_core.evaluation import load_target
     from eagle3_core.train.trainer import load_trained
 
     check_speculators_version()
@@ -705,15 +717,7 @@ def run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
     lap("eagle3_train")
 
     log("== 6. evaluation")
-    target = load_target(data.cfg, log)
-    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
-    ids = prompt_ids(
-        data.cfg,
-        target.tokenizer,
-        args.heldout_prompts,
-        args.per_conversation,
-        args.max_len - args.max_new_tokens,
-    )
+    target, embed, ids = evaluation_inputs(data, args, log)
     decode = DecodeSettings(args.ks, args.max_new_tokens, args.temperature, 0)
     e_drafter, e_mapping, _ = load_trained(result.final_dir, embed)
     e_measured = measure_drafter(target, bf16_rounded(e_drafter), e_mapping.d2t, ids, decode, "eagle3", log)
