@@ -172,6 +172,7 @@ def summarise(results: list[dict[str, Any]], ks: Sequence[int], reference: str) 
         PromptRun,
         bootstrap_al_interval,
         paired_al_difference,
+        pooled_runs_al,
     )
 
     def runs(r: dict[str, Any], k: int) -> list[PromptRun]:
@@ -188,9 +189,7 @@ def summarise(results: list[dict[str, Any]], ks: Sequence[int], reference: str) 
         }
         for k in ks:
             mine = runs(r, k)
-            accepted = sum(sum(x.accepted) for x in mine)
-            rounds = sum(len(x.accepted) for x in mine)
-            row[f"al_k{k}"] = round(1 + accepted / max(rounds, 1), 4)
+            row[f"al_k{k}"] = round(pooled_runs_al(mine, k), 4)
             row[f"al_k{k}_ci95"] = [round(x, 4) for x in bootstrap_al_interval(mine)]
             row[f"vs_reference_k{k}"] = paired_al_difference(mine, runs(base, k)).as_dict()
         rows.append(row)

@@ -27,7 +27,6 @@ import torch
 from eagle3_core.config import DrafterVariant, Eagle3Config
 from eagle3_core.drafting import latest_final
 from eagle3_core.errors import Eagle3Error, ExportError
-from eagle3_core.evaluate.acceptance import acceptance
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
     Measurement,
@@ -35,6 +34,7 @@ from eagle3_core.evaluate.measure import (
     bootstrap_al_interval,
     measure,
     paired_al_difference,
+    pooled_runs_al,
 )
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
@@ -179,6 +179,25 @@ def _measure_set(
     return measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, settings, progress)
 
 
+def _measure_sets(
+    cfg: Eagle3Config,
+    target: Target,
+    drafter: Any,
+    d2t: torch.Tensor,
+    sets: list[PromptSet],
+    ks: tuple[int, ...],
+    log: Log,
+) -> tuple[dict[str, list[tuple[EvalPrompt, list[int]]]], dict[str, Measurement]]:
+    """Each set's prompts that fit beside a reply, and the drafter measured on them."""
+    room = cfg.tokenize.max_seq_len - cfg.evaluate.max_new_tokens
+    fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
+    measured = {
+        name: _measure_set(cfg, target, drafter, d2t, name, [ids for _, ids in kept], ks, log)
+        for name, kept in fitting.items()
+    }
+    return fitting, measured
+
+
 def _tau(summary: dict[str, Any], k: int) -> float | None:
     value = summary["val"].get(f"tau_{k}")
     return None if value is None else float(value)
@@ -186,10 +205,6 @@ def _tau(summary: dict[str, Any], k: int) -> float | None:
 
 def read_current(layout: StoreLayout) -> dict[str, Any] | None:
     return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
-
-
-def _pooled(runs: list[PromptRun], k: int) -> float:
-    return acceptance((a for r in runs for a in r.accepted), k).acceptance_length
 
 
 def _rounded(interval: tuple[float, float]) -> list[float]:
@@ -202,7 +217,7 @@ def gate_decision(
     """Promote when the lower 95% bound of AL(candidate) - AL(incumbent), paired over the same prompts, is at
     least -tolerance; also when nothing (or nothing measurable) is promoted, or the candidate is the promoted run.
     """
-    al = _pooled(candidate, k)
+    al = pooled_runs_al(candidate, k)
     base: dict[str, Any] = {
         "k": k,
         "candidate_run": run,
@@ -225,7 +240,7 @@ def gate_decision(
         return GateDecision(True, reason="this run is the promoted one", current_al=None, **base)
     if incumbent.runs is None:
         return GateDecision(True, reason=incumbent.reason, current_al=None, **base)
-    current_al = _pooled(incumbent.runs, k)
+    current_al = pooled_runs_al(incumbent.runs, k)
     diff = paired_al_difference(candidate, incumbent.runs)
     low, high = diff.ci95
     passed = low >= -tolerance
@@ -287,14 +302,8 @@ def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
     sets = _prompt_sets(cfg)
-    room = cfg.tokenize.max_seq_len - ev.max_new_tokens
-    fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
-    encoded = {
-        name: [ids for _, ids in kept] for name, kept in fitting.items()
-    }  # once: both drafters use them
-    measured = {
-        name: _measure_set(cfg, target, drafter, d2t, name, ids, ks, log) for name, ids in encoded.items()
-    }
+    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, ks, log)
+    encoded = {name: [ids for _, ids in kept] for name, kept in fitting.items()}  # the incumbent's too
     primary = sets[0].name
     heldout = measured[primary]
     current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, log)
@@ -376,7 +385,7 @@ def by_category(prompts: list[EvalPrompt], measured: Measurement) -> dict[str, A
         out[category] = {
             str(k): {
                 "prompts": len(picked),
-                "acceptance_length": round(_pooled([runs[i] for i in picked], k), 4),
+                "acceptance_length": round(pooled_runs_al([runs[i] for i in picked], k), 4),
                 "al_ci95": _rounded(bootstrap_al_interval([runs[i] for i in picked])),
             }
             for k, runs in measured.runs.items()
@@ -424,12 +433,7 @@ def eval_drafter_dir_step(
         else _prompt_sets(cfg)
     )
     ks = tuple(sorted(set(ev.ks)))
-    room = cfg.tokenize.max_seq_len - ev.max_new_tokens
-    fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
-    measured = {
-        name: _measure_set(cfg, served, drafter, d2t, name, [ids for _, ids in kept], ks, log)
-        for name, kept in fitting.items()
-    }
+    fitting, measured = _measure_sets(cfg, served, drafter, d2t, sets, ks, log)
     primary = sets[0].name
     out = StoreLayout(cfg.store_root).drafter_dir_eval(drafter_dir)
     report = {

@@ -9,6 +9,21 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3_core.toy.tokenizer import train_tokenizer
 
+# Each of the engines' drafter switches alone, and speculators' trainer defaults (its three flags); a test adds
+# the sliding window that suits its own sequence length.
+FLAG_VARIANTS: dict[str, dict[str, object]] = {
+    "plain": {},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+}
+SPECULATORS_FLAGS: dict[str, object] = {
+    "norm_before_fc": True,
+    "norm_output": True,
+    "norm_before_residual": True,
+}
+
 CORPUS = [
     "hello how are you today",
     "i am fine thank you and you",

@@ -140,6 +140,11 @@ def paired_al_difference(
     return PairedDifference(point, (float(lo), float(hi)), len(a))
 
 
+def pooled_runs_al(runs: Sequence[PromptRun], k: int) -> float:
+    """The AL of every round of these prompts at draft length k (nan without a round)."""
+    return acceptance((a for r in runs for a in r.accepted), k).acceptance_length
+
+
 def median_speedup(runs: Sequence[PromptRun]) -> float:
     """The median over prompts of each prompt's speculative-over-target speed ratio: both paths decoded that
     prompt back to back, so load that comes and goes cancels within a ratio, and the median ignores the few

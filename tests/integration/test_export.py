@@ -15,7 +15,7 @@ from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.export import ExportTarget, FormatName, export_sglang, export_speculators, load_export
 from tests.conftest import in_ci
 from tests.exports import drafter_config, hand_mapping, random_drafter
-from tests.helpers import save_tiny_llama
+from tests.helpers import FLAG_VARIANTS, save_tiny_llama
 
 LAYERS, HIDDEN, VOCAB, K = 8, 32, 256, 48
 STEPS = 3
@@ -108,11 +108,7 @@ def speculators_eagle3() -> ModuleType:
 
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "plain": {},
-    "norm_before_fc": {"norm_before_fc": True},
-    "fc_norm": {"fc_norm": True},
-    "norm_output": {"norm_output": True},
-    "norm_before_residual": {"norm_before_residual": True},
+    **FLAG_VARIANTS,
     "sliding_window": {"sliding_window": 16},  # narrower than the 128 tokens compared
 }
 

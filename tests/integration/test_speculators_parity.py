@@ -29,25 +29,17 @@ import torch
 
 from eagle3_core.export import load_drafter_dir
 from tests.conftest import in_ci
+from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 300, 200
 LENGTH, STEPS, WINDOW = 24, 3, 8
 AUX_LAYERS = [1, 3, 5]
 TRAIN_STEPS = 6
 VARIANTS: dict[str, dict[str, Any]] = {
-    "plain": {},
-    "norm_before_fc": {"norm_before_fc": True},
-    "fc_norm": {"fc_norm": True},
-    "norm_output": {"norm_output": True},
-    "norm_before_residual": {"norm_before_residual": True},
+    **FLAG_VARIANTS,
     # what speculators' own trainer defaults to (train/config/schema.py, train/cli.py): a 2048 window on
     # every layer, wider than this sequence, and the three flags
-    "speculators_defaults": {
-        "norm_before_fc": True,
-        "norm_output": True,
-        "norm_before_residual": True,
-        "sliding_window": 2048,
-    },
+    "speculators_defaults": {**SPECULATORS_FLAGS, "sliding_window": 2048},
     "sliding_window": {"sliding_window": WINDOW},  # narrower than the sequence
 }
 

@@ -27,6 +27,7 @@ from eagle3_core.export import (
 )
 from eagle3_core.export.common import drafter_shapes
 from tests.exports import drafter_config, hand_mapping, random_drafter
+from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
 
 # An 8-layer target; aux layers 2, 4, 5 in the project convention (the inputs of those decoder layers).
 TARGET = ExportTarget(
@@ -419,19 +420,10 @@ def test_a_failed_export_leaves_the_previous_one(
 EMBED = torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=torch.Generator().manual_seed(9))
 STEPS = 3
 VARIANTS: dict[str, dict[str, Any]] = {
-    "plain": {},
-    "norm_before_fc": {"norm_before_fc": True},
-    "fc_norm": {"fc_norm": True},
-    "norm_output": {"norm_output": True},
-    "norm_before_residual": {"norm_before_residual": True},
+    **FLAG_VARIANTS,
     "sliding_window": {"sliding_window": 4},  # the inputs are 12 long: the window cuts
     # what speculators' own trainer defaults to
-    "speculators_defaults": {
-        "norm_before_fc": True,
-        "norm_output": True,
-        "norm_before_residual": True,
-        "sliding_window": 2048,
-    },
+    "speculators_defaults": {**SPECULATORS_FLAGS, "sliding_window": 2048},
 }
 PLAIN_VARIANT = {
     "norm_before_fc": False,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter, rope, ttt_mask
+from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
 
 CFG = DrafterConfig(
     target_hidden_size=24,
@@ -17,13 +18,9 @@ CFG = DrafterConfig(
 )
 
 
-VARIANTS = {
-    "plain": {},
-    "norm_before_fc": {"norm_before_fc": True},
-    "fc_norm": {"fc_norm": True},
-    "norm_output": {"norm_output": True},
-    "norm_before_residual": {"norm_before_residual": True},
-    "speculators_defaults": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+VARIANTS: dict[str, dict[str, object]] = {
+    **FLAG_VARIANTS,
+    "speculators_defaults": SPECULATORS_FLAGS,
     "sliding_window": {"sliding_window": 4},
 }
 
