@@ -51,6 +51,7 @@ from eagle3_core.train.data import Batch, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.trainer import (
     _setup,
+    batch_budget,
     drafter_config_for,
     new_drafter,
     read_metrics,
@@ -280,7 +281,7 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
     head = load_target_head(ts.target_dir)
     results: dict[str, Any] = {}
     try:
-        plan = plan_epoch(data.refs, cfg.batch_tokens, cfg.max_len, cfg.seed, 0)
+        plan = plan_epoch(data.refs, batch_budget(cfg), cfg.max_len, cfg.seed, 0)
         batches = load_batches(
             data, data.refs, plan, cfg, args.warmup + args.steps, pin=device.type == "cuda"
         )

@@ -45,7 +45,7 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.draft.target_head import load_target_head
 from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
-from eagle3_core.train.trainer import Setup, _setup, drafter_config_for, train_step
+from eagle3_core.train.trainer import Setup, _setup, batch_budget, drafter_config_for, train_step
 
 GOAL = 5.0
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -191,7 +191,7 @@ def measure(
     data = TrainingData(ts.shard_paths)
     try:
         refs = data.refs
-        plan = plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, 0)
+        plan = plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, 0)
         pin = device.type == "cuda"
         loader = time_loader(data, refs, plan, cfg, pin)
         batches = load_batches(data, refs, plan, cfg, args.warmup + args.steps, pin)

@@ -261,9 +261,13 @@ class TrainConfig(_Model):
     max_steps: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Stop after this many optimizer steps."
     )
-    batch_tokens: Annotated[int, Field(gt=0)] = Field(
-        default=4096,
-        description="Padded tokens per optimizer step, summed over all ranks (the global batch).",
+    batch_tokens: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        default="auto",
+        description=(
+            "Padded tokens per optimizer step, summed over all ranks (the global batch). auto: the largest "
+            "power of two from 1,024 to 16,384 that still gives the run at least 300 optimizer steps, and "
+            "never less than the longest sample once per rank (docs/recipe.md)."
+        ),
     )
     max_len: Annotated[int, Field(gt=8)] = Field(
         default=4096, description="Samples are cut to this many tokens."

@@ -175,12 +175,45 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 SHARED_RANKS = 8  # the plan is the same for every world size up to this many ranks, as the budget allows
+# batch_tokens: auto. On a small data set the number of optimizer steps decides the drafter (docs/recipe.md:
+# 80 steps of 4,096 tokens lose 0.22 AL at K=3 to 326 of 1,024); on a large one, steps of 16,384 tokens keep a
+# GPU busy and still leave thousands of steps.
+AUTO_MIN_STEPS = 300
+AUTO_BUDGET_RANGE = (1024, 16384)
+
+
+def auto_batch_tokens(
+    train_refs: Sequence[SampleRef], val_refs: Sequence[SampleRef], cfg: TrainConfig, world: int
+) -> int:
+    """The largest power of two in AUTO_BUDGET_RANGE whose run takes at least AUTO_MIN_STEPS optimizer steps
+    (counted on unpadded tokens), raised to the longest sample (validation too) once per rank if that is more."""
+    low, high = AUTO_BUDGET_RANGE
+    per_step = sum(min(r.length, cfg.max_len) for r in train_refs) * cfg.epochs // AUTO_MIN_STEPS
+    budget = min(high, max(low, 1 << max(0, per_step.bit_length() - 1)))
+    longest = max((min(r.length, cfg.max_len) for r in [*train_refs, *val_refs]), default=0)
+    return max(budget, longest * world)
+
+
+def resolve_batch_tokens(
+    cfg: TrainConfig, train_refs: Sequence[SampleRef], val_refs: Sequence[SampleRef], world: int
+) -> TrainConfig:
+    """`cfg` with batch_tokens a number: auto is resolved from the data, a number is kept."""
+    if cfg.batch_tokens != "auto":
+        return cfg
+    return cfg.model_copy(update={"batch_tokens": auto_batch_tokens(train_refs, val_refs, cfg, world)})
+
+
+def batch_budget(cfg: TrainConfig) -> int:
+    """The step's token budget of a resolved config (resolve_batch_tokens)."""
+    if cfg.batch_tokens == "auto":
+        raise Eagle3Error("train.batch_tokens is still auto: resolve it from the training split first")
+    return cfg.batch_tokens
 
 
 def check_batch_tokens(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> int:
     """The longest sample after the max_len cut; refused unless it fits once per rank in batch_tokens."""
     longest = max(min(r.length, cfg.max_len) for r in refs)
-    if longest * world > cfg.batch_tokens:
+    if longest * world > batch_budget(cfg):
         raise ConfigError(
             f"train.batch_tokens={cfg.batch_tokens} cannot hold one sample per process: the longest sample "
             f"has {longest} tokens (train.max_len={cfg.max_len}) and {world} process(es) need "
@@ -196,7 +229,7 @@ def global_batch_floor(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) 
     longest = check_batch_tokens(refs, cfg, world)
     if len(refs) < world:
         raise Eagle3Error(f"{len(refs)} training samples cannot give each of {world} processes one")
-    return max(world, min(SHARED_RANKS, cfg.batch_tokens // longest, len(refs)))
+    return max(world, min(SHARED_RANKS, batch_budget(cfg) // longest, len(refs)))
 
 
 def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, list[int]]]:
@@ -206,7 +239,7 @@ def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[
     steps = [
         (e, b)
         for e in range(cfg.epochs)
-        for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_len, cfg.seed, e, min_batch)
+        for b in plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, e, min_batch)
     ]
     return steps[: cfg.max_steps] if cfg.max_steps is not None else steps
 
@@ -296,7 +329,7 @@ def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
 
 def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     """TTT statistics over this rank's share of the validation batches, summed over ranks."""
-    batches = plan_validation(refs, s.cfg.batch_tokens, s.cfg.max_len)[s.world.rank :: s.world.size]
+    batches = plan_validation(refs, batch_budget(s.cfg), s.cfg.max_len)[s.world.rank :: s.world.size]
     total = TTTStats.zeros(s.cfg.ttt_steps)
     s.drafter.eval()
     with torch.no_grad():
@@ -490,13 +523,14 @@ def _train(
     dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size, cfg.variant)
     _check_inputs(data, mapping, dcfg)
     warm = warm_start(init_from, mapping, dcfg) if init_from is not None else None
+    train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
+    cfg = resolve_batch_tokens(cfg, train_refs, val_refs, world.size)
     run_dir = runs_dir / run_id(
         cfg, mapping, str(data.facts["target_fingerprint"]), dcfg, warm.run if warm else None
     )
     if (run_dir / FINAL / "summary.json").exists():
         log(f"run {run_dir.name} already finished; nothing to train")
         return _result_from_final(run_dir, None)
-    train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
     check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
     plan = schedule(train_refs, cfg, world.size)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,20 @@ import pytest
 import torch
 
 from eagle3_core.config import TrainConfig
-from eagle3_core.errors import ConfigError, ShardCorruptError
+from eagle3_core.errors import ConfigError, Eagle3Error, ShardCorruptError
 from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from eagle3_core.train.data import SampleRef, TrainingData, is_validation, plan_epoch, plan_validation
-from eagle3_core.train.trainer import check_batch_tokens, learning_rate, schedule
+from eagle3_core.train.trainer import (
+    AUTO_BUDGET_RANGE,
+    AUTO_MIN_STEPS,
+    batch_budget,
+    check_batch_tokens,
+    learning_rate,
+    resolve_batch_tokens,
+    schedule,
+)
 
 
 def _refs(n: int, seed: int = 0) -> list[SampleRef]:
@@ -192,3 +200,39 @@ def test_an_error_while_loading_is_not_replaced_by_the_close_in_a_finally(tmp_pa
         finally:
             data.close()  # the error's traceback still holds the copy's view of the mapping
     assert raised.value.__context__ is None
+
+
+def _uniform(n: int, length: int) -> list[SampleRef]:
+    return [SampleRef(0, i, length, f"{i:064x}") for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("samples", "length", "epochs", "budget"),
+    [
+        (930, 340, 1, 1024),  # the benchmark's split: 316,200 tokens / 300 steps = 1,054
+        (930, 340, 2, 2048),  # twice the tokens, twice the budget
+        (100_000, 2000, 2, 16384),  # large data: the top of the range
+        (40, 100, 1, 1024),  # tiny data: the bottom of the range
+    ],
+)
+def test_auto_batch_tokens_is_the_largest_power_of_two_that_keeps_300_steps(
+    samples: int, length: int, epochs: int, budget: int
+) -> None:
+    refs = _uniform(samples, length)
+    cfg = TrainConfig(max_len=4096, epochs=epochs)
+    assert cfg.batch_tokens == "auto"
+    resolved = resolve_batch_tokens(cfg, refs, [], world=1)
+    assert resolved.batch_tokens == budget and AUTO_BUDGET_RANGE[0] <= budget <= AUTO_BUDGET_RANGE[1]
+    if AUTO_BUDGET_RANGE[0] < budget < AUTO_BUDGET_RANGE[1]:  # not clamped: the run keeps its steps
+        assert len(schedule(refs, resolved, world=1)) >= AUTO_MIN_STEPS
+
+
+def test_auto_batch_tokens_holds_the_longest_sample_once_per_rank_and_a_number_is_kept() -> None:
+    train, val = _uniform(50, 100), [SampleRef(0, 99, 3000, "f" * 64)]
+    cfg = TrainConfig(max_len=4096)
+    assert resolve_batch_tokens(cfg, train, val, world=2).batch_tokens == 6000
+    assert resolve_batch_tokens(cfg.model_copy(update={"max_len": 1000}), train, val, 2).batch_tokens == 2000
+    explicit = TrainConfig(batch_tokens=512)
+    assert resolve_batch_tokens(explicit, train, val, world=2) is explicit
+    with pytest.raises(Eagle3Error, match="still auto"):
+        batch_budget(cfg)
