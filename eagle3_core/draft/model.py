@@ -304,9 +304,17 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
     def forward(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        attention: AttentionBackend = "sdpa",
+        output: Literal["logits", "states"] = "logits",
     ) -> list[torch.Tensor]:
-        return self.ttt_forward(aux, input_ids, steps, attention)  # what DDP wraps
+        """What DDP wraps: each TTT step's draft logits, or its normed states (what lm_head reads)."""
+        if output == "states":
+            return self.ttt_states(aux, input_ids, steps, attention)
+        return self.ttt_forward(aux, input_ids, steps, attention)
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux states [.., 3H_t] -> the first step's h [.., H] (with the variant's norms)."""
@@ -319,13 +327,24 @@ class Eagle3Drafter(nn.Module):
 
     def head(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's pre-norm output -> (draft logits, the state the next step is fed)."""
+        normed, fed = self.step_out(prenorm)
+        return self.lm_head(normed), fed
+
+    def step_out(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's pre-norm output -> (the normed state lm_head reads, the state the next step is fed)."""
         normed = self.norm(prenorm)
-        return self.lm_head(normed), normed if self.cfg.norm_output else prenorm
+        return normed, normed if self.cfg.norm_output else prenorm
 
     def ttt_forward(
         self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
     ) -> list[torch.Tensor]:
-        """Draft logits of each TTT step: aux [B, T, 3H_t], input_ids [B, T] -> `steps` x [B, T, V_draft].
+        """Draft logits of each TTT step: aux [B, T, 3H_t], input_ids [B, T] -> `steps` x [B, T, V_draft]."""
+        return [self.lm_head(s) for s in self.ttt_states(aux, input_ids, steps, attention)]
+
+    def ttt_states(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+    ) -> list[torch.Tensor]:
+        """The normed state of each TTT step, `steps` x [B, T, H]; lm_head of it is the step's draft logits.
 
         Step k, entry p: token input_ids[p+1+k] (0 past the end), position p+k, prediction of token p+2+k.
         Right padding is harmless: a real entry never attends to a later one.
@@ -334,7 +353,7 @@ class Eagle3Drafter(nn.Module):
         h = self.features(aux)  # [B, T, H]
         attn = self.midlayer.self_attn
         kvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key, value) of each step so far
-        logits = []
+        states = []
         for k in range(steps):
             positions = torch.arange(t, device=aux.device) + k
             q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, positions)
@@ -348,6 +367,6 @@ class Eagle3Drafter(nn.Module):
                 attn_out = attn.attend_flex(q, keys, values, mask)
             else:
                 attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])
-            step_logits, h = self.head(self.midlayer.finish(h, attn_out))
-            logits.append(step_logits)
-        return logits
+            normed, h = self.step_out(self.midlayer.finish(h, attn_out))
+            states.append(normed)
+        return states

@@ -10,8 +10,9 @@ ranks combine exactly by addition; ratios are taken only when a number is report
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,24 +22,69 @@ from eagle3_core.draft.model import shift_left
 
 @dataclass(frozen=True)
 class TTTTargets:
-    teacher_logp: torch.Tensor  # [B, T, V_draft]: log-softmax of the target over the draft vocab, unshifted
+    """The teacher in its smallest exact form: the target's logits over the draft vocabulary in the dtype
+    they were computed in (bf16 under autocast) and their log-sum-exp, rather than a float32 log-softmax."""
+
+    teacher_logits: torch.Tensor  # [B, T, V_draft], unshifted
+    teacher_lse: torch.Tensor  # [B, T] float32: logsumexp of teacher_logits, so logp = logits - lse
+    teacher_top: torch.Tensor  # [B, T] int64: the teacher's top draft id
     masks: torch.Tensor  # [steps, B, T] bool: which entries count at each step
 
     def counts(self) -> torch.Tensor:
         """Counted entries per step, [steps] float64 (what a global normaliser sums over ranks)."""
         return self.masks.sum(dim=(1, 2)).to(torch.float64)
 
+    def logp(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """The teacher's float32 log-probabilities over the draft vocabulary at [rows, cols]."""
+        return self.teacher_logits[rows, cols].float() - self.teacher_lse[rows, cols, None]
+
+
+def step_masks(loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, B, T]: entry p of step k counts where token p+2+k is the model's own and the target's top
+    token at p+1+k is draftable."""
+    return torch.stack(
+        [(shift_left(loss_mask, k + 2) > 0) & shift_left(in_draft, k + 1, fill=False) for k in range(steps)]
+    )
+
 
 def ttt_targets(
     target_logits: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int
 ) -> TTTTargets:
     """target_logits [B, T, V_target], loss_mask [B, T], t2d bool [V_target] -> the teacher and the masks."""
-    teacher_logp = F.log_softmax(target_logits[..., t2d].float(), dim=-1)
-    in_draft = t2d[target_logits.argmax(-1)]  # [B, T]: the target's top token is draftable
-    masks = torch.stack(
-        [(shift_left(loss_mask, k + 2) > 0) & shift_left(in_draft, k + 1, fill=False) for k in range(steps)]
+    restricted = target_logits[..., t2d]
+    return TTTTargets(
+        restricted,
+        torch.logsumexp(restricted.float(), dim=-1),
+        restricted.argmax(-1),
+        step_masks(loss_mask, t2d[target_logits.argmax(-1)], steps),
     )
-    return TTTTargets(teacher_logp, masks)
+
+
+def chunked_ttt_targets(
+    target_logits_of: Callable[[torch.Tensor], torch.Tensor],
+    last: torch.Tensor,
+    loss_mask: torch.Tensor,
+    t2d: torch.Tensor,
+    steps: int,
+    chunk_tokens: int,
+) -> TTTTargets:
+    """`ttt_targets` of target_logits_of(last) [B, T, H_t] -> [.., V_target], `chunk_tokens` tokens at a time,
+    so the full-vocabulary logits (163,840 wide for Kimi-K2.5) never exist for the whole batch at once."""
+    b, t, _ = last.shape
+    flat = last.reshape(b * t, -1)
+    draft_ids = t2d.nonzero().squeeze(1)
+    parts, in_draft = [], []
+    for start in range(0, b * t, chunk_tokens):
+        full = target_logits_of(flat[start : start + chunk_tokens])  # [c, V_target]
+        in_draft.append(t2d[full.argmax(-1)])
+        parts.append(full.index_select(-1, draft_ids))
+    restricted = torch.cat(parts).view(b, t, -1)
+    return TTTTargets(
+        restricted,
+        torch.logsumexp(restricted.float(), dim=-1),
+        restricted.argmax(-1),
+        step_masks(loss_mask, torch.cat(in_draft).view(b, t), steps),
+    )
 
 
 @dataclass
@@ -132,28 +178,151 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, TTTStats]:
     """sum_k step_weight**k * loss_k, with loss_k = (summed entry loss at step k) / normalizer[k].
 
+    The plain form, from each step's whole logits [B, T, V_draft]: autograd keeps them all for backward.
     `normalizer` defaults to this batch's counts; under DDP pass the global counts times the world size, so
     that the averaged gradient equals one process's gradient on the whole global batch.
     """
-    steps, t = len(draft_logits), targets.teacher_logp.shape[1]
-    norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
-    total = torch.zeros((), device=targets.teacher_logp.device)
-    sums = torch.zeros(
-        4, steps, dtype=torch.float64, device=total.device
-    )  # stays on device: no sync per step
-    teacher_top = targets.teacher_logp.argmax(-1)  # [B, T]
-    all_right = torch.ones_like(targets.masks[0])
+    t = targets.teacher_logits.shape[1]
+    teacher_logp = targets.logp()
+    entries = []
     for k, logits in enumerate(draft_logits):
         # entry p of step k is taught by the target at p+1+k: slices, not shifted copies (entries past the
         # end have no teacher and are masked out anyway)
         n = t - k - 1
-        teacher, mask = targets.teacher_logp[:, k + 1 :], targets.masks[k][:, :n]
-        per_entry = entry_loss(teacher, logits[:, :n], loss)  # [B, n]
-        loss_sum = (per_entry * mask).sum()
-        total = total + step_weight**k * loss_sum / norm[k].to(loss_sum.device, loss_sum.dtype)
+        per_entry = entry_loss(teacher_logp[:, k + 1 :], logits[:, :n], loss)  # [B, n]
+        entries.append((per_entry, logits[:, :n].argmax(-1)))
+    return _combine(entries, targets, step_weight, normalizer)
+
+
+def lean_ttt_loss(
+    states: list[torch.Tensor],
+    lm_head: torch.Tensor,
+    targets: TTTTargets,
+    step_weight: float = 0.8,
+    normalizer: torch.Tensor | None = None,
+    loss: LossKind = "kl",
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, TTTStats]:
+    """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's [B, T, V_draft] logits.
+
+    states: `steps` x [B, T, H] (the drafter's normed states), lm_head [V_draft, H]. Each step's logits are
+    made `chunk_tokens` entries at a time and dropped; backward makes them again (HeadLoss), which costs one
+    more [tokens, H] x [H, V_draft] product per step and saves the float32 logits, log-softmax and teacher
+    probabilities the plain form keeps per step (several GiB each at 16k tokens and 32k draft ids).
+    """
+    chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
+    entries = []
+    for k, state in enumerate(states):
+        per_entry, top = HeadLoss.apply(state, lm_head, targets, k + 1, loss, compute_dtype, chunk)
+        entries.append((per_entry, top))
+    return _combine(entries, targets, step_weight, normalizer)
+
+
+def default_chunk_tokens(draft_vocab: int) -> int:
+    """Entries per chunk so that one float32 [chunk, V_draft] tensor is about 256 MiB."""
+    return max(64, (1 << 26) // draft_vocab)
+
+
+def _entry_weights(
+    targets: TTTTargets, k: int, n: int, step_weight: float, normalizer: torch.Tensor | None
+) -> torch.Tensor:
+    """[B, n] float32: what each entry's loss weighs in the total (0 where it does not count)."""
+    norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
+    mask = targets.masks[k][:, :n]
+    return mask.float() * (step_weight**k / norm[k].to(mask.device, torch.float32))
+
+
+def _combine(
+    entries: list[tuple[torch.Tensor, torch.Tensor]],
+    targets: TTTTargets,
+    step_weight: float,
+    normalizer: torch.Tensor | None,
+) -> tuple[torch.Tensor, TTTStats]:
+    """The weighted total (differentiable through the per-entry losses) and the per-step sums, from each
+    step's (entry loss [B, n], draft top id [B, n])."""
+    steps, t = len(entries), targets.teacher_logits.shape[1]
+    device = targets.teacher_logits.device
+    total = torch.zeros((), device=device)
+    sums = torch.zeros(4, steps, dtype=torch.float64, device=device)  # stays on device: no sync per step
+    all_right = torch.ones_like(targets.masks[0])
+    for k, (per_entry, top) in enumerate(entries):
+        n = t - k - 1
+        mask = targets.masks[k][:, :n]
+        total = total + (per_entry * _entry_weights(targets, k, n, step_weight, normalizer)).sum()
         right = torch.zeros_like(all_right)
-        right[:, :n] = logits[:, :n].argmax(-1) == teacher_top[:, k + 1 :]
+        right[:, :n] = top == targets.teacher_top[:, k + 1 :]
         all_right = all_right & right
-        counts = [loss_sum.detach(), (right[:, :n] & mask).sum(), (all_right[:, :n] & mask).sum(), mask.sum()]
+        loss_sum = (per_entry.detach() * mask).sum()
+        counts = [loss_sum, (right[:, :n] & mask).sum(), (all_right[:, :n] & mask).sum(), mask.sum()]
         sums[:, k] = torch.stack([c.to(torch.float64) for c in counts])
     return total, TTTStats(sums)
+
+
+def _chunks(rows: int, n: int, chunk: int) -> Iterator[tuple[slice, slice]]:
+    """(rows, entries) blocks covering [rows, n] of about `chunk` entries each: whole rows when they are
+    short, pieces of one row when it is long."""
+    if n >= chunk:
+        for r in range(rows):
+            for p in range(0, n, chunk):
+                yield slice(r, r + 1), slice(p, min(n, p + chunk))
+    else:
+        per = max(1, chunk // max(n, 1))
+        for r in range(0, rows, per):
+            yield slice(r, min(rows, r + per)), slice(0, n)
+
+
+class HeadLoss(torch.autograd.Function):
+    """Per-entry loss [B, n] and draft top ids [B, n] of logits = state @ lm_head.T against the teacher
+    (offset entries later), chunk by chunk; backward recomputes each chunk's logits.
+
+    The per-entry loss is differentiable (its gradient flows to state and lm_head); the top ids are not.
+    Entries are the first n = T - offset positions, the ones that have a teacher.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        state: torch.Tensor,
+        lm_head: torch.Tensor,
+        targets: TTTTargets,
+        offset: int,
+        kind: LossKind,
+        dtype: torch.dtype,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = state.shape
+        n = t - offset
+        per_entry = torch.zeros(b, n, device=state.device)
+        top = torch.zeros(b, n, dtype=torch.long, device=state.device)
+        weight = lm_head.to(dtype)
+        with torch.autocast(state.device.type, enabled=False):
+            for rows, cols in _chunks(b, n, chunk):
+                logits = (state[rows, cols].to(dtype) @ weight.T).float()  # [r, c, V_draft]
+                teacher = targets.logp(rows, slice(cols.start + offset, cols.stop + offset))
+                per_entry[rows, cols] = entry_loss(teacher, logits, kind)
+                top[rows, cols] = logits.argmax(-1)
+        ctx.save_for_backward(state, lm_head)
+        ctx.targets, ctx.offset, ctx.kind, ctx.dtype, ctx.chunk = targets, offset, kind, dtype, chunk
+        ctx.mark_non_differentiable(top)
+        return per_entry, top
+
+    @staticmethod
+    def backward(ctx: Any, grad_entry: torch.Tensor, _grad_top: Any) -> tuple[Any, ...]:
+        state, lm_head = ctx.saved_tensors
+        b, t, _ = state.shape
+        n, dtype = t - ctx.offset, ctx.dtype
+        weight = lm_head.to(dtype)
+        grad_state = torch.zeros_like(state)
+        grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
+        for rows, cols in _chunks(b, n, ctx.chunk):
+            x = state[rows, cols].to(dtype)  # [r, c, H]
+            with torch.enable_grad():
+                logits = (x @ weight.T).float().detach().requires_grad_()
+                teacher = ctx.targets.logp(rows, slice(cols.start + ctx.offset, cols.stop + ctx.offset))
+                entry = entry_loss(teacher, logits, ctx.kind)
+                (grad_logits,) = torch.autograd.grad(entry, logits, grad_entry[rows, cols])
+            g = grad_logits.to(dtype)  # [r, c, V_draft]: the cast the plain form's autocast makes too
+            grad_state[rows, cols] = (g @ weight).to(state.dtype)
+            grad_head += (g.flatten(0, 1).T @ x.flatten(0, 1)).float()
+        return grad_state, grad_head.to(lm_head.dtype), None, None, None, None, None

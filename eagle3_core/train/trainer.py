@@ -42,7 +42,13 @@ from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_path
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData, plan_epoch, plan_validation
 from eagle3_core.train.distributed import World, close_world, init_world
-from eagle3_core.train.loss import TTTStats, TTTTargets, ttt_loss, ttt_targets
+from eagle3_core.train.loss import (
+    TTTStats,
+    TTTTargets,
+    chunked_ttt_targets,
+    default_chunk_tokens,
+    lean_ttt_loss,
+)
 from eagle3_core.train.optim import build_optimizer
 
 Log = Callable[[str], None]
@@ -297,16 +303,25 @@ class Setup:
 
 
 def _teacher(s: Setup, batch: Batch) -> TTTTargets:
+    def target_logits(last: torch.Tensor) -> torch.Tensor:
+        return s.head.logits(last, s.convention)  # type: ignore[arg-type]
+
+    chunk = default_chunk_tokens(s.head.lm_head.shape[0])
     with torch.no_grad(), s.autocast():
-        target_logits = s.head.logits(batch.last, s.convention)  # type: ignore[arg-type]
-        return ttt_targets(target_logits.float(), batch.loss_mask, s.t2d, s.cfg.ttt_steps)
+        return chunked_ttt_targets(target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk)
 
 
-def _draft_logits(s: Setup, batch: Batch, model: nn.Module) -> list[torch.Tensor]:
+def _loss(
+    s: Setup, batch: Batch, model: nn.Module, targets: TTTTargets, normalizer: torch.Tensor | None
+) -> tuple[torch.Tensor, TTTStats]:
+    """The TTT loss of `model` (the drafter, or its DDP wrapper) on one batch, and its statistics."""
     aux = batch.aux if s.autocast_bf16 else batch.aux.float()
     with s.autocast():
-        out: list[torch.Tensor] = model(aux, batch.input_ids, s.cfg.ttt_steps, s.attention)
-        return out
+        states: list[torch.Tensor] = model(aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states")
+    dtype = torch.bfloat16 if s.autocast_bf16 else torch.float32
+    return lean_ttt_loss(
+        states, s.drafter.lm_head.weight, targets, s.cfg.step_weight, normalizer, s.cfg.loss, dtype
+    )
 
 
 def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
@@ -314,9 +329,7 @@ def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
     # Normalise by the count over all ranks (times the world size, as DDP averages gradients), so the step
     # equals one process's step on the whole global batch.
     normalizer = s.world.sum(targets.counts()) / s.world.size
-    loss, stats = ttt_loss(
-        _draft_logits(s, batch, s.model), targets, s.cfg.step_weight, normalizer, s.cfg.loss
-    )
+    loss, stats = _loss(s, batch, s.model, targets, normalizer)
     loss.backward()
     if s.cfg.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), s.cfg.grad_clip)
@@ -335,9 +348,7 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     with torch.no_grad():
         for batch in prefetch(batches):
             batch = batch.to(s.world.device)
-            _, stats = ttt_loss(
-                _draft_logits(s, batch, s.drafter), _teacher(s, batch), s.cfg.step_weight, loss=s.cfg.loss
-            )
+            _, stats = _loss(s, batch, s.drafter, _teacher(s, batch), None)
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())

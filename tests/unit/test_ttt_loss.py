@@ -1,8 +1,16 @@
 import math
 
+import pytest
 import torch
 
-from eagle3_core.train.loss import TTTStats, ttt_loss, ttt_targets
+from eagle3_core.train.loss import (
+    LossKind,
+    TTTStats,
+    chunked_ttt_targets,
+    lean_ttt_loss,
+    ttt_loss,
+    ttt_targets,
+)
 
 
 def test_alignment_masks_and_accuracy_on_a_hand_example() -> None:
@@ -66,3 +74,76 @@ def test_tau_is_one_plus_sum_of_running_products() -> None:
     r = TTTStats(torch.stack([counted, torch.tensor([8.0, 5.0, 5.0], dtype=torch.float64), counted, counted]))
     assert math.isclose(r.tau(1), 1.8)
     assert math.isclose(r.tau(3), 1 + 0.8 + 0.4 + 0.2)
+
+
+def _lean_case(seed: int, rows: int, length: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    target_vocab, hidden = 37, 16
+    t2d = torch.rand(target_vocab, generator=g) > 0.3
+    target_logits = 3 * torch.randn(rows, length, target_vocab, generator=g)
+    loss_mask = (torch.rand(rows, length, generator=g) > 0.2).long()
+    states = [torch.randn(rows, length, hidden, generator=g) for _ in range(3)]
+    lm_head = torch.randn(int(t2d.sum()), hidden, generator=g) / hidden**0.5
+    return t2d, target_logits, loss_mask, torch.stack(states), lm_head
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_hybrid"])
+@pytest.mark.parametrize(("rows", "length", "chunk"), [(5, 12, 30), (2, 40, 16), (3, 9, 10_000)])
+def test_the_lean_loss_equals_the_plain_one_with_its_gradients(
+    kind: LossKind, rows: int, length: int, chunk: int
+) -> None:
+    # chunks of whole rows, pieces of long rows, and one chunk for everything
+    t2d, target_logits, loss_mask, states, lm_head = _lean_case(3, rows, length)
+    targets = ttt_targets(target_logits, loss_mask, t2d, steps=3)
+    norm = targets.counts() * 2  # a global normaliser, as under DDP
+
+    def run(lean: bool) -> tuple[torch.Tensor, TTTStats, torch.Tensor, torch.Tensor]:
+        x, w = states.clone().requires_grad_(), lm_head.clone().requires_grad_()
+        if lean:
+            loss, stats = lean_ttt_loss(list(x), w, targets, 0.8, norm, kind, chunk_tokens=chunk)
+        else:
+            loss, stats = ttt_loss([s @ w.T for s in x], targets, 0.8, norm, kind)
+        loss.backward()
+        assert x.grad is not None and w.grad is not None
+        return loss.detach(), stats, x.grad, w.grad
+
+    (plain_loss, plain, plain_dx, plain_dw), (lean_loss, lean, lean_dx, lean_dw) = run(False), run(True)
+    torch.testing.assert_close(lean_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(lean.sums[1:], plain.sums[1:])
+    torch.testing.assert_close(lean.sums[0], plain.sums[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean_dx, plain_dx, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(lean_dw, plain_dw, rtol=1e-4, atol=1e-6)
+    assert float(plain_dw.abs().sum()) > 0
+
+
+def test_the_lean_loss_in_bf16_matches_the_plain_one_under_autocast() -> None:
+    t2d, target_logits, loss_mask, states, lm_head = _lean_case(4, 4, 20)
+    targets = ttt_targets(target_logits.bfloat16(), loss_mask, t2d, steps=3)
+    x, w = states.clone().requires_grad_(), lm_head.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_loss, plain = ttt_loss([torch.nn.functional.linear(s, w) for s in x], targets)
+    plain_loss.backward()
+    assert x.grad is not None and w.grad is not None
+    plain_dx, plain_dw = x.grad.clone(), w.grad.clone()
+    x.grad, w.grad = None, None
+    lean_loss, lean = lean_ttt_loss(list(x), w, targets, compute_dtype=torch.bfloat16, chunk_tokens=16)
+    lean_loss.backward()
+    torch.testing.assert_close(lean_loss, plain_loss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lean.sums[1:], plain.sums[1:])
+    # bf16 products: the plain form rounds each step's whole product once, the lean one each chunk's, then
+    # adds in float32; both within bf16's 3 significant digits of the gradient's scale
+    for lean_grad, plain_grad in ((x.grad, plain_dx), (w.grad, plain_dw)):
+        torch.testing.assert_close(
+            lean_grad, plain_grad, rtol=2e-2, atol=8e-3 * float(plain_grad.abs().max())
+        )
+
+
+def test_the_chunked_teacher_equals_the_whole_one() -> None:
+    t2d, target_logits, loss_mask, _, _ = _lean_case(5, 3, 11)
+    hidden = torch.randn(3, 11, 8)
+    head = torch.randn(target_logits.shape[-1], 8)
+    whole = ttt_targets(hidden @ head.T, loss_mask, t2d, steps=3)
+    chunked = chunked_ttt_targets(lambda h: h @ head.T, hidden, loss_mask, t2d, steps=3, chunk_tokens=7)
+    for name in ("teacher_logits", "teacher_lse", "teacher_top", "masks"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name))
+    torch.testing.assert_close(whole.logp(), torch.log_softmax((hidden @ head.T)[..., t2d], -1))
