@@ -178,8 +178,8 @@ def test_two_process_ddp_under_torchrun_matches_one_process(
 def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
     shard_store: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    none = (
-        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 2, log_every: 2, "
+    none = (  # batch_tokens left at auto: the summary records the number it resolved to
+        "train: {draft_vocab_size: 512, max_len: 256, max_steps: 2, log_every: 2, "
         "eval_every: 2, checkpoint_every: 2, val_fraction: 0.0}\n"
     )
     done = eagle3(_copy(shard_store, tmp_path / "p", train=none), "train")
@@ -191,6 +191,7 @@ def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
     assert not [r for r in read_metrics(run_dir) if r["kind"] == "val"]
     summary = json.loads((run_dir / "final" / "summary.json").read_text())
     assert summary["val"] == {} and summary["val_samples"] == 0
+    assert summary["train_config"]["batch_tokens"] == 1024  # 120 short samples: the bottom of auto's range
 
 
 def test_a_batch_budget_below_one_sample_is_refused_before_training(
