@@ -417,7 +417,10 @@ class _MetricRecords(logging.Handler):
             if "val" in msg:
                 self.val.append({"epoch": msg.get("epoch"), **msg["val"]})
             elif "train" in msg:
-                self.train.append({"step": msg.get("global_step"), "epoch": msg.get("epoch"), **msg["train"]})
+                step = {"step": msg.get("global_step"), "epoch": msg.get("epoch"), **msg["train"]}
+                if msg.get("profile"):  # its own step timer: tokens_per_s, phase times, memory_mb
+                    step["profile"] = msg["profile"]
+                self.train.append(step)
 
 
 def _child_main(argv: list[str]) -> int:
@@ -467,6 +470,8 @@ def _child_main(argv: list[str]) -> int:
             "resolved": {k: str(v) for k, v in cfg.flatten().items()},
             "val": records.val,
             "last_train": last_train,
+            "train_steps": records.train,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         },
     )
     return 0

@@ -109,6 +109,8 @@ def _build(root: Path, spec: DataSpec, log: Log) -> dict[str, Any]:
         layers=spec.layers,
         vocab=spec.vocab,
         intermediate=spec.intermediate,
+        init_device=spec.device,
+        dtype=torch.bfloat16 if spec.device == "cuda" else torch.float32,
     )
     log(f"  random target saved ({time.perf_counter() - started:.0f}s)")
     target = TransformersTarget(target_dir, TargetConfig(device=spec.device))

@@ -50,8 +50,8 @@ from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.trainer import (
-    _setup,
     batch_budget,
+    build_setup,
     drafter_config_for,
     new_drafter,
     read_metrics,
@@ -212,7 +212,9 @@ def run_variant(
     dcfg = drafter_config_for(ts.target_dir, mapping.draft_vocab_size)
     out = guarded(
         f"variant {name}",
-        lambda: time_training(_setup(World(0, 1, device), cfg, data, head, mapping, dcfg), batches, warmup),
+        lambda: time_training(
+            build_setup(World(0, 1, device), cfg, data, head, mapping, dcfg), batches, warmup
+        ),
     )
     if device.type == "cuda":
         out["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))

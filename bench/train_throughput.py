@@ -5,7 +5,7 @@ training never waits for data. Both count real (unpadded) tokens of the same len
 
 Loader: a `Prefetcher` over one epoch of `plan_epoch` batches with the TrainConfig's loader_threads and
 prefetch_batches (memory-mapped reads, every sample's digest checked, padding into batches; pinned memory
-on a GPU host, as the trainer does), several rounds, median. Training: `_setup` + `train_step` on batches of
+on a GPU host, as the trainer does), several rounds, median. Training: `build_setup` + `train_step` on batches of
 the same plan held in memory, after warm-up steps (flex attention compiles in them), GPU synchronised before
 each timer read. The data: a random-weight Llama target, shards extracted from it by the real extraction
 path (bf16 storage), a vocab mapping counted from them.
@@ -45,7 +45,7 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.draft.target_head import load_target_head
 from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
-from eagle3_core.train.trainer import Setup, _setup, batch_budget, drafter_config_for, train_step
+from eagle3_core.train.trainer import Setup, batch_budget, build_setup, drafter_config_for, train_step
 
 GOAL = 5.0
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -196,7 +196,7 @@ def measure(
         loader = time_loader(data, refs, plan, cfg, pin)
         batches = load_batches(data, refs, plan, cfg, args.warmup + args.steps, pin)
         mapping = ts.mapping()
-        s = _setup(
+        s = build_setup(
             World(0, 1, device),
             cfg,
             data,

@@ -296,6 +296,10 @@ class TrainConfig(_Model):
         default="auto",
         description="auto: flex attention on GPU where torch has it, SDPA with a mask elsewhere.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="torch.compile the drafter's layer (auto: on GPU, where it fuses the norms, RoPE and MLP).",
+    )
     prefetch_batches: Annotated[int, Field(gt=0)] = 4
     loader_threads: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Threads reading and padding batches; default min(8, CPU cores)."

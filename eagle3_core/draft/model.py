@@ -302,6 +302,15 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # flex BlockMasks by (length, step, device), kept with the drafter (and freed with it): building one
+        # costs more than a TTT step's attention, and batch lengths repeat
+        self.block_masks: dict[tuple[int, int, str], Any] = {}
+
+    def block_mask(self, length: int, step: int, device: torch.device) -> Any:
+        key = (length, step, str(device))
+        if key not in self.block_masks:
+            self.block_masks[key] = ttt_block_mask(length, step, device, self.cfg.sliding_window)
+        return self.block_masks[key]
 
     def forward(
         self,
@@ -363,7 +372,7 @@ class Eagle3Drafter(nn.Module):
                     torch.cat([kv[0] for kv in kvs], dim=2),
                     torch.cat([kv[1] for kv in kvs], dim=2),
                 )
-                mask = ttt_block_mask(t, k, aux.device, self.cfg.sliding_window)
+                mask = self.block_mask(t, k, aux.device)
                 attn_out = attn.attend_flex(q, keys, values, mask)
             else:
                 attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])

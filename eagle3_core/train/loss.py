@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal
 
 import torch
@@ -207,16 +208,23 @@ def lean_ttt_loss(
     """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's [B, T, V_draft] logits.
 
     states: `steps` x [B, T, H] (the drafter's normed states), lm_head [V_draft, H]. Each step's logits are
-    made `chunk_tokens` entries at a time and dropped; backward makes them again (HeadLoss), which costs one
-    more [tokens, H] x [H, V_draft] product per step and saves the float32 logits, log-softmax and teacher
-    probabilities the plain form keeps per step (several GiB each at 16k tokens and 32k draft ids).
+    made `chunk_tokens` entries at a time, and their gradient with them (HeadLoss): a step keeps only its
+    gradients for state and lm_head for backward, not the float32 logits, log-softmax and teacher
+    probabilities the plain form keeps (several GiB a step at 16k tokens and 32k draft ids).
     """
     chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
-    entries = []
+    weight = lm_head.detach().to(compute_dtype)  # cast once for every step
+    t = targets.teacher_logits.shape[1]
+    totals, entries = [], []
     for k, state in enumerate(states):
-        per_entry, top = HeadLoss.apply(state, lm_head, targets, k + 1, loss, compute_dtype, chunk)
+        grads = torch.is_grad_enabled() and (state.requires_grad or lm_head.requires_grad)
+        coef = _entry_weights(targets, k, t - k - 1, step_weight, normalizer)
+        spec = HeadSpec(targets, k + 1, loss, chunk, grads)
+        total, per_entry, top = HeadLoss.apply(state.to(compute_dtype), lm_head, weight, coef, spec)
+        totals.append(total)
         entries.append((per_entry, top))
-    return _combine(entries, targets, step_weight, normalizer)
+    _, stats = _combine(entries, targets, step_weight, normalizer)
+    return torch.stack(totals).sum(), stats
 
 
 def default_chunk_tokens(draft_vocab: int) -> int:
@@ -272,11 +280,65 @@ def _chunks(rows: int, n: int, chunk: int) -> Iterator[tuple[slice, slice]]:
             yield slice(r, min(rows, r + per)), slice(0, n)
 
 
-class HeadLoss(torch.autograd.Function):
-    """Per-entry loss [B, n] and draft top ids [B, n] of logits = state @ lm_head.T against the teacher
-    (offset entries later), chunk by chunk; backward recomputes each chunk's logits.
+def entry_loss_and_grad(
+    teacher_logits: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    logits: torch.Tensor,
+    coef: torch.Tensor,
+    kind: LossKind,
+    grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`entry_loss` [m] of draft logits [m, V] against a teacher chunk, the draft's top ids [m], and, if
+    `grads`, the gradient of sum(coef * loss) by the logits [m, V] (float32), written out:
 
-    The per-entry loss is differentiable (its gradient flows to state and lm_head); the top ids are not.
+    kl: d/dz = q * sum(p) - p.  lk_hybrid: lam * (q * sum(p) - p) - (1 - lam) * (m*q - q * sum(m*q)), where
+    m = (q < p) is where min(p, q) takes q, and lam is held constant as in `entry_loss`.
+    """
+    teacher_logp = teacher_logits.float() - teacher_lse[..., None]
+    p = teacher_logp.exp()
+    logq = F.log_softmax(logits.float(), dim=-1)
+    q = logq.exp()
+    ce = -(p * logq).sum(-1)
+    top = logits.argmax(-1)
+    kl_grad = q * p.sum(-1, keepdim=True) - p
+    if kind == "kl":
+        return ce, top, kl_grad * coef[..., None] if grads else None
+    alpha = torch.minimum(p, q).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha)
+    entry = lam * (ce + (p * teacher_logp).sum(-1)) + (1.0 - lam) * (1.0 - alpha)
+    if not grads:
+        return entry, top, None
+    mq = q * (q < p)
+    tv_grad = -(mq - q * mq.sum(-1, keepdim=True))
+    return entry, top, (lam[..., None] * kl_grad + (1.0 - lam)[..., None] * tv_grad) * coef[..., None]
+
+
+@cache
+def _entry_fn(compiled: bool) -> Callable[..., Any]:
+    # the chain of casts, exps and reductions over [chunk, V_draft] is memory-bound: compiled (GPU) it
+    # fuses into a few kernels; eager it is what the CPU runs and the tests compare
+    return torch.compile(entry_loss_and_grad, dynamic=True) if compiled else entry_loss_and_grad
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What HeadLoss reads besides tensors: the teacher, the step's offset into it, the loss kind, the
+    chunk size and whether gradients are wanted."""
+
+    targets: TTTTargets
+    offset: int
+    kind: LossKind
+    chunk: int
+    grads: bool
+
+
+class HeadLoss(torch.autograd.Function):
+    """sum(coef * entry loss) of logits = state @ lm_head.T against the teacher `offset` entries later,
+    with the per-entry loss [B, n] and draft top ids [B, n] (not differentiable) beside it.
+
+    Computed chunk by chunk, with the gradients for state and lm_head made in the same pass from each
+    chunk's logits (the loss is linear in coef, and backward only scales them by the incoming gradient).
+    lm_head's gradient per step is kept in the compute dtype, as the plain form's bf16 product gives it.
     Entries are the first n = T - offset positions, the ones that have a teacher.
     """
 
@@ -285,44 +347,49 @@ class HeadLoss(torch.autograd.Function):
         ctx: Any,
         state: torch.Tensor,
         lm_head: torch.Tensor,
-        targets: TTTTargets,
-        offset: int,
-        kind: LossKind,
-        dtype: torch.dtype,
-        chunk: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = state.shape
-        n = t - offset
+        weight: torch.Tensor,
+        coef: torch.Tensor,
+        spec: HeadSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, h = state.shape
+        n = t - spec.offset
         per_entry = torch.zeros(b, n, device=state.device)
         top = torch.zeros(b, n, dtype=torch.long, device=state.device)
-        weight = lm_head.to(dtype)
+        grad_state = torch.zeros_like(state) if spec.grads else None
+        grad_head = (
+            torch.zeros(lm_head.shape, dtype=torch.float32, device=state.device) if spec.grads else None
+        )
+        entry_fn = _entry_fn(state.is_cuda)
         with torch.autocast(state.device.type, enabled=False):
-            for rows, cols in _chunks(b, n, chunk):
-                logits = (state[rows, cols].to(dtype) @ weight.T).float()  # [r, c, V_draft]
-                teacher = targets.logp(rows, slice(cols.start + offset, cols.stop + offset))
-                per_entry[rows, cols] = entry_loss(teacher, logits, kind)
-                top[rows, cols] = logits.argmax(-1)
-        ctx.save_for_backward(state, lm_head)
-        ctx.targets, ctx.offset, ctx.kind, ctx.dtype, ctx.chunk = targets, offset, kind, dtype, chunk
-        ctx.mark_non_differentiable(top)
-        return per_entry, top
+            for rows, cols in _chunks(b, n, spec.chunk):
+                x = state[rows, cols].reshape(-1, h)  # [m, H]
+                shifted = slice(cols.start + spec.offset, cols.stop + spec.offset)
+                teacher = spec.targets.teacher_logits[rows, shifted].reshape(x.shape[0], -1)
+                lse = spec.targets.teacher_lse[rows, shifted].reshape(-1)
+                entry, best, grad = entry_fn(
+                    teacher, lse, x @ weight.T, coef[rows, cols].reshape(-1), spec.kind, spec.grads
+                )
+                shape = per_entry[rows, cols].shape
+                per_entry[rows, cols] = entry.view(shape)
+                top[rows, cols] = best.view(shape)
+                if grad is not None and grad_state is not None and grad_head is not None:
+                    g = grad.to(weight.dtype)  # [m, V]: the cast the plain form's autocast makes too
+                    grad_state[rows, cols] = (g @ weight).view(*shape, h)
+                    grad_head += (g.T @ x).float()
+        total = (per_entry * coef).sum()
+        if grad_state is not None and grad_head is not None:
+            ctx.save_for_backward(grad_state, grad_head.to(weight.dtype))
+        ctx.head_dtype = lm_head.dtype
+        ctx.mark_non_differentiable(per_entry, top)
+        return total, per_entry, top
 
     @staticmethod
-    def backward(ctx: Any, grad_entry: torch.Tensor, _grad_top: Any) -> tuple[Any, ...]:
-        state, lm_head = ctx.saved_tensors
-        b, t, _ = state.shape
-        n, dtype = t - ctx.offset, ctx.dtype
-        weight = lm_head.to(dtype)
-        grad_state = torch.zeros_like(state)
-        grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
-        for rows, cols in _chunks(b, n, ctx.chunk):
-            x = state[rows, cols].to(dtype)  # [r, c, H]
-            with torch.enable_grad():
-                logits = (x @ weight.T).float().detach().requires_grad_()
-                teacher = ctx.targets.logp(rows, slice(cols.start + ctx.offset, cols.stop + ctx.offset))
-                entry = entry_loss(teacher, logits, ctx.kind)
-                (grad_logits,) = torch.autograd.grad(entry, logits, grad_entry[rows, cols])
-            g = grad_logits.to(dtype)  # [r, c, V_draft]: the cast the plain form's autocast makes too
-            grad_state[rows, cols] = (g @ weight).to(state.dtype)
-            grad_head += (g.flatten(0, 1).T @ x.flatten(0, 1)).float()
-        return grad_state, grad_head.to(lm_head.dtype), None, None, None, None, None
+    def backward(ctx: Any, grad_total: torch.Tensor, _entry: Any, _top: Any) -> tuple[Any, ...]:
+        grad_state, grad_head = ctx.saved_tensors
+        return (
+            grad_state * grad_total.to(grad_state.dtype),
+            grad_head.to(ctx.head_dtype) * grad_total.to(ctx.head_dtype),
+            None,
+            None,
+            None,
+        )

@@ -49,13 +49,22 @@ from eagle3_core.train.loss import (
     default_chunk_tokens,
     lean_ttt_loss,
 )
+from eagle3_core.train.memory import MemoryEstimate, check_training_memory, estimate_training_memory
 from eagle3_core.train.optim import build_optimizer
 
 Log = Callable[[str], None]
 FINAL = "final"
 METRICS = "metrics.jsonl"
 # Settings that change how a run is watched, not what it computes: changing them keeps the run (and resumes it).
-OPERATIONAL = {"log_every", "keep_checkpoints", "prefetch_batches", "loader_threads", "device", "processes"}
+OPERATIONAL = {
+    "log_every",
+    "keep_checkpoints",
+    "prefetch_batches",
+    "loader_threads",
+    "device",
+    "processes",
+    "compile",
+}
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # the only metric fields a resumed run may not reproduce
 BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 samples whatever their length)
 
@@ -189,24 +198,42 @@ AUTO_BUDGET_RANGE = (1024, 16384)
 
 
 def auto_batch_tokens(
-    train_refs: Sequence[SampleRef], val_refs: Sequence[SampleRef], cfg: TrainConfig, world: int
+    train_refs: Sequence[SampleRef],
+    val_refs: Sequence[SampleRef],
+    cfg: TrainConfig,
+    world: int,
+    ceiling: int | None = None,
 ) -> int:
-    """The largest power of two in AUTO_BUDGET_RANGE whose run takes at least AUTO_MIN_STEPS optimizer steps
-    (counted on unpadded tokens), raised to the longest sample (validation too) once per rank if that is more."""
+    """The largest power of two in AUTO_BUDGET_RANGE (and at most `ceiling`, what fits the device) whose run
+    takes at least AUTO_MIN_STEPS optimizer steps, counted on unpadded tokens; raised to the longest sample
+    (validation too) once per rank if that is more."""
     low, high = AUTO_BUDGET_RANGE
+    if ceiling is not None and ceiling > 0:
+        high = min(high, _power_of_two_at_most(ceiling))
+        low = min(low, high)
     per_step = sum(min(r.length, cfg.max_len) for r in train_refs) * cfg.epochs // AUTO_MIN_STEPS
-    budget = min(high, max(low, 1 << max(0, per_step.bit_length() - 1)))
+    budget = min(high, max(low, _power_of_two_at_most(per_step)))
     longest = max((min(r.length, cfg.max_len) for r in [*train_refs, *val_refs]), default=0)
     return max(budget, longest * world)
 
 
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def resolve_batch_tokens(
-    cfg: TrainConfig, train_refs: Sequence[SampleRef], val_refs: Sequence[SampleRef], world: int
+    cfg: TrainConfig,
+    train_refs: Sequence[SampleRef],
+    val_refs: Sequence[SampleRef],
+    world: int,
+    ceiling: int | None = None,
 ) -> TrainConfig:
-    """`cfg` with batch_tokens a number: auto is resolved from the data, a number is kept."""
+    """`cfg` with batch_tokens a number: auto is resolved from the data (and the device's `ceiling`), a
+    number is kept."""
     if cfg.batch_tokens != "auto":
         return cfg
-    return cfg.model_copy(update={"batch_tokens": auto_batch_tokens(train_refs, val_refs, cfg, world)})
+    budget = auto_batch_tokens(train_refs, val_refs, cfg, world, ceiling)
+    return cfg.model_copy(update={"batch_tokens": budget})
 
 
 def batch_budget(cfg: TrainConfig) -> int:
@@ -302,7 +329,7 @@ class Setup:
         return torch.autocast(self.world.device.type, dtype=torch.bfloat16)
 
 
-def _teacher(s: Setup, batch: Batch) -> TTTTargets:
+def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
     def target_logits(last: torch.Tensor) -> torch.Tensor:
         return s.head.logits(last, s.convention)  # type: ignore[arg-type]
 
@@ -325,7 +352,7 @@ def _loss(
 
 
 def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
-    targets = _teacher(s, batch)
+    targets = teacher_targets(s, batch)
     # Normalise by the count over all ranks (times the world size, as DDP averages gradients), so the step
     # equals one process's step on the whole global batch.
     normalizer = s.world.sum(targets.counts()) / s.world.size
@@ -348,7 +375,7 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     with torch.no_grad():
         for batch in prefetch(batches):
             batch = batch.to(s.world.device)
-            _, stats = _loss(s, batch, s.drafter, _teacher(s, batch), None)
+            _, stats = _loss(s, batch, s.drafter, teacher_targets(s, batch), None)
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
@@ -387,7 +414,46 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def _setup(
+def numerics(cfg: TrainConfig, device: torch.device) -> tuple[bool, AttentionBackend]:
+    """(bf16 autocast?, the attention backend) a run on `device` uses."""
+    cuda = device.type == "cuda"
+    bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
+    attention: AttentionBackend = (
+        "flex" if cfg.attention == "flex" or (cfg.attention == "auto" and cuda) else "sdpa"
+    )
+    if attention == "flex" and not cuda:
+        raise Eagle3Error(
+            "train.attention 'flex' needs a GPU (torch has no flex attention backward on CPU); use sdpa"
+        )
+    return bf16, attention
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's free and total bytes when the run starts, and the estimate of the run's peak."""
+
+    free: int
+    total: int
+    estimate: MemoryEstimate
+    where: str
+
+
+def device_memory(
+    cfg: TrainConfig, dcfg: DrafterConfig, world: World, refs: Sequence[SampleRef]
+) -> DeviceMemory | None:
+    """The memory facts of a GPU run (None on CPU, where host memory is not estimated)."""
+    if world.device.type != "cuda":
+        return None
+    bf16, attention = numerics(cfg, world.device)
+    longest = max((min(r.length, cfg.max_len) for r in refs), default=0)
+    estimate = estimate_training_memory(
+        dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0
+    )
+    free, total = torch.cuda.mem_get_info(world.device)
+    return DeviceMemory(free, total, estimate, f"{torch.cuda.get_device_name(world.device)} ({world.device})")
+
+
+def build_setup(
     world: World,
     cfg: TrainConfig,
     data: TrainingData,
@@ -397,14 +463,7 @@ def _setup(
     warm: WarmStart | None = None,
 ) -> Setup:
     cuda = world.device.type == "cuda"
-    bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
-    attention: AttentionBackend = (
-        "flex" if cfg.attention == "flex" or (cfg.attention == "auto" and cuda) else "sdpa"
-    )
-    if attention == "flex" and not cuda:
-        raise Eagle3Error(
-            "train.attention 'flex' needs a GPU (torch has no flex attention backward on CPU); use sdpa"
-        )
+    bf16, attention = numerics(cfg, world.device)
     head_dtype = torch.bfloat16 if bf16 else torch.float32
     head = TargetHead(
         head.embed,
@@ -416,6 +475,8 @@ def _setup(
     if warm is not None:
         load_trainable_state(drafter, warm.weights, warm.final_dir)
     drafter = drafter.to(world.device)
+    if cfg.compile == "on" or (cfg.compile == "auto" and cuda):
+        compile_layer(drafter)
     model: nn.Module = drafter
     if world.distributed:
         model = DistributedDataParallel(drafter, device_ids=[world.device] if cuda else None)
@@ -434,6 +495,19 @@ def _setup(
         bf16,
         data.facts["final_state_convention"],
     )
+
+
+def compile_layer(drafter: Eagle3Drafter) -> None:
+    """torch.compile the per-step pieces around attention (dynamic shapes: batch lengths vary), in place.
+
+    Attention itself stays as it is (flex attention is compiled on its own); what fuses here are the
+    norms, the concatenation, RoPE, the residuals and the MLP's gate, which run eagerly as a dozen
+    memory-bound kernels per step, each keeping its own output for backward."""
+    layer = drafter.midlayer
+    layer.qkv = torch.compile(layer.qkv, dynamic=True)  # type: ignore[method-assign]
+    layer.finish = torch.compile(layer.finish, dynamic=True)  # type: ignore[method-assign]
+    drafter.step_out = torch.compile(drafter.step_out, dynamic=True)  # type: ignore[method-assign]
+    drafter.features = torch.compile(drafter.features, dynamic=True)  # type: ignore[method-assign]
 
 
 def _check_inputs(data: TrainingData, mapping: VocabMapping, dcfg: DrafterConfig) -> None:
@@ -535,7 +609,11 @@ def _train(
     _check_inputs(data, mapping, dcfg)
     warm = warm_start(init_from, mapping, dcfg) if init_from is not None else None
     train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
-    cfg = resolve_batch_tokens(cfg, train_refs, val_refs, world.size)
+    memory = device_memory(cfg, dcfg, world, data.refs)
+    ceiling = memory.estimate.largest_batch_tokens(memory.free) if memory else None
+    cfg = resolve_batch_tokens(cfg, train_refs, val_refs, world.size, ceiling)
+    if memory is not None:  # the preflight: refused here, before anything is allocated
+        check_training_memory(memory.estimate, batch_budget(cfg), memory.free, memory.total, memory.where)
     run_dir = runs_dir / run_id(
         cfg, mapping, str(data.facts["target_fingerprint"]), dcfg, warm.run if warm else None
     )
@@ -545,7 +623,7 @@ def _train(
     check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
     plan = schedule(train_refs, cfg, world.size)
     run_dir.mkdir(parents=True, exist_ok=True)
-    s = _setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
+    s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
     metrics = MetricsLog(run_dir / METRICS, world.is_main)

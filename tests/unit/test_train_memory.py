@@ -1,0 +1,92 @@
+"""The memory preflight: the estimate against peaks measured on an H200, and the refusal with its numbers."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.config import TrainConfig
+from eagle3_core.draft.model import DrafterConfig
+from eagle3_core.errors import ConfigError
+from eagle3_core.train.data import SampleRef
+from eagle3_core.train.memory import GIB, check_training_memory, estimate_training_memory
+from eagle3_core.train.trainer import resolve_batch_tokens
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "vs_speculators_gpu_h200_widths.json"
+
+
+def _bench_drafter(hidden: int, intermediate: int, vocab: int) -> DrafterConfig:
+    """The drafter bench/vs_speculators_gpu.py trains: the random Llama's shape, the default variant."""
+    return DrafterConfig(
+        target_hidden_size=hidden,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_heads=hidden // 64,
+        num_kv_heads=hidden // 128,
+        head_dim=64,
+        target_vocab_size=vocab,
+        draft_vocab_size=vocab,
+        norm_before_fc=True,
+        norm_output=True,
+    )
+
+
+def test_the_estimate_is_at_or_a_little_above_every_peak_measured_on_the_h200() -> None:
+    results = json.loads(RESULTS.read_text())
+    tokens = int(results["settings"]["batch_tokens"])
+    measured = 0
+    for width in results["widths"].values():
+        spec = width["data"]["spec"]
+        drafter = _bench_drafter(spec["hidden"], spec["intermediate"], spec["vocab"])
+        for name, row in width.items():
+            if not name.startswith("ttt") or "peak_allocated_gib" not in row["eagle3"]:
+                continue
+            estimate = estimate_training_memory(drafter, int(name.removeprefix("ttt"))).peak(tokens) / GIB
+            assert 1.0 <= estimate / row["eagle3"]["peak_allocated_gib"] <= 1.15, (spec["hidden"], name)
+            measured += 1
+    assert measured == 4  # hidden 4096 and 7168, TTT 3 and 7
+
+
+def test_an_impossible_run_is_refused_with_the_estimate_the_free_memory_and_what_fits() -> None:
+    kimi = DrafterConfig(  # Kimi-K2.5's width, a draft vocabulary of 32,000
+        target_hidden_size=7168,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        target_vocab_size=163840,
+        draft_vocab_size=32000,
+        norm_before_fc=True,
+        norm_output=True,
+    )
+    estimate = estimate_training_memory(kimi, ttt_steps=7)
+    free, total = 80 * GIB, 141 * GIB
+    with pytest.raises(ConfigError) as refused:
+        check_training_memory(estimate, 65536, free, total, "NVIDIA H200 (cuda:0)")
+    message = str(refused.value)
+    found = re.fullmatch(
+        r"train\.batch_tokens=65536: the run needs about ([\d.]+) GiB per process on NVIDIA H200 \(cuda:0\), "
+        r"which has 80\.0 GiB free of 141\.0 GiB; train\.batch_tokens <= (\d+) fits",
+        message,
+    )
+    assert found, message
+    assert float(found[1]) == pytest.approx(estimate.peak(65536) / GIB, abs=0.05) and float(found[1]) > 80
+    fits = int(found[2])
+    assert estimate.peak(fits) <= free < estimate.peak(fits + 512)
+    check_training_memory(estimate, fits, free, total, "NVIDIA H200 (cuda:0)")  # what it offers is accepted
+
+
+def test_when_nothing_fits_it_says_what_to_lower() -> None:
+    estimate = estimate_training_memory(_bench_drafter(7168, 19712, 32000), ttt_steps=7)
+    with pytest.raises(ConfigError, match=r"no batch_tokens fits: lower train\.ttt_steps"):
+        check_training_memory(estimate, 1024, 10 * GIB, 16 * GIB, "a 16 GB GPU")
+
+
+def test_auto_batch_tokens_keeps_to_what_fits_the_device() -> None:
+    refs = [SampleRef(0, i, 2000, f"{i:064x}") for i in range(100_000)]  # large: auto wants 16,384
+    cfg = TrainConfig(max_len=4096)
+    assert resolve_batch_tokens(cfg, refs, [], world=1).batch_tokens == 16384
+    assert resolve_batch_tokens(cfg, refs, [], world=1, ceiling=9000).batch_tokens == 8192
+    assert resolve_batch_tokens(cfg, refs, [], world=1, ceiling=700).batch_tokens == 2000  # one sample
