@@ -125,7 +125,7 @@ def chosen(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def one(job: tuple[str, dict[str, Any], argparse.Namespace, str]) -> dict[str, Any]:
     """Train and measure one ablation (in its own process); its per-prompt rounds come back."""
     from eagle3_core.evaluate.measure import DecodeSettings
-    from eagle3_core.train.trainer import load_trained
+    from eagle3_core.train.run_dir import load_trained
 
     name, overrides, args, device = job
     torch.set_num_threads(args.threads)

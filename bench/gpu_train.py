@@ -49,15 +49,9 @@ from eagle3_core.draft.model import AttentionBackend
 from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
-from eagle3_core.train.trainer import (
-    batch_budget,
-    build_setup,
-    drafter_config_for,
-    new_drafter,
-    read_metrics,
-    schedule,
-    train_drafter,
-)
+from eagle3_core.train.run_dir import read_metrics
+from eagle3_core.train.schedule import batch_budget, schedule
+from eagle3_core.train.trainer import build_setup, drafter_config_for, new_drafter, train_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 STARTED = time.perf_counter()

@@ -45,7 +45,8 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.draft.target_head import load_target_head
 from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData, plan_epoch
 from eagle3_core.train.distributed import World, pick_device
-from eagle3_core.train.trainer import Setup, batch_budget, build_setup, drafter_config_for, train_step
+from eagle3_core.train.schedule import batch_budget
+from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, train_step
 
 GOAL = 5.0
 RESULTS = Path(__file__).resolve().parent / "results"

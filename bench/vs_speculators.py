@@ -655,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
     from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.evaluate.measure import DecodeSettings
-    from eagle3_core.train.trainer import load_trained
+    from eagle3_core.train.run_dir import load_trained
 
     check_speculators_version()
     device = resolve_device(args.device)

@@ -29,7 +29,8 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import decode_metadata, read_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.trainer import FINAL, train_drafter
+from eagle3_core.train.run_dir import FINAL
+from eagle3_core.train.trainer import train_drafter
 
 
 def _shards(layout: StoreLayout) -> list[Path]:
@@ -206,7 +207,7 @@ def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
     from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.export import ExportTarget, export_sglang, export_speculators
-    from eagle3_core.train.trainer import load_trained
+    from eagle3_core.train.run_dir import load_trained
 
     layout = StoreLayout(cfg.store_root)
     final = latest_final(layout)

@@ -43,7 +43,7 @@ from eagle3_core.pipeline import Log, StepResult, _quiet
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.trainer import read_metrics
+from eagle3_core.train.run_dir import read_metrics
 
 
 class PromotionRefused(Eagle3Error):

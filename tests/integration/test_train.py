@@ -20,7 +20,7 @@ from eagle3_core.pipeline import extract_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.checkpoint import list_checkpoints
-from eagle3_core.train.trainer import TIMING_FIELDS, read_metrics
+from eagle3_core.train.run_dir import TIMING_FIELDS, read_metrics
 from tests.conftest import write_config
 
 TRAIN = (

@@ -12,7 +12,7 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.train.checkpoint import load_checkpoint, save_checkpoint
 from eagle3_core.train.loss import entry_loss
 from eagle3_core.train.optim import Optimizers, build_optimizer, muon_split
-from eagle3_core.train.trainer import learning_rate
+from eagle3_core.train.schedule import learning_rate
 
 CFG = DrafterConfig(
     target_hidden_size=32,

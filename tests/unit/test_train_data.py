@@ -16,7 +16,7 @@ from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from eagle3_core.train.data import SampleRef, TrainingData, is_validation, plan_epoch, plan_validation
-from eagle3_core.train.trainer import (
+from eagle3_core.train.schedule import (
     AUTO_BUDGET_RANGE,
     AUTO_MIN_STEPS,
     batch_budget,

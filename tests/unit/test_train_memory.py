@@ -11,7 +11,7 @@ from eagle3_core.draft.model import DrafterConfig
 from eagle3_core.errors import ConfigError
 from eagle3_core.train.data import SampleRef
 from eagle3_core.train.memory import GIB, check_training_memory, estimate_training_memory
-from eagle3_core.train.trainer import resolve_batch_tokens
+from eagle3_core.train.schedule import resolve_batch_tokens
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "vs_speculators_gpu_h200_widths.json"
 

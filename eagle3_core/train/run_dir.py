@@ -1,0 +1,175 @@
+"""A run's directory: its identity, its metric log, its final drafter, and the weights in its files.
+
+    runs/<run id>/metrics.jsonl          one JSON record per logged interval and validation
+    runs/<run id>/checkpoints/step-*/    train/checkpoint.py
+    runs/<run id>/final/                 drafter.safetensors, drafter_config.json, vocab_mapping/, summary.json
+
+The run id hashes what the run computes from (data, mapping, target, settings, starting weights), so running
+again with the same inputs finds the same directory and resumes it, or returns it once `final/` exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_core.config import TrainConfig
+from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
+from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_path
+
+FINAL = "final"
+
+
+METRICS = "metrics.jsonl"
+
+
+# Settings that change how a run is watched, not what it computes: changing them keeps the run (and resumes it).
+OPERATIONAL = {
+    "log_every",
+    "keep_checkpoints",
+    "prefetch_batches",
+    "loader_threads",
+    "device",
+    "processes",
+    "compile",
+}
+
+
+TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # the only metric fields a resumed run may not reproduce
+
+
+BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 samples whatever their length)
+
+
+def run_id(
+    train: TrainConfig,
+    mapping: VocabMapping,
+    target_fingerprint: str,
+    drafter: DrafterConfig,
+    warm_from: str | None = None,
+) -> str:
+    """Same data, mapping, target, settings and starting weights -> same run directory, so running again
+    resumes it."""
+    identity = {
+        "train": train.model_dump(exclude=OPERATIONAL),
+        "mapping": mapping.fingerprint,
+        "target": target_fingerprint,
+        "drafter": drafter.model_dump(),
+        # the batch planner's version: a run checkpointed under another plan cannot resume exactly
+        "batch_plan": BATCH_PLAN,
+        "warm_from": warm_from,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class MetricsLog:
+    """Append-only JSONL, written by rank 0; a checkpoint records its size, a resume cuts it back to that."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def durable_size(self) -> int:
+        if not self.enabled or not self.path.exists():
+            return 0
+        with open(self.path, "rb+") as f:
+            os.fsync(f.fileno())
+            return f.seek(0, os.SEEK_END)
+
+    def cut_to(self, size: int) -> None:
+        if self.enabled and self.path.exists():
+            with open(self.path, "rb+") as f:
+                f.truncate(size)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_dir: Path
+    steps: int
+    tokens: int
+    seconds: float
+    val: dict[str, float]
+    resumed_from: int | None
+    drafter_config: DrafterConfig
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def trainable_state(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Load saved trainable weights; anything but the (shared, frozen) embedding missing or extra is an error."""
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) != {"embed_tokens.weight"}:
+        raise Eagle3Error(
+            f"{where}: drafter weights do not match (missing {missing}, unexpected {unexpected})"
+        )
+
+
+def write_final(
+    run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: dict[str, Any]
+) -> Path:
+    """final/: weights, drafter config, the vocab mapping it is bound to, and the summary; whole or absent."""
+    from safetensors.torch import save_file
+
+    final = run_dir / FINAL
+    temp = run_dir / f"{FINAL}{TEMP_MARK}{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    save_file(
+        {n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()},
+        str(temp / "drafter.safetensors"),
+    )
+    atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
+    save_vocab_mapping(mapping, temp / "vocab_mapping")
+    atomic_write_json(temp / "summary.json", summary)
+    fsync_path(temp)
+    temp.rename(final)
+    fsync_path(run_dir)
+    return final
+
+
+def finished_result(run_dir: Path, resumed_from: int | None) -> TrainResult:
+    summary = json.loads((run_dir / FINAL / "summary.json").read_text())
+    return TrainResult(
+        run_dir,
+        run_dir / FINAL,
+        summary["steps"],
+        summary["tokens"],
+        summary["seconds"],
+        summary["val"],
+        resumed_from,
+        DrafterConfig(**summary["drafter_config"]),
+        summary,
+    )
+
+
+def load_trained(final_dir: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, VocabMapping, dict[str, Any]]:
+    """The drafter of a finished run (with the target's embedding), the mapping it is bound to, its summary."""
+    from safetensors.torch import load_file
+
+    summary = json.loads((final_dir / "summary.json").read_text())
+    mapping = load_vocab_mapping(final_dir / "vocab_mapping", expected_fingerprint=summary["vocab_mapping"])
+    drafter = Eagle3Drafter(DrafterConfig(**summary["drafter_config"]), embed.float())
+    load_trainable_state(drafter, load_file(str(final_dir / "drafter.safetensors")), final_dir)
+    return drafter, mapping, summary
