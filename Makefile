@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench clean sglang-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,10 +16,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	touch $(STAMP)
 
+# SGLang 0.5.23's real Python code for the conformance tests (tests/conformance): its own directory, on the
+# project's torch, never imported by eagle3 itself. CPU only: its CUDA kernels are never called.
+SGLANG_ENV := .cache/sglang-0.5.23
+SGLANG_STAMP := $(SGLANG_ENV)/.installed
+
+$(SGLANG_STAMP): $(STAMP) tests/conformance/sglang-requirements.txt
+	rm -rf $(SGLANG_ENV)
+	$(BIN)/pip install --quiet --no-deps --target $(SGLANG_ENV) -r tests/conformance/sglang-requirements.txt
+	touch $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/eagle3 demo --workdir demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q

@@ -537,7 +537,7 @@ class SGLangEngineBackend:
         self.tokenizer, self.tokenizer_fingerprint, self.info = describe_target(
             model_dir, cfg, device=f"sglang engine (tp {tp_size})"
         )
-        fields = _server_arg_fields()
+        fields = server_arg_fields()
         if "forward_hooks" not in fields:
             raise Eagle3Error(
                 f"SGLang {getattr(sglang, '__version__', '?')} has no `forward_hooks` engine argument (added by "
@@ -549,7 +549,6 @@ class SGLangEngineBackend:
             "tp_size": tp_size,
             "enable_return_hidden_states": True,
             "disable_radix_cache": True,  # a cached prefix is not run: its rows would go missing
-            "disable_cuda_graph": True,  # toggling return_hidden_states recaptures graphs; prefill needs none
             "chunked_prefill_size": -1,  # one forward per prompt: a chunk keeps only its own rows
             "skip_tokenizer_init": True,  # ids in, ids out: the text is never wanted
             "forward_hooks": capture_hook_specs(self.info.aux_layer_ids),
@@ -559,6 +558,12 @@ class SGLangEngineBackend:
             args["dtype"] = cfg.dtype
         if mem_fraction_static is not None:
             args["mem_fraction_static"] = mem_fraction_static
+        # toggling return_hidden_states recaptures graphs, and prefill needs none: no CUDA graphs, spelled per
+        # phase from 0.5.23 on (its disable_cuda_graph is deprecated)
+        if "cuda_graph_backend_decode" in fields:
+            args["cuda_graph_backend_decode"] = args["cuda_graph_backend_prefill"] = "disabled"
+        else:
+            args["disable_cuda_graph"] = True
         if "disable_piecewise_cuda_graph" in fields:
             # a compiled prefill graph would not run the Python hooks on every forward
             args["disable_piecewise_cuda_graph"] = True
@@ -614,7 +619,13 @@ class SGLangEngineBackend:
             time.sleep(0.5)
 
 
-def _server_arg_fields() -> set[str]:
+def server_arg_fields() -> set[str]:
+    """The engine arguments SGLang accepts: fields of `ServerArgs`, a msgspec Struct since 0.5.23 (a dataclass
+    before; `dataclasses.fields` raises TypeError on a Struct)."""
     from sglang.srt.server_args import ServerArgs
 
-    return {f.name for f in dataclasses.fields(ServerArgs)}
+    if dataclasses.is_dataclass(ServerArgs):
+        return {f.name for f in dataclasses.fields(ServerArgs)}
+    import msgspec
+
+    return {f.name for f in msgspec.structs.fields(ServerArgs)}

@@ -58,8 +58,12 @@ KILL_WAIT_S = 30.0  # after SIGKILL only a process stuck in the kernel survives;
 EXTRACT_FLAGS = (
     # a prefix-cache hit skips the forward pass over the cached tokens, so their rows would go missing (sglang #4997)
     "--disable-radix-cache",
-    # returning hidden states recaptures CUDA graphs when toggled; extraction is prefill, which graphs do not speed
-    "--disable-cuda-graph",
+    # returning hidden states recaptures CUDA graphs when toggled; extraction is prefill, which graphs do not
+    # speed. SGLang 0.5.23 spells it per phase (its --disable-cuda-graph is deprecated)
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
     # one forward per prompt: chunked prefill would split a sample over several forwards
     "--chunked-prefill-size",
     "-1",

@@ -140,7 +140,8 @@ def test_an_http_server_with_the_capture_hooks_gives_the_same_states(
     argv = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--mem-fraction-static", "0.3",
-        "--enable-return-hidden-states", "--disable-radix-cache", "--disable-cuda-graph",
+        "--enable-return-hidden-states", "--disable-radix-cache",
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
         "--chunked-prefill-size", "-1", *capture_launch_args(AUX),
     ]  # fmt: skip
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed in finally)
