@@ -120,6 +120,13 @@ class TargetConfig(_Model):
             raise ValueError(f"aux layer ids must be three distinct layers, got {list(ids)}")
         if ids is not None and min(ids) < 0:
             raise ValueError(f"aux layer ids must be >= 0, got {list(ids)}")
+        if ids is not None and list(ids) != sorted(ids):
+            # training concatenates the aux states in this order, SGLang and vLLM in layer order: fc would
+            # read its inputs permuted at serving
+            raise ValueError(
+                f"aux layer ids must be in ascending layer order (the engines concatenate them so), got "
+                f"{list(ids)}; write {sorted(ids)}"
+            )
         return ids
 
 

@@ -216,7 +216,9 @@ def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     facts = ExportTarget.from_model_dir(target, summary["aux_layer_ids"], summary["final_state_convention"])
     out = layout.exports / summary["run"]
     sglang = export_sglang(drafter, mapping, facts, out / "sglang")
-    speculators = export_speculators(drafter, mapping, facts, out / "speculators", speculative_tokens=3)
+    speculators = export_speculators(
+        drafter, mapping, facts, out / "speculators", speculative_tokens=cfg.evaluate.gate_k
+    )  # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
     sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"
     ]

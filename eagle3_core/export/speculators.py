@@ -76,6 +76,13 @@ class SpeculatorsFormat(ExportFormat):
         self.speculative_tokens = speculative_tokens  # vLLM's default num_speculative_tokens for this drafter
 
     def engine_layer_ids(self, project_ids: tuple[int, int, int]) -> tuple[int, int, int]:
+        if 0 in project_ids:
+            # vLLM's Llama adds the residual to the state entering each aux layer, and layer 0 has none yet
+            # (its capture fails at the first forward): the embeddings cannot be an aux state there
+            raise ExportError(
+                f"aux layer ids {list(project_ids)}: vLLM cannot capture the input of layer 0 (it has no residual "
+                "yet); train with target.aux_layer_ids >= 1 for a speculators/vLLM export"
+            )
         return project_ids
 
     def project_layer_ids(self, engine_ids: tuple[int, int, int]) -> tuple[int, int, int]:

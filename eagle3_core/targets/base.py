@@ -41,6 +41,8 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int, where: str = "") ->
     """
     if len(ids) != 3 or len(set(ids)) != 3:
         raise ConfigError(f"target.aux_layer_ids must be three distinct layers, got {list(ids)}")
+    if list(ids) != sorted(ids):  # the engines concatenate the aux states in layer order
+        raise ConfigError(f"target.aux_layer_ids must be in ascending layer order, got {list(ids)}")
     if not all(0 <= k < num_layers for k in ids):
         raise ConfigError(
             f"target.aux_layer_ids {list(ids)} must lie in [0, {num_layers - 1}]: "

@@ -277,6 +277,7 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     short = (
         "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, "
         "eval_every: 4, checkpoint_every: 4, val_fraction: 0.15}\n"
+        "evaluate: {ks: [2, 5], gate_k: 5}\n"  # the speculators export's default draft length follows the gate
     )
     config = _copy(shard_store, tmp_path / "p", train=short)
     eagle3_resource = Eagle3Resource(config_path=str(config))
@@ -305,6 +306,8 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     embed = load_file(str(shard_store[1] / "model.safetensors"))["model.embed_tokens.weight"]
     loaded = load_export(Path(export["sglang_dir"].value), "sglang", embed)
     assert loaded.info.aux_layer_ids == (2, 4, 5)
+    speculators = json.loads((Path(export["speculators_dir"].value) / "config.json").read_text())
+    assert speculators["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
 
 
 def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(

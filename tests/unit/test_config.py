@@ -21,6 +21,7 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
         ("data: {holdout_fraction: 1.5}\n", "data.holdout_fraction", "less than 1"),
         ("regenerate: {temperature: -1}\n", "regenerate.temperature", "greater than or equal to 0"),
         ("target: {aux_layer_ids: [2, 2, 5]}\n", "target.aux_layer_ids", "distinct"),
+        ("target: {aux_layer_ids: [30, 2, 58]}\n", "target.aux_layer_ids", "ascending layer order"),
         ("extract: {store_dtype: int8}\n", "extract.store_dtype", "bfloat16"),
         ("data: {shard_sise: 10}\n", "data.shard_sise", "Extra inputs"),
         ("data: {sources: [{kind: file}]}\n", "data.sources.0.path", "Field required"),

@@ -119,14 +119,20 @@ def test_the_engine_fields_are_written(pristine: dict[FormatName, Path]) -> None
     assert keys["speculators"] == top | {f"layers.0.{k}" for k in layer} | {"embed_tokens.weight"}
 
 
-def test_sglang_cannot_express_aux_layer_0(tmp_path: Path, drafter: Eagle3Drafter) -> None:
+def test_neither_engine_can_express_aux_layer_0(tmp_path: Path, drafter: Eagle3Drafter) -> None:
     target = replace(TARGET, aux_layer_ids=(0, 4, 5))
     with pytest.raises(ExportError, match="aux layer 0"):
         export_sglang(drafter, MAPPING, target, tmp_path / "out")
+    # vLLM's Llama captures hidden_states + residual, and the input of layer 0 has no residual yet
+    with pytest.raises(ExportError, match="vLLM cannot capture the input of layer 0"):
+        export_speculators(drafter, MAPPING, target, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    export_speculators(
-        drafter, MAPPING, target, tmp_path / "out"
-    )  # vLLM can: the embedding output is layer 0's input
+
+
+def test_unsorted_aux_layer_ids_are_refused() -> None:
+    # the engines concatenate the aux states in layer order: fc would read a permutation of what it learned
+    with pytest.raises(ExportError, match="ascending layer order"):
+        replace(TARGET, aux_layer_ids=(4, 2, 5))
 
 
 def test_bad_target_facts_are_refused() -> None:
