@@ -13,6 +13,7 @@ import json
 import shutil
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -230,3 +231,17 @@ def time_training(s: Setup, batches: list[Batch], warmup: int) -> dict[str, Any]
         "attention": s.attention,
         "precision": "bf16 autocast" if s.autocast_bf16 else "float32",
     }
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def guarded(what: str, fn: Callable[[], dict[str, Any]], log: Log) -> dict[str, Any]:
+    """fn's result, or its error: one failing part (an OOM, a compile error) still leaves the others' numbers."""
+    try:
+        return fn()
+    except Exception as err:
+        traceback.print_exc()
+        log(f"{what} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        return {"error": f"{type(err).__name__}: {str(err)[:500]}"}

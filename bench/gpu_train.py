@@ -25,8 +25,6 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,8 @@ if __package__ in (None, ""):  # run as a file (python or torchrun): import `ben
 from bench._training import (
     DataSpec,
     TrainingSet,
+    gib,
+    guarded,
     intermediate_for,
     load_batches,
     time_training,
@@ -181,10 +181,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def gib(n: int) -> float:
-    return round(n / 2**30, 2)
-
-
 # ---- single GPU: variants ------------------------------------------------------------------------------------
 def run_variant(
     name: str,
@@ -209,21 +205,12 @@ def run_variant(
         lambda: time_training(
             build_setup(World(0, 1, device), cfg, data, head, mapping, dcfg), batches, warmup
         ),
+        log,
     )
     if device.type == "cuda":
         out["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))
         out["peak_reserved_gib"] = gib(torch.cuda.max_memory_reserved(device))
     return out
-
-
-def guarded(what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """fn's result, or its error: one failing part (an OOM, a compile error) still leaves the others' numbers."""
-    try:
-        return fn()
-    except Exception as err:
-        traceback.print_exc()
-        log(f"{what} FAILED: {type(err).__name__}: {err}")
-        return {"error": f"{type(err).__name__}: {str(err)[:500]}"}
 
 
 def errors(results: Any, where: str = "") -> list[str]:
@@ -292,7 +279,9 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
         log("flex against sdpa: draft logits of ttt_forward")
         longest = max(batches, key=lambda b: b.input_ids.shape[1])
         results["flex_vs_sdpa"] = guarded(
-            "flex vs sdpa", lambda: compare_attention(ts, head, last_rows(longest, 4), device, cfg.ttt_steps)
+            "flex vs sdpa",
+            lambda: compare_attention(ts, head, last_rows(longest, 4), device, cfg.ttt_steps),
+            log,
         )
         for p in ("bf16", "fp32") if "error" not in results["flex_vs_sdpa"] else ():
             r = results["flex_vs_sdpa"][p]
@@ -463,7 +452,7 @@ def ddp(args: argparse.Namespace, ts: TrainingSet, device: torch.device) -> dict
     )
     free_memory(device)
     log(f"  1 process: {one['tokens_per_s']:,.0f} tokens/s (steps {one['from_step']}-{one['to_step']})")
-    many = guarded("DDP run", lambda: spawn_ddp(args))
+    many = guarded("DDP run", lambda: spawn_ddp(args), log)
     if "error" in many:
         return {"processes": args.nproc, "one": one, "many": many}
     log(
@@ -527,7 +516,7 @@ def main() -> None:
         update["variants"] = variants(args, ts, device)
         write_results(args.out, update)  # now too: a later failure keeps these numbers
     if args.all or args.ddp:
-        update["ddp"] = guarded("DDP", lambda: ddp(args, ts, device))
+        update["ddp"] = guarded("DDP", lambda: ddp(args, ts, device), log)
     update["wall_s"] = round(time.perf_counter() - STARTED, 1)
     write_results(args.out, update)
     failed = errors(update)

@@ -28,7 +28,6 @@ import shutil
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -45,7 +44,16 @@ from bench._speculators import (
     write_offline_dataset,
     write_vocab_files,
 )
-from bench._training import DataSpec, TrainingSet, intermediate_for, load_batches, time_training, training_set
+from bench._training import (
+    DataSpec,
+    TrainingSet,
+    gib,
+    guarded,
+    intermediate_for,
+    load_batches,
+    time_training,
+    training_set,
+)
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import DrafterConfig
 from eagle3_core.draft.target_head import TargetHead, load_target_head
@@ -110,18 +118,10 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def gib(n: float) -> float:
-    return round(n / 2**30, 2)
-
-
-def guarded(what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """fn's result, or its error: an OOM in one run still leaves the others' numbers."""
+def guarded_run(what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`guarded`, and the GPU's memory freed after: an OOM in one run still leaves the others' numbers."""
     try:
-        return fn()
-    except Exception as err:
-        traceback.print_exc()
-        log(f"{what} FAILED: {type(err).__name__}: {str(err)[:300]}")
-        return {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+        return guarded(what, fn, log)
     finally:
         free_memory()
 
@@ -181,7 +181,7 @@ def eagle3_run(
         if args.check_lean:  # on a few samples: the plain form holds every step's logits
             few = batches[args.warmup]
             few = Batch(few.input_ids[:4], few.loss_mask[:4], few.aux[:4], few.last[:4], 0)
-            result["lean_vs_plain"] = guarded("lean vs plain", partial(lean_vs_plain, s, few))
+            result["lean_vs_plain"] = guarded_run("lean vs plain", partial(lean_vs_plain, s, few))
         del s
         return result
     finally:
@@ -334,7 +334,7 @@ def run_width(
             runs = {}
             for mode in args.compile:
                 log(f"hidden {hidden}, TTT {ttt}: eagle3 (compile {mode})")
-                runs[mode] = guarded(
+                runs[mode] = guarded_run(
                     "eagle3", lambda ttt=ttt, mode=mode: eagle3_run(args, ts, head, ttt, mode)
                 )
                 log(f"  eagle3: {line(runs[mode])}")
@@ -342,7 +342,7 @@ def run_width(
             spec_result = None
             if not args.skip_speculators:
                 log(f"hidden {hidden}, TTT {ttt}: speculators")
-                spec_result = guarded(
+                spec_result = guarded_run(
                     "speculators", lambda ttt=ttt: speculators_run(args, ts, head, ttt, root)
                 )
                 log(f"  speculators: {line(spec_result)}")
