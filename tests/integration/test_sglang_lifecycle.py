@@ -44,8 +44,13 @@ args = sys.argv[1:]
 def opt(name, default=None):
     return args[args.index(name) + 1] if name in args else default
 
+# A process inherits an ignored or blocked SIGTERM from whoever started it (exec keeps both): start from the
+# default, as a real server does, unless this fake is told to ignore it.
 if "--fake-ignore-term" in args:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 if opt("--fake-child-file"):
     with open(opt("--fake-child-file"), "w") as f:
@@ -70,8 +75,8 @@ HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
 """
 
 # Long enough that a loaded 2-core machine still sees a well-behaved server (and its child) exit on SIGTERM:
-# at 0.5 s, a full suite run once saw processes outlive it and got SIGKILL.
-GRACE_S = 3.0
+# two full suite runs saw a group outlive 0.5 s and 3 s there, and get SIGKILL (each file alone passes).
+GRACE_S = 10.0
 
 
 def free_port() -> int:
