@@ -33,19 +33,22 @@ def _bench_drafter(hidden: int, intermediate: int, vocab: int) -> DrafterConfig:
 
 
 def test_the_estimate_is_at_or_a_little_above_every_peak_measured_on_the_h200() -> None:
+    """The estimate (its CALIBRATION fitted on these runs) against each measured peak: a change to what the
+    estimate counts, or to the trainer's memory that a new measurement records, moves these ratios."""
     results = json.loads(RESULTS.read_text())
     tokens = int(results["settings"]["batch_tokens"])
-    measured = 0
+    ratios: dict[tuple[int, int], float] = {}
     for width in results["widths"].values():
         spec = width["data"]["spec"]
         drafter = _bench_drafter(spec["hidden"], spec["intermediate"], spec["vocab"])
         for name, row in width.items():
-            if not name.startswith("ttt") or "peak_allocated_gib" not in row["eagle3"]:
-                continue
-            estimate = estimate_training_memory(drafter, int(name.removeprefix("ttt"))).peak(tokens) / GIB
-            assert 1.0 <= estimate / row["eagle3"]["peak_allocated_gib"] <= 1.15, (spec["hidden"], name)
-            measured += 1
-    assert measured == 4  # hidden 4096 and 7168, TTT 3 and 7
+            if name.startswith("ttt"):
+                ttt = int(name.removeprefix("ttt"))
+                estimate = estimate_training_memory(drafter, ttt).peak(tokens) / GIB
+                ratios[(spec["hidden"], ttt)] = estimate / row["eagle3"]["peak_allocated_gib"]
+    assert set(ratios) == {(4096, 3), (4096, 7), (7168, 3), (7168, 7)}
+    outside = {run: round(r, 3) for run, r in ratios.items() if not 1.0 <= r <= 1.15}
+    assert outside == {}, f"estimate / measured peak outside [1.0, 1.15]: {outside}"
 
 
 def test_an_impossible_run_is_refused_with_the_estimate_the_free_memory_and_what_fits() -> None:
