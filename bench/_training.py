@@ -27,7 +27,8 @@ from eagle3_core.draft.vocab import VocabMapping, build_vocab_mapping, load_voca
 from eagle3_core.pipeline import length_batches
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData
+from eagle3_core.train.data import Batch, Prefetcher, Rows, SampleRef, TrainingData
+from eagle3_core.train.schedule import packs, resolve_batching, row_width, schedule
 from eagle3_core.train.trainer import Setup, train_step
 
 Log = Callable[[str], None]
@@ -182,13 +183,42 @@ class StepClock:
         return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
-def load_batches(
-    data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig, n: int, pin: bool
-) -> list[Batch]:
+@dataclass(frozen=True)
+class Plan:
+    """One epoch's batches as the trainer plans them for one process, under a resolved config."""
+
+    cfg: TrainConfig  # batching resolved
+    batches: list[Rows]
+    width: int | None  # the packed row width; None when padded
+
+    def first(self, n: int) -> list[Rows]:
+        """The first n batches, the epoch cycled if it is shorter."""
+        return [self.batches[i % len(self.batches)] for i in range(n)]
+
+    def lengths(self, refs: list[SampleRef], batches: list[Rows]) -> list[int]:
+        """The lengths (cut to max_len) of the samples in `batches`."""
+        return [min(refs[i].length, self.cfg.max_len) for rows in batches for row in rows for i in row]
+
+
+def training_plan(refs: list[SampleRef], cfg: TrainConfig, attention: Literal["sdpa", "flex"]) -> Plan:
+    cfg = resolve_batching(cfg, attention)
+    one_epoch = cfg.model_copy(update={"epochs": 1, "max_steps": None})
+    return Plan(
+        cfg, [rows for _, rows in schedule(refs, one_epoch, 1)], row_width(cfg, 1) if packs(cfg) else None
+    )
+
+
+def load_batches(data: TrainingData, refs: list[SampleRef], plan: Plan, n: int, pin: bool) -> list[Batch]:
     """The first n batches of the plan (cycled if the epoch is shorter), held in memory for the training timer."""
-    chosen = [plan[i % len(plan)] for i in range(n)]
+    chosen, cfg = plan.first(n), plan.cfg
     prefetch = Prefetcher(
-        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+        data,
+        refs,
+        cfg.max_len,
+        threads=cfg.loader_threads,
+        depth=cfg.prefetch_batches,
+        pin=pin,
+        width=plan.width,
     )
     try:
         return list(prefetch(chosen))

@@ -42,15 +42,16 @@ from bench._training import (
     intermediate_for,
     load_batches,
     time_training,
+    training_plan,
     training_set,
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import AttentionBackend
 from eagle3_core.draft.target_head import TargetHead, load_target_head
-from eagle3_core.train.data import Batch, TrainingData, plan_epoch
+from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.run_dir import read_metrics
-from eagle3_core.train.schedule import batch_budget, schedule
+from eagle3_core.train.schedule import schedule
 from eagle3_core.train.trainer import build_setup, drafter_config_for, new_drafter, train_drafter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,10 +265,9 @@ def variants(args: argparse.Namespace, ts: TrainingSet, device: torch.device) ->
     head = load_target_head(ts.target_dir)
     results: dict[str, Any] = {}
     try:
-        plan = plan_epoch(data.refs, batch_budget(cfg), cfg.max_len, cfg.seed, 0)
-        batches = load_batches(
-            data, data.refs, plan, cfg, args.warmup + args.steps, pin=device.type == "cuda"
-        )
+        # padded, as these variants were measured (and flex_vs_sdpa compares rows of one sample each)
+        plan = training_plan(data.refs, cfg.model_copy(update={"batching": "pad"}), "sdpa")
+        batches = load_batches(data, data.refs, plan, args.warmup + args.steps, pin=device.type == "cuda")
         log(
             f"{len(batches)} batches of {sum(b.tokens for b in batches) / len(batches):,.0f} real tokens on average"
         )

@@ -3,7 +3,7 @@
 Goal (the issue's): the loader delivers at least 5x the tokens per second that training consumes, so that
 training never waits for data. Both count real (unpadded) tokens of the same length-bucketed batches.
 
-Loader: a `Prefetcher` over one epoch of `plan_epoch` batches with the TrainConfig's loader_threads and
+Loader: a `Prefetcher` over one epoch of the trainer's planned batches with the TrainConfig's loader_threads and
 prefetch_batches (memory-mapped reads, every sample's digest checked, padding into batches; pinned memory
 on a GPU host, as the trainer does), several rounds, median. Training: `build_setup` + `train_step` on batches of
 the same plan held in memory, after warm-up steps (flex attention compiles in them), GPU synchronised before
@@ -34,18 +34,19 @@ if __package__ in (None, ""):  # run as a file: import `bench` from the repo roo
 
 from bench._training import (
     DataSpec,
+    Plan,
     TrainingSet,
     intermediate_for,
     load_batches,
     sync,
     time_training,
+    training_plan,
     training_set,
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.target_head import load_target_head
-from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData, plan_epoch
+from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData
 from eagle3_core.train.distributed import World, pick_device
-from eagle3_core.train.schedule import batch_budget
 from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, train_step
 
 GOAL = 5.0
@@ -121,19 +122,29 @@ def data_spec(args: argparse.Namespace, device: torch.device) -> DataSpec:
     )
 
 
-def time_loader(
-    data: TrainingData, refs: list[SampleRef], plan: list[list[int]], cfg: TrainConfig, pin: bool
-) -> dict[str, Any]:
+def prefetcher(data: TrainingData, refs: list[SampleRef], plan: Plan, pin: bool) -> Prefetcher:
+    cfg = plan.cfg
+    return Prefetcher(
+        data,
+        refs,
+        cfg.max_len,
+        threads=cfg.loader_threads,
+        depth=cfg.prefetch_batches,
+        pin=pin,
+        width=plan.width,
+    )
+
+
+def time_loader(data: TrainingData, refs: list[SampleRef], plan: Plan, pin: bool) -> dict[str, Any]:
     """One epoch through the Prefetcher, LOADER_ROUNDS times; the median round's rate."""
     seconds, tokens, padded = [], 0, 0
-    prefetch = Prefetcher(
-        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
-    )
+    cfg = plan.cfg
+    prefetch = prefetcher(data, refs, plan, pin)
     try:
         for _ in range(LOADER_ROUNDS):
             tokens, padded = 0, 0
             t0 = time.perf_counter()
-            for batch in prefetch(plan):
+            for batch in prefetch(plan.batches):
                 tokens += batch.tokens
                 padded += batch.input_ids.numel()
             seconds.append(time.perf_counter() - t0)
@@ -143,7 +154,8 @@ def time_loader(
     return {
         "tokens": tokens,
         "padded_tokens": padded,
-        "batches": len(plan),
+        "batches": len(plan.batches),
+        "batching": cfg.batching,
         "rounds_s": [round(s, 3) for s in seconds],
         "tokens_per_s": round(tokens / median, 1),
         "threads": cfg.loader_threads,
@@ -152,15 +164,13 @@ def time_loader(
 
 
 def time_fed_training(
-    s: Setup, data: TrainingData, refs: list[SampleRef], plan: list[list[int]], steps: int, pin: bool
+    s: Setup, data: TrainingData, refs: list[SampleRef], plan: Plan, steps: int, pin: bool
 ) -> dict[str, Any]:
     """train_step fed by a Prefetcher as `trainer._train` feeds it: tokens/s and the time spent waiting for a batch
     (loader threads and the training loop share the GIL and the host's cores)."""
     cfg, device = s.cfg, s.world.device
-    prefetch = Prefetcher(
-        data, refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
-    )
-    batches = iter(prefetch([plan[i % len(plan)] for i in range(steps)]))
+    prefetch = prefetcher(data, refs, plan, pin)
+    batches = iter(prefetch(plan.first(steps)))
     tokens, waited = 0, 0.0
     try:
         sync(device)
@@ -192,14 +202,14 @@ def measure(
     data = TrainingData(ts.shard_paths)
     try:
         refs = data.refs
-        plan = plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, 0)
+        plan = training_plan(refs, cfg, "flex" if device.type == "cuda" else "sdpa")
         pin = device.type == "cuda"
-        loader = time_loader(data, refs, plan, cfg, pin)
-        batches = load_batches(data, refs, plan, cfg, args.warmup + args.steps, pin)
+        loader = time_loader(data, refs, plan, pin)
+        batches = load_batches(data, refs, plan, args.warmup + args.steps, pin)
         mapping = ts.mapping()
         s = build_setup(
             World(0, 1, device),
-            cfg,
+            plan.cfg,
             data,
             load_target_head(ts.target_dir),
             mapping,

@@ -52,12 +52,13 @@ from bench._training import (
     intermediate_for,
     load_batches,
     time_training,
+    training_plan,
     training_set,
 )
 from eagle3_core.config import TrainConfig
-from eagle3_core.draft.model import DrafterConfig
+from eagle3_core.draft.model import DrafterConfig, Packing
 from eagle3_core.draft.target_head import TargetHead, load_target_head
-from eagle3_core.train.data import Batch, TrainingData, plan_epoch
+from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World
 from eagle3_core.train.loss import TTTStats, lean_ttt_loss, ttt_loss
 from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, teacher_targets, train_step
@@ -90,6 +91,12 @@ def parse_args() -> argparse.Namespace:
         type=lambda s: s.split(","),
         default=["auto"],
         help="eagle3's train.compile values to run, comma-separated (auto,off to see what compiling gives)",
+    )
+    p.add_argument(
+        "--batching",
+        type=lambda s: s.split(","),
+        default=["auto"],
+        help="eagle3's train.batching values to run, comma-separated (pack,pad to see what packing gives)",
     )
     p.add_argument("--profile", action="store_true", help="print eagle3's top CUDA kernels over 2 steps")
     p.add_argument("--check-lean", action="store_true", help="the lean loss against the plain one, one batch")
@@ -148,11 +155,17 @@ def mean_context(lengths: list[int]) -> float:
 
 # ---- eagle3 --------------------------------------------------------------------------------------------------
 def eagle3_run(
-    args: argparse.Namespace, ts: TrainingSet, head: TargetHead, ttt: int, compile_mode: str = "auto"
+    args: argparse.Namespace,
+    ts: TrainingSet,
+    head: TargetHead,
+    ttt: int,
+    compile_mode: str = "auto",
+    batching: str = "auto",
 ) -> dict[str, Any]:
     device = torch.device(args.device)
     cfg = TrainConfig(
         compile=compile_mode,  # type: ignore[arg-type]
+        batching=batching,  # type: ignore[arg-type]
         draft_vocab_size=args.k,
         batch_tokens=args.batch_tokens,
         max_len=args.max_len,
@@ -165,27 +178,44 @@ def eagle3_run(
     try:
         mapping = ts.mapping()
         dcfg = drafter_config_for(ts.target_dir, mapping.draft_vocab_size, cfg.variant)
-        plan = plan_epoch(data.refs, args.batch_tokens, cfg.max_len, cfg.seed, 0)
-        batches = load_batches(
-            data, data.refs, plan, cfg, args.warmup + args.steps, pin=device.type == "cuda"
-        )
+        plan = training_plan(data.refs, cfg, cfg.attention)  # type: ignore[arg-type]
+        n = args.warmup + args.steps
+        batches = load_batches(data, data.refs, plan, n, pin=device.type == "cuda")
         free_memory()
-        s = build_setup(World(0, 1, device), cfg, data, head, mapping, dcfg)
+        s = build_setup(World(0, 1, device), plan.cfg, data, head, mapping, dcfg)
         result = time_training(s, batches, args.warmup)
         if device.type == "cuda":
             result["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))
-        lengths = [int(n) for b in batches[args.warmup :] for n in (b.input_ids != 0).sum(1).tolist()]
+        result["batching"] = plan.cfg.batching
+        lengths = plan.lengths(data.refs, plan.first(n)[args.warmup :])
         result["flops_per_token"] = flops_per_token(dcfg, ttt, mean_context(lengths))
         if args.profile and device.type == "cuda":
             profile_steps(s, batches[args.warmup : args.warmup + 2])
         if args.check_lean:  # on a few samples: the plain form holds every step's logits
-            few = batches[args.warmup]
-            few = Batch(few.input_ids[:4], few.loss_mask[:4], few.aux[:4], few.last[:4], 0)
+            few = first_entries(batches[args.warmup], 8192)
             result["lean_vs_plain"] = guarded_run("lean vs plain", partial(lean_vs_plain, s, few))
         del s
         return result
     finally:
         data.close()
+
+
+def first_entries(batch: Batch, n: int) -> Batch:
+    """A smaller batch for the plain loss (which holds every step's logits): its first rows of at most n
+    padded entries in all, or the first n entries of a packed row (n a multiple of flex's block)."""
+    if batch.packing is None:
+        rows = max(1, n // batch.input_ids.shape[1])
+        return Batch(batch.input_ids[:rows], batch.loss_mask[:rows], batch.aux[:rows], batch.last[:rows], 0)
+    p = batch.packing
+    cut = (slice(None), slice(0, n))
+    return Batch(
+        batch.input_ids[cut],
+        batch.loss_mask[cut],
+        batch.aux[cut],
+        batch.last[cut],
+        0,
+        Packing(p.doc[cut], p.positions[cut]),
+    )
 
 
 def profile_steps(s: Setup, batches: list[Batch]) -> None:
@@ -209,7 +239,7 @@ def lean_vs_plain(s: Setup, batch: Batch) -> dict[str, Any]:
     for name in ("plain", "lean"):
         s.drafter.zero_grad(set_to_none=True)
         with s.autocast():
-            states = s.drafter(aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states")
+            states = s.drafter(aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states", batch.packing)
             if name == "plain":
                 loss, st = ttt_loss([s.drafter.lm_head(x) for x in states], targets, s.cfg.step_weight)
         if name == "lean":
@@ -333,22 +363,22 @@ def run_width(
         for ttt in args.ttt:
             runs = {}
             for mode in args.compile:
-                log(f"hidden {hidden}, TTT {ttt}: eagle3 (compile {mode})")
-                runs[mode] = guarded_run(
-                    "eagle3", lambda ttt=ttt, mode=mode: eagle3_run(args, ts, head, ttt, mode)
-                )
-                log(f"  eagle3: {line(runs[mode])}")
-            eagle3 = runs[args.compile[0]]
+                for batching in args.batching:
+                    name = f"compile {mode}, batching {batching}"
+                    log(f"hidden {hidden}, TTT {ttt}: eagle3 ({name})")
+                    runs[name] = guarded_run(
+                        "eagle3", partial(eagle3_run, args, ts, head, ttt, mode, batching)
+                    )
+                    log(f"  eagle3: {line(runs[name])}")
+            eagle3 = next(iter(runs.values()))
             spec_result = None
             if not args.skip_speculators:
                 log(f"hidden {hidden}, TTT {ttt}: speculators")
-                spec_result = guarded_run(
-                    "speculators", lambda ttt=ttt: speculators_run(args, ts, head, ttt, root)
-                )
+                spec_result = guarded_run("speculators", partial(speculators_run, args, ts, head, ttt, root))
                 log(f"  speculators: {line(spec_result)}")
             rows[f"ttt{ttt}"] = {
                 "eagle3": eagle3,
-                "eagle3_by_compile": runs,
+                "eagle3_variants": runs,
                 "speculators": spec_result,
                 **compare(eagle3, spec_result),
             }

@@ -276,6 +276,16 @@ class TrainConfig(_Model):
             "never less than the longest sample once per rank (docs/recipe.md)."
         ),
     )
+    batching: Literal["auto", "pack", "pad"] = Field(
+        default="auto",
+        description=(
+            "pack: each rank's share of a step is one row of batch_tokens / processes entries (down to a "
+            "multiple of 128) holding samples back to back, attention kept within each sample: every step "
+            "has one shape and almost no padding. pad: a sample per row, right-padded to the batch's longest. "
+            "auto: pack with flex attention (GPU), pad otherwise (the CPU recipe of docs/recipe.md was "
+            "measured padded)."
+        ),
+    )
     max_len: Annotated[int, Field(gt=8)] = Field(
         default=4096, description="Samples are cut to this many tokens."
     )

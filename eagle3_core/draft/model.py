@@ -25,6 +25,7 @@ engines' KV cache holds when they draft k tokens after position p.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Any, Literal
 
@@ -95,9 +96,9 @@ class RMSNorm(nn.Module):
 def rope_angles(
     positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, dim] of rotate-half RoPE at `positions` [T] (computed in float64, then cast)."""
+    """cos, sin [..., T, dim] of rotate-half RoPE at `positions` [..., T] (computed in float64, then cast)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [..., T, d/2]
     return torch.cat([angles.cos(), angles.cos()], -1).to(dtype), torch.cat(
         [angles.sin(), angles.sin()], -1
     ).to(dtype)
@@ -134,7 +135,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, heads, T, d] and k, v [B, kv_heads, T, d], RoPE applied to q and k.
 
-        `positions` [T], or their RoPE angles already computed (a decoder keeps a table of them).
+        `positions` [T] (or [B, T] in a packed batch: each sample counts from 0), or their RoPE angles
+        already computed (a decoder keeps a table of them).
         """
         b, t, _ = x.shape
         d = self.cfg.dim
@@ -146,6 +148,8 @@ class Attention(nn.Module):
             if isinstance(positions, torch.Tensor)
             else positions
         )
+        if cos.dim() == 3:  # per row: [B, T, d] -> [B, 1, T, d], broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
@@ -157,22 +161,23 @@ class Attention(nn.Module):
         q: torch.Tensor,
         prefix: tuple[torch.Tensor, torch.Tensor],
         chain: list[tuple[torch.Tensor, torch.Tensor]],
+        doc: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The TTT mask without building it: q [B, heads, T, d] attends causally to step 0's keys (`prefix`)
-        and, entry by entry, to its own keys of steps 1..k (`chain`), returning [B, T, H].
+        and, entry by entry, to its own keys of steps 1..k (`chain`), returning [B, T, H]. `doc` [B, T]: the
+        sample each entry belongs to in a packed batch (a query sees only its own sample's prefix).
 
         The chain part is a per-entry dot product, so step k costs one T x T block instead of k+1 of them.
         """
         pk, pv = self._expand(prefix[0]), self._expand(prefix[1])
-        if not chain and self.cfg.sliding_window is None:
+        if not chain and self.cfg.sliding_window is None and doc is None:
             return self._out(F.scaled_dot_product_attention(q, pk, pv, is_causal=True))
+        allowed = prefix_mask(q.shape[2], len(chain), self.cfg.sliding_window, q.device, doc)
         if not chain:
-            mask = prefix_mask(q.shape[2], 0, self.cfg.sliding_window, q.device)
-            return self._out(F.scaled_dot_product_attention(q, pk, pv, attn_mask=mask))
+            return self._out(F.scaled_dot_product_attention(q, pk, pv, attn_mask=allowed))
         t, scale = q.shape[2], q.shape[-1] ** -0.5
         ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, T, k, d]
         cv = torch.stack([self._expand(v) for _, v in chain], dim=3)
-        allowed = prefix_mask(t, len(chain), self.cfg.sliding_window, q.device)
         prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(
             ~allowed, float("-inf")
         )  # [B, heads, T, T]
@@ -194,17 +199,24 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-def prefix_mask(length: int, step: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[T, T] bool: entry p of step `step` (RoPE position p + step) may see step 0's entry j (position j).
+def prefix_mask(
+    length: int, step: int, window: int | None, device: torch.device, doc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[T, T] bool (or [B, 1, T, T] given `doc` [B, T]): entry p of step `step` (RoPE position p + step) may
+    see step 0's entry j (position j).
 
-    Causal (j <= p), and with a sliding window only j > p + step - window, as the engines' draft attention
-    windows by position (the chain's entries, at positions p + 1..p + step, are windowed in `attend_ttt`).
+    Causal (j <= p), in a packed batch within the same sample (doc[j] == doc[p]), and with a sliding window
+    only j > p + step - window, as the engines' draft attention windows by position (within a sample,
+    positions differ as indices do; the chain's entries, at positions p + 1..p + step, are windowed in
+    `attend_ttt`).
     """
     rows = torch.arange(length, device=device)[:, None]
     cols = torch.arange(length, device=device)[None, :]
     allowed = cols <= rows
     if window is not None:
         allowed &= cols > rows + step - window
+    if doc is not None:
+        allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
     return allowed
 
 
@@ -267,6 +279,85 @@ def ttt_block_mask(length: int, step: int, device: torch.device, window: int | N
     )
 
 
+FLEX_BLOCK = 128  # flex attention's default block: a packed row's length is a multiple of it
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the samples of a packed batch lie: each row holds several, back to back, then padding."""
+
+    doc: torch.Tensor  # int [B, T]: the entry's sample, counted along its row (padding counts as one more)
+    positions: torch.Tensor  # int64 [B, T]: the entry's position within its sample
+
+
+def packed_block_masks(doc: torch.Tensor, steps: int, window: int | None = None) -> list[Any]:
+    """The TTT BlockMask of each step for a packed batch (`ttt_block_mask` within each sample), built from the
+    samples' extents block by block, so no [T, (k+1)T] mask is ever evaluated to find the empty blocks.
+
+    doc [B, T], nondecreasing along each row, T a multiple of FLEX_BLOCK. Step k's keys are step 0's T
+    entries, then T for each of steps 1..k; a query block sees step 0's key blocks that share a sample with
+    it (full when both blocks lie in one sample) and, in each later step, the key block opposite itself.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, t = doc.shape
+    if t % FLEX_BLOCK:
+        raise ValueError(f"a packed row of {t} entries is not a multiple of {FLEX_BLOCK}")
+    n = t // FLEX_BLOCK
+    blocks = doc.view(b, n, FLEX_BLOCK)
+    first, last = blocks[..., 0], blocks[..., -1]  # [B, n]
+    qi = torch.arange(n, device=doc.device)[:, None]
+    kj = torch.arange(n, device=doc.device)[None, :]
+    below = kj < qi  # [n(q), n(kv)]: every key of the block precedes every query
+    # samples are contiguous, so a key block shares one with a later query block iff its last sample is the
+    # query block's first; both lie in one sample iff the key block's first is the query block's last
+    shares = (kj == qi) | (below & (last[:, None, :] == first[:, :, None]))  # [B, n, n]
+    one_sample = below & (first[:, None, :] == last[:, :, None])
+
+    def mask_mod_for(step: int) -> Any:
+        def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            of_step, entry = kv // t, kv % t
+            prefix = (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q])
+            chain = (of_step > 0) & (entry == q)
+            if window is not None:  # within a sample, positions differ as entries do
+                prefix = prefix & (entry > q + step - window)
+                chain = chain & (of_step > step - window)
+            return prefix | chain
+
+        return allowed
+
+    masks = []
+    for step in range(steps):
+        full, partial = one_sample, shares & ~one_sample
+        if window is not None:  # by block: some key (partial) or every key (full) inside the window
+            some = kj * FLEX_BLOCK + FLEX_BLOCK - 1 > qi * FLEX_BLOCK + step - window
+            every = kj * FLEX_BLOCK > qi * FLEX_BLOCK + FLEX_BLOCK - 1 + step - window
+            partial = (partial | (full & ~every)) & some
+            full = full & every
+        opposite = torch.eye(n, dtype=torch.bool, device=doc.device).expand(b, n, n)
+        none = torch.zeros_like(opposite)
+        chain = [opposite if window is None or j > step - window else none for j in range(1, step + 1)]
+        partial_all = torch.cat([partial.expand(b, n, n), *chain], dim=-1)  # [B, n, (step+1)n]
+        full_all = torch.cat([full.expand(b, n, n), *[none] * step], dim=-1)
+        masks.append(
+            BlockMask.from_kv_blocks(
+                *_block_list(partial_all),
+                *_block_list(full_all),
+                BLOCK_SIZE=FLEX_BLOCK,
+                mask_mod=mask_mod_for(step),
+                seq_lengths=(t, (step + 1) * t),
+            )
+        )
+    return masks
+
+
+def _block_list(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chosen [B, n_q, n_kv] bool -> (count [B, 1, n_q] int32, ascending indices [B, 1, n_q, n_kv] int32)."""
+    counts = chosen.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts.unsqueeze(1), order.unsqueeze(1)
+
+
 @cache
 def _flex_attention(compiled: bool) -> Any:
     # flex attention is only fast compiled (GPU); eager runs anywhere and is what the CPU test checks
@@ -319,11 +410,11 @@ class Eagle3Drafter(nn.Module):
         steps: int,
         attention: AttentionBackend = "sdpa",
         output: Literal["logits", "states"] = "logits",
+        packing: Packing | None = None,
     ) -> list[torch.Tensor]:
         """What DDP wraps: each TTT step's draft logits, or its normed states (what lm_head reads)."""
-        if output == "states":
-            return self.ttt_states(aux, input_ids, steps, attention)
-        return self.ttt_forward(aux, input_ids, steps, attention)
+        states = self.ttt_states(aux, input_ids, steps, attention, packing)
+        return states if output == "states" else [self.lm_head(s) for s in states]
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux states [.., 3H_t] -> the first step's h [.., H] (with the variant's norms)."""
@@ -345,37 +436,52 @@ class Eagle3Drafter(nn.Module):
         return normed, normed if self.cfg.norm_output else prenorm
 
     def ttt_forward(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        attention: AttentionBackend = "sdpa",
+        packing: Packing | None = None,
     ) -> list[torch.Tensor]:
         """Draft logits of each TTT step: aux [B, T, 3H_t], input_ids [B, T] -> `steps` x [B, T, V_draft]."""
-        return [self.lm_head(s) for s in self.ttt_states(aux, input_ids, steps, attention)]
+        return [self.lm_head(s) for s in self.ttt_states(aux, input_ids, steps, attention, packing)]
 
     def ttt_states(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, attention: AttentionBackend = "sdpa"
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        attention: AttentionBackend = "sdpa",
+        packing: Packing | None = None,
     ) -> list[torch.Tensor]:
         """The normed state of each TTT step, `steps` x [B, T, H]; lm_head of it is the step's draft logits.
 
         Step k, entry p: token input_ids[p+1+k] (0 past the end), position p+k, prediction of token p+2+k.
-        Right padding is harmless: a real entry never attends to a later one.
+        Right padding is harmless: a real entry never attends to a later one. In a packed batch positions
+        count within each sample and attention stays inside it; an entry whose token input_ids[p+1+k] lies
+        in the next sample computes nonsense that no entry of its own sample reads (the loss skips it).
         """
         t = input_ids.shape[1]
+        base = packing.positions if packing is not None else torch.arange(t, device=aux.device)
+        masks = None
+        if packing is not None and attention == "flex":
+            masks = packed_block_masks(packing.doc, steps, self.cfg.sliding_window)
         h = self.features(aux)  # [B, T, H]
         attn = self.midlayer.self_attn
         kvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key, value) of each step so far
         states = []
         for k in range(steps):
-            positions = torch.arange(t, device=aux.device) + k
-            q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, positions)
+            q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, base + k)
             kvs.append((key, value))
             if attention == "flex":
                 keys, values = (
                     torch.cat([kv[0] for kv in kvs], dim=2),
                     torch.cat([kv[1] for kv in kvs], dim=2),
                 )
-                mask = self.block_mask(t, k, aux.device)
+                mask = masks[k] if masks is not None else self.block_mask(t, k, aux.device)
                 attn_out = attn.attend_flex(q, keys, values, mask)
             else:
-                attn_out = attn.attend_ttt(q, kvs[0], kvs[1:])
+                attn_out = attn.attend_ttt(q, kvs[0], kvs[1:], packing.doc if packing is not None else None)
             normed, h = self.step_out(self.midlayer.finish(h, attn_out))
             states.append(normed)
         return states

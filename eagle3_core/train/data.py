@@ -4,9 +4,13 @@ Nothing is deserialised up front (SpecForge #733): opening a shard reads its hea
 read, digest-checked and padded into a batch by loader threads while the previous batch trains.
 
 Batches are planned per epoch from the seed alone, so a resumed run replays exactly the batches it would
-have seen, and a DDP run sees the same global batches as one process: rank r takes `batch[r::world]`. A
-batch never holds more than `batch_tokens` padded tokens (its sample count times its longest sample), so
-the ranks' shares of it together hold no more either.
+have seen. A batch is a list of rows, each a list of samples; rank r takes rows `[r::world]`. Two layouts:
+- padded: one sample per row, right-padded to the batch's longest, never more than `batch_tokens` padded
+  tokens in all (its sample count times its longest sample); a DDP run sees the same global batches as one
+  process;
+- packed: `world` rows of a fixed width (batch_tokens / world, down to a multiple of flex attention's
+  block), each holding samples back to back (first-fit, longest first), so nearly every entry is a real
+  token and every step has one shape; attention stays within each sample (draft/model.py `Packing`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eagle3_core.draft.model import Packing
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.shards import DTYPES, ShardReader
 
@@ -94,33 +99,62 @@ class TrainingData:
     def load_batch(
         self, refs: Sequence[SampleRef], max_len: int, pin: bool = False, pool: Executor | None = None
     ) -> Batch:
-        """The samples cut to max_len, right-padded into one batch; rows copied once, from the mapped shards,
-        sample by sample on `pool`'s threads when one is given."""
-        lengths = [min(r.length, max_len) for r in refs]
-        b, t = len(refs), max(lengths)
-        facts = self.readers[refs[0].shard]
+        """The samples cut to max_len, right-padded into one batch of a sample per row."""
+        return self.load_rows([[r] for r in refs], max_len, None, pin, pool)
+
+    def load_rows(
+        self,
+        rows: Sequence[Sequence[SampleRef]],
+        max_len: int,
+        width: int | None,
+        pin: bool = False,
+        pool: Executor | None = None,
+    ) -> Batch:
+        """Rows of samples cut to max_len, each row's samples back to back and zero-padded to `width` (a
+        packed batch), or to the longest row with `width` None (a sample per row: a padded batch); rows
+        copied once, from the mapped shards, sample by sample on `pool`'s threads when one is given."""
+        lengths = [[min(r.length, max_len) for r in row] for row in rows]
+        b = len(rows)
+        t = width if width is not None else max(sum(row) for row in lengths)
+        first = next((r for row in rows for r in row), None)  # a rank's share of a last batch may be empty
+        facts = self.readers[first.shard if first is not None else 0]
         aux_width = int(facts.header["aux_hidden_states"]["shape"][1])
         hidden = int(facts.header["last_hidden_states"]["shape"][1])
         dtype = DTYPES[facts.metadata["store_dtype"]][0]
-        input_ids = torch.empty(b, t, dtype=torch.int32, pin_memory=pin)
-        loss_mask = torch.empty(b, t, dtype=torch.uint8, pin_memory=pin)
+        input_ids = torch.zeros(b, t, dtype=torch.int32, pin_memory=pin)
+        loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
         aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)
         last = torch.empty(b, t, hidden, dtype=dtype, pin_memory=pin)
+        doc = torch.empty(b, t, dtype=torch.int32)
+        positions = torch.empty(b, t, dtype=torch.int64)
+        places = []  # (row, offset, ref, length) of every sample
+        for i, (row, row_lengths) in enumerate(zip(rows, lengths, strict=True)):
+            offset = 0
+            for j, (ref, n) in enumerate(zip(row, row_lengths, strict=True)):
+                places.append((i, offset, ref, n))
+                doc[i, offset : offset + n] = j
+                positions[i, offset : offset + n] = torch.arange(n)
+                offset += n
+            if offset > t:
+                raise ValueError(f"a row of {offset} tokens does not fit a packed width of {t}")
+            doc[i, offset:] = len(row)  # the padding after a row's samples counts as one more sample
+            positions[i, offset:] = torch.arange(t - offset)
+            aux[i, offset:].zero_()
+            last[i, offset:].zero_()
 
-        def fill(i: int) -> None:
-            ref, n = refs[i], lengths[i]
-            rows = {
-                "input_ids": input_ids[i, :n],
-                "loss_mask": loss_mask[i, :n],
-                "aux_hidden_states": aux[i, :n],
-                "last_hidden_states": last[i, :n],
+        def fill(place: tuple[int, int, SampleRef, int]) -> None:
+            i, offset, ref, n = place
+            rows_of = {
+                "input_ids": input_ids[i, offset : offset + n],
+                "loss_mask": loss_mask[i, offset : offset + n],
+                "aux_hidden_states": aux[i, offset : offset + n],
+                "last_hidden_states": last[i, offset : offset + n],
             }
-            self.readers[ref.shard].copy_sample_into(ref.index, rows)
-            for padding in (input_ids[i, n:], loss_mask[i, n:], aux[i, n:], last[i, n:]):
-                padding.zero_()
+            self.readers[ref.shard].copy_sample_into(ref.index, rows_of)
 
-        list(pool.map(fill, range(b)) if pool is not None else map(fill, range(b)))  # list(): raise any error
-        return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(lengths))
+        list(pool.map(fill, places) if pool is not None else map(fill, places))  # list(): raise any error
+        packing = Packing(doc, positions) if width is not None else None
+        return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(map(sum, lengths)), packing=packing)
 
     def close(self) -> None:
         """Close every shard; safe on the error path (ShardReader.close leaves a mapping still viewed)."""
@@ -182,6 +216,61 @@ def _fill_last(previous: list[int], last: list[int], min_batch: int) -> list[int
     return repeated + taken + last
 
 
+Rows = list[list[int]]  # a planned batch: its rows, each the indices (into the refs) of the samples it holds
+
+
+def pack_rows(order: Sequence[int], cut: Sequence[int], width: int) -> Rows:
+    """`order`'s samples packed into rows of at most `width` tokens: first fit, longest first (the order
+    breaks ties, so a plan is fixed by it)."""
+    rows: Rows = []
+    free: list[int] = []
+    for i in sorted(order, key=lambda i: -cut[i]):
+        for r, room in enumerate(free):
+            if cut[i] <= room:
+                rows[r].append(i)
+                free[r] -= cut[i]
+                break
+        else:
+            rows.append([i])
+            free.append(width - cut[i])
+    return rows
+
+
+def plan_packed_epoch(
+    refs: Sequence[SampleRef], width: int, rows_per_batch: int, max_len: int, seed: int, epoch: int
+) -> list[Rows]:
+    """Packed batches of `rows_per_batch` rows of `width` tokens, in an order fixed by (seed, epoch).
+
+    Samples are shuffled, packed a chunk at a time (so a row mixes samples from across the data), the rows
+    shuffled and dealt into batches. The epoch's last batch may be short of rows: it gets empty ones (a rank
+    with an empty row counts nothing that step). No sample is dropped or repeated.
+    """
+    if not refs:
+        return []
+    cut = [min(r.length, max_len) for r in refs]
+    if max(cut) > width:
+        raise ValueError(f"cannot pack samples of up to {max(cut)} tokens into rows of {width}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(refs), generator=g).tolist()
+    chunk = 1024
+    rows = [
+        row
+        for start in range(0, len(order), chunk)
+        for row in pack_rows(order[start : start + chunk], cut, width)
+    ]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    batches = [rows[start : start + rows_per_batch] for start in range(0, len(rows), rows_per_batch)]
+    batches[-1] += [[] for _ in range(rows_per_batch - len(batches[-1]))]
+    return batches
+
+
+def plan_packed_validation(refs: Sequence[SampleRef], width: int, max_len: int) -> list[Rows]:
+    """Validation batches of one packed row each, in a fixed order (the same batches every time)."""
+    cut = [min(r.length, max_len) for r in refs]
+    order = sorted(range(len(refs)), key=lambda i: (cut[i], refs[i].sample_id))
+    return [[row] for row in pack_rows(order, cut, width)]
+
+
 def plan_validation(refs: Sequence[SampleRef], batch_tokens: int, max_len: int) -> list[list[int]]:
     """Validation batches: sorted by length, no shuffling (the same batches every time)."""
     order = sorted(range(len(refs)), key=lambda i: (min(refs[i].length, max_len), refs[i].sample_id))
@@ -202,20 +291,29 @@ class Batch:
     aux: torch.Tensor  # [B, T, 3H] in the store dtype
     last: torch.Tensor  # [B, T, H] in the store dtype
     tokens: int  # real (unpadded) tokens
+    packing: Packing | None = None  # where each row's samples lie; None: one sample per row
 
     def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
+        packing = None
+        if self.packing is not None:
+            packing = Packing(
+                self.packing.doc.to(device, non_blocking=nb),
+                self.packing.positions.to(device, non_blocking=nb),
+            )
         return Batch(
             self.input_ids.to(device, non_blocking=nb),
             self.loss_mask.to(device, non_blocking=nb),
             self.aux.to(device, non_blocking=nb),
             self.last.to(device, non_blocking=nb),
             self.tokens,
+            packing,
         )
 
 
 class Prefetcher:
-    """Loads and collates batches on background threads, `depth` ahead, yielding them in order."""
+    """Loads and collates batches (lists of rows) on background threads, `depth` ahead, yielding them in
+    order; `width`: the packed row width, None for padded batches."""
 
     def __init__(
         self,
@@ -226,8 +324,9 @@ class Prefetcher:
         threads: int | None,
         depth: int,
         pin: bool = False,
+        width: int | None = None,
     ) -> None:
-        self.data, self.refs, self.max_len, self.pin = data, refs, max_len, pin
+        self.data, self.refs, self.max_len, self.pin, self.width = data, refs, max_len, pin, width
         self.depth = depth
         # Hashing and copying release the GIL, so sample copies scale with cores (on a GPU host a token is
         # ~16 KB); `depth` batches are assembled at once, each fanning its samples out to the copy threads.
@@ -235,10 +334,11 @@ class Prefetcher:
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="eagle3-batch")
         self.copiers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="eagle3-copy")
 
-    def _load(self, indices: list[int]) -> Batch:
-        return self.data.load_batch([self.refs[i] for i in indices], self.max_len, self.pin, self.copiers)
+    def _load(self, rows: Rows) -> Batch:
+        refs = [[self.refs[i] for i in row] for row in rows]
+        return self.data.load_rows(refs, self.max_len, self.width, self.pin, self.copiers)
 
-    def __call__(self, batches: Sequence[list[int]]) -> Iterator[Batch]:
+    def __call__(self, batches: Sequence[Rows]) -> Iterator[Batch]:
         pending: deque[Future[Batch]] = deque()
         todo = iter(batches)
         for indices in todo:

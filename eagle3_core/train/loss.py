@@ -2,7 +2,8 @@
 
 Step k, entry p predicts token p+2+k. Its teacher is the target's distribution at position p+1+k restricted
 to the draft vocabulary (softmax of target_logits[..., t2d]), and it counts where that token is the
-model's own (loss_mask[p+2+k]) and the target's top token exists in the draft vocabulary (t2d[argmax]).
+model's own (loss_mask[p+2+k]) and the target's top token exists in the draft vocabulary (t2d[argmax]). In a
+packed batch it counts only where token p+2+k is of the same sample as entry p.
 
 Statistics are kept as sums (loss, right, all-right, counted per step), so that batches, log intervals and
 ranks combine exactly by addition; ratios are taken only when a number is reported.
@@ -40,16 +41,26 @@ class TTTTargets:
         return self.teacher_logits[rows, cols].float() - self.teacher_lse[rows, cols, None]
 
 
-def step_masks(loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps, B, T]: entry p of step k counts where token p+2+k is the model's own and the target's top
-    token at p+1+k is draftable."""
-    return torch.stack(
-        [(shift_left(loss_mask, k + 2) > 0) & shift_left(in_draft, k + 1, fill=False) for k in range(steps)]
-    )
+def step_masks(
+    loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int, doc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[steps, B, T]: entry p of step k counts where token p+2+k is the model's own, the target's top token
+    at p+1+k is draftable, and (given the packed batch's `doc` [B, T]) token p+2+k is of entry p's sample."""
+    masks = []
+    for k in range(steps):
+        mask = (shift_left(loss_mask, k + 2) > 0) & shift_left(in_draft, k + 1, fill=False)
+        if doc is not None:
+            mask &= shift_left(doc, k + 2, fill=-1) == doc
+        masks.append(mask)
+    return torch.stack(masks)
 
 
 def ttt_targets(
-    target_logits: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    t2d: torch.Tensor,
+    steps: int,
+    doc: torch.Tensor | None = None,
 ) -> TTTTargets:
     """target_logits [B, T, V_target], loss_mask [B, T], t2d bool [V_target] -> the teacher and the masks."""
     restricted = target_logits[..., t2d]
@@ -57,7 +68,7 @@ def ttt_targets(
         restricted,
         torch.logsumexp(restricted.float(), dim=-1),
         restricted.argmax(-1),
-        step_masks(loss_mask, t2d[target_logits.argmax(-1)], steps),
+        step_masks(loss_mask, t2d[target_logits.argmax(-1)], steps, doc),
     )
 
 
@@ -68,6 +79,7 @@ def chunked_ttt_targets(
     t2d: torch.Tensor,
     steps: int,
     chunk_tokens: int,
+    doc: torch.Tensor | None = None,
 ) -> TTTTargets:
     """`ttt_targets` of target_logits_of(last) [B, T, H_t] -> [.., V_target], `chunk_tokens` tokens at a time,
     so the full-vocabulary logits (163,840 wide for Kimi-K2.5) never exist for the whole batch at once."""
@@ -84,7 +96,7 @@ def chunked_ttt_targets(
         restricted,
         torch.logsumexp(restricted.float(), dim=-1),
         restricted.argmax(-1),
-        step_masks(loss_mask, torch.cat(in_draft).view(b, t), steps),
+        step_masks(loss_mask, torch.cat(in_draft).view(b, t), steps, doc),
     )
 
 

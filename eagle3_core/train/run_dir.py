@@ -59,8 +59,13 @@ def run_id(
 ) -> str:
     """Same data, mapping, target, settings and starting weights -> same run directory, so running again
     resumes it."""
+    # a padded plan is the same for any number of processes (and its ids predate packing); a packed one
+    # gives each process a row, so there the process count is part of what the run computes
+    padded = train.batching == "pad"
     identity = {
-        "train": train.model_dump(exclude=OPERATIONAL),
+        "train": train.model_dump(
+            exclude=OPERATIONAL | {"batching"} if padded else OPERATIONAL - {"processes"}
+        ),
         "mapping": mapping.fingerprint,
         "target": target_fingerprint,
         "drafter": drafter.model_dump(),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 from eagle3_core.config import TrainConfig
+from eagle3_core.draft.model import FLEX_BLOCK
 from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.train.data import SampleRef, plan_epoch
+from eagle3_core.train.data import Rows, SampleRef, plan_epoch, plan_packed_epoch
 
 
 def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
@@ -79,9 +81,36 @@ def batch_budget(cfg: TrainConfig) -> int:
     return cfg.batch_tokens
 
 
+def resolve_batching(cfg: TrainConfig, attention: Literal["sdpa", "flex"]) -> TrainConfig:
+    """`cfg` with batching pack or pad: auto packs under flex attention (a GPU), and pads otherwise."""
+    if cfg.batching != "auto":
+        return cfg
+    return cfg.model_copy(update={"batching": "pack" if attention == "flex" else "pad"})
+
+
+def packs(cfg: TrainConfig) -> bool:
+    """Whether a resolved config (resolve_batching) packs its batches."""
+    if cfg.batching == "auto":
+        raise Eagle3Error("train.batching is still auto: resolve it from the attention backend first")
+    return cfg.batching == "pack"
+
+
+def row_width(cfg: TrainConfig, world: int) -> int:
+    """A packed row's entries: each rank's share of batch_tokens, down to a multiple of flex's block."""
+    return batch_budget(cfg) // world // FLEX_BLOCK * FLEX_BLOCK
+
+
 def check_batch_tokens(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> int:
-    """The longest sample after the max_len cut; refused unless it fits once per rank in batch_tokens."""
+    """The longest sample after the max_len cut; refused unless it fits once per rank in batch_tokens (in a
+    packed row of its share, when packing)."""
     longest = max(min(r.length, cfg.max_len) for r in refs)
+    if packs(cfg) and longest > row_width(cfg, world):
+        need = -(-longest // FLEX_BLOCK) * FLEX_BLOCK * world
+        raise ConfigError(
+            f"train.batch_tokens={cfg.batch_tokens} cannot hold one sample per process: the longest sample "
+            f"has {longest} tokens (train.max_len={cfg.max_len}), a packed row per process holds "
+            f"{row_width(cfg, world)}, and {world} process(es) need train.batch_tokens >= {need}"
+        )
     if longest * world > batch_budget(cfg):
         raise ConfigError(
             f"train.batch_tokens={cfg.batch_tokens} cannot hold one sample per process: the longest sample "
@@ -101,13 +130,23 @@ def global_batch_floor(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) 
     return max(world, min(SHARED_RANKS, batch_budget(cfg) // longest, len(refs)))
 
 
-def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, list[int]]]:
-    """(epoch, batch) for every optimizer step of the run, fixed by the seed (and by the world size only
-    beyond `global_batch_floor`, so 1 and 2 processes see the same global batches)."""
-    min_batch = global_batch_floor(refs, cfg, world)
-    steps = [
-        (e, b)
-        for e in range(cfg.epochs)
-        for b in plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, e, min_batch)
-    ]
+def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, Rows]]:
+    """(epoch, batch rows) for every optimizer step of the run, fixed by the seed. Padded, by the world size
+    only beyond `global_batch_floor` (1 and 2 processes see the same global batches); packed, a row per
+    process."""
+    if packs(cfg):
+        check_batch_tokens(refs, cfg, world)
+        width = row_width(cfg, world)
+        steps = [
+            (e, b)
+            for e in range(cfg.epochs)
+            for b in plan_packed_epoch(refs, width, world, cfg.max_len, cfg.seed, e)
+        ]
+    else:
+        min_batch = global_batch_floor(refs, cfg, world)
+        steps = [
+            (e, [[i] for i in b])
+            for e in range(cfg.epochs)
+            for b in plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, e, min_batch)
+        ]
     return steps[: cfg.max_steps] if cfg.max_steps is not None else steps

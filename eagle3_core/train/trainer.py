@@ -35,7 +35,15 @@ from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
-from eagle3_core.train.data import Batch, Prefetcher, SampleRef, TrainingData, plan_validation
+from eagle3_core.train.data import (
+    Batch,
+    Prefetcher,
+    Rows,
+    SampleRef,
+    TrainingData,
+    plan_packed_validation,
+    plan_validation,
+)
 from eagle3_core.train.distributed import World, close_world, init_world
 from eagle3_core.train.loss import (
     TTTStats,
@@ -62,7 +70,10 @@ from eagle3_core.train.schedule import (
     batch_budget,
     check_batch_tokens,
     learning_rate,
+    packs,
     resolve_batch_tokens,
+    resolve_batching,
+    row_width,
     schedule,
 )
 
@@ -170,8 +181,11 @@ def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
         return s.head.logits(last, s.convention)  # type: ignore[arg-type]
 
     chunk = default_chunk_tokens(s.head.lm_head.shape[0])
+    doc = batch.packing.doc if batch.packing is not None else None
     with torch.no_grad(), s.autocast():
-        return chunked_ttt_targets(target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk)
+        return chunked_ttt_targets(
+            target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk, doc
+        )
 
 
 def _loss(
@@ -180,7 +194,9 @@ def _loss(
     """The TTT loss of `model` (the drafter, or its DDP wrapper) on one batch, and its statistics."""
     aux = batch.aux if s.autocast_bf16 else batch.aux.float()
     with s.autocast():
-        states: list[torch.Tensor] = model(aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states")
+        states: list[torch.Tensor] = model(
+            aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states", batch.packing
+        )
     dtype = torch.bfloat16 if s.autocast_bf16 else torch.float32
     return lean_ttt_loss(
         states, s.drafter.lm_head.weight, targets, s.cfg.step_weight, normalizer, s.cfg.loss, dtype
@@ -205,7 +221,7 @@ def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
 
 def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     """TTT statistics over this rank's share of the validation batches, summed over ranks."""
-    batches = plan_validation(refs, batch_budget(s.cfg), s.cfg.max_len)[s.world.rank :: s.world.size]
+    batches = validation_plan(refs, s.cfg, s.world.size)[s.world.rank :: s.world.size]
     total = TTTStats.zeros(s.cfg.ttt_steps)
     s.drafter.eval()
     with torch.no_grad():
@@ -215,6 +231,13 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
+
+
+def validation_plan(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> list[Rows]:
+    """The validation batches, whole batches dealt to ranks: packed rows of a rank's width, or padded."""
+    if packs(cfg):
+        return plan_packed_validation(refs, row_width(cfg, world), cfg.max_len)
+    return [[[i] for i in batch] for batch in plan_validation(refs, batch_budget(cfg), cfg.max_len)]
 
 
 def _validate_and_log(
@@ -269,6 +292,8 @@ def device_memory(
         return None
     bf16, attention = numerics(cfg, world.device)
     longest = max((min(r.length, cfg.max_len) for r in refs), default=0)
+    if cfg.batching == "pack" and cfg.batch_tokens != "auto":  # an SDPA query sees its whole row
+        longest = row_width(cfg, world.size)
     estimate = estimate_training_memory(
         dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0
     )
@@ -445,8 +470,9 @@ def _fit_batch_tokens(
     train_refs: Sequence[SampleRef],
     val_refs: Sequence[SampleRef],
 ) -> TrainConfig:
-    """`cfg` with its batch_tokens resolved (auto keeps to what the GPU holds), refused on a GPU whose free
-    memory cannot hold the run (the preflight, before anything is allocated)."""
+    """`cfg` with its batching and batch_tokens resolved (auto keeps to what the GPU holds), refused on a GPU
+    whose free memory cannot hold the run (the preflight, before anything is allocated)."""
+    cfg = resolve_batching(cfg, numerics(cfg, world.device)[1])
     memory = device_memory(cfg, dcfg, world, refs)
     ceiling = memory.estimate.largest_batch_tokens(memory.free) if memory else None
     cfg = resolve_batch_tokens(cfg, train_refs, val_refs, world.size, ceiling)
@@ -491,7 +517,7 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
 
 def _loop(
     s: Setup,
-    plan: list[tuple[int, list[int]]],
+    plan: list[tuple[int, Rows]],
     train_refs: list[SampleRef],
     val_refs: list[SampleRef],
     run_dir: Path,
@@ -502,11 +528,18 @@ def _loop(
     """Every planned step from progress.step on: train, and log, validate and checkpoint on their steps."""
     cfg, world = s.cfg, s.world
     pin = world.device.type == "cuda"
-    prefetch = Prefetcher(
-        s.data, train_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
-    )
-    val_prefetch = Prefetcher(
-        s.data, val_refs, cfg.max_len, threads=cfg.loader_threads, depth=cfg.prefetch_batches, pin=pin
+    width = row_width(cfg, world.size) if packs(cfg) else None
+    prefetch, val_prefetch = (
+        Prefetcher(
+            s.data,
+            refs,
+            cfg.max_len,
+            threads=cfg.loader_threads,
+            depth=cfg.prefetch_batches,
+            pin=pin,
+            width=width,
+        )
+        for refs in (train_refs, val_refs)
     )
     started = progress.interval_started = time.perf_counter()
     try:

@@ -15,7 +15,15 @@ from eagle3_core.errors import ConfigError, Eagle3Error, ShardCorruptError
 from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
-from eagle3_core.train.data import SampleRef, TrainingData, is_validation, plan_epoch, plan_validation
+from eagle3_core.train.data import (
+    SampleRef,
+    TrainingData,
+    is_validation,
+    plan_epoch,
+    plan_packed_epoch,
+    plan_packed_validation,
+    plan_validation,
+)
 from eagle3_core.train.schedule import (
     AUTO_BUDGET_RANGE,
     AUTO_MIN_STEPS,
@@ -23,6 +31,8 @@ from eagle3_core.train.schedule import (
     check_batch_tokens,
     learning_rate,
     resolve_batch_tokens,
+    resolve_batching,
+    row_width,
     schedule,
 )
 
@@ -85,27 +95,34 @@ def test_an_epoch_has_as_many_steps_as_the_budget_gives() -> None:
     assert len(plan_epoch(refs, 2048, 256, seed=0, epoch=0)) == math.ceil(2500 / 8)
     # 1024-token samples at batch_tokens 2048: 2 a step (a fixed minimum of 8 made it 8 a step, 8192 tokens)
     long = [SampleRef(0, i, 1024, f"{i:064x}") for i in range(100)]
-    steps = schedule(long, TrainConfig(batch_tokens=2048, max_len=1024, epochs=2), world=2)
+    steps = schedule(long, TrainConfig(batch_tokens=2048, max_len=1024, epochs=2, batching="pad"), world=2)
     assert len(steps) == 2 * 50 and all(len(b) == 2 for _, b in steps)
 
 
 def test_one_and_two_processes_plan_the_same_global_batches() -> None:
     refs = _refs(700)  # up to 299 tokens
     for budget in (600, 2048):  # 2 samples of the longest fit, then 6
-        cfg = TrainConfig(batch_tokens=budget, max_len=300, epochs=2, seed=3)
+        cfg = TrainConfig(batch_tokens=budget, max_len=300, epochs=2, seed=3, batching="pad")
         one = schedule(refs, cfg, world=1)
         assert one == schedule(refs, cfg, world=2)
+        assert all(len(row) == 1 for _, b in one for row in b)  # padded: a sample per row
         assert min(len(b) for _, b in one) >= 2
-        assert max(_padded(refs, b, 300) for _, b in one) <= budget
+        assert max(_padded(refs, [i for (i,) in b], 300) for _, b in one) <= budget
 
 
 def test_a_sample_that_cannot_fit_once_per_process_is_refused_with_the_smallest_budget() -> None:
     refs = [*_refs(20), SampleRef(0, 20, 3000, "f" * 64)]
     with pytest.raises(ConfigError, match=r"train\.batch_tokens=2048 .* train\.batch_tokens >= 3000"):
-        schedule(refs, TrainConfig(batch_tokens=2048, max_len=4096), world=1)
+        schedule(refs, TrainConfig(batch_tokens=2048, max_len=4096, batching="pad"), world=1)
     with pytest.raises(ConfigError, match=r"train\.batch_tokens=2048 .* train\.batch_tokens >= 4000"):
-        check_batch_tokens(refs, TrainConfig(batch_tokens=2048, max_len=2000), world=2)
-    assert check_batch_tokens(refs, TrainConfig(batch_tokens=2048, max_len=1024), world=2) == 1024
+        check_batch_tokens(refs, TrainConfig(batch_tokens=2048, max_len=2000, batching="pad"), world=2)
+    padded = TrainConfig(batch_tokens=2048, max_len=1024, batching="pad")
+    assert check_batch_tokens(refs, padded, world=2) == 1024
+    # packed: a row per process of 2048 / 2 entries holds 1024; 1000 tokens need rows of 1024 (8 x 128)
+    with pytest.raises(
+        ConfigError, match=r"packed row per process holds 896, .* train\.batch_tokens >= 2048"
+    ):
+        check_batch_tokens(refs, TrainConfig(batch_tokens=2000, max_len=1000, batching="pack"), world=2)
     with pytest.raises(ValueError, match="within 2048 tokens"):
         plan_epoch(refs, 2048, 4096, seed=0, epoch=0)
 
@@ -219,7 +236,7 @@ def test_auto_batch_tokens_is_the_largest_power_of_two_that_keeps_300_steps(
     samples: int, length: int, epochs: int, budget: int
 ) -> None:
     refs = _uniform(samples, length)
-    cfg = TrainConfig(max_len=4096, epochs=epochs)
+    cfg = TrainConfig(max_len=4096, epochs=epochs, batching="pad")
     assert cfg.batch_tokens == "auto"
     resolved = resolve_batch_tokens(cfg, refs, [], world=1)
     assert resolved.batch_tokens == budget and AUTO_BUDGET_RANGE[0] <= budget <= AUTO_BUDGET_RANGE[1]
@@ -236,3 +253,90 @@ def test_auto_batch_tokens_holds_the_longest_sample_once_per_rank_and_a_number_i
     assert resolve_batch_tokens(explicit, train, val, world=2) is explicit
     with pytest.raises(Eagle3Error, match="still auto"):
         batch_budget(cfg)
+
+
+# ---- packed batches -------------------------------------------------------------------------------------------
+def test_a_packed_epoch_takes_every_sample_once_in_full_rows_of_the_width() -> None:
+    refs = _refs(1500)  # 5..299 tokens, more than one packing chunk
+    width, cut = 2048, 256
+    for world in (1, 2, 3):
+        batches = plan_packed_epoch(refs, width, world, cut, seed=2, epoch=0)
+        assert all(len(b) == world for b in batches)
+        rows = [row for b in batches for row in b]
+        assert sorted(i for row in rows for i in row) == list(range(1500))
+        filled = [sum(min(refs[i].length, cut) for i in row) for row in rows]
+        assert max(filled) <= width
+        # first fit, longest first: all but the last rows of each chunk are nearly full
+        assert sum(filled) / (len(rows) * width) > 0.95
+        real = [row for row in rows if row]
+        assert len(rows) - len(real) == -len(real) % world  # only the last batch is topped up
+        assert all(all(b) for b in batches[:-1])
+    assert plan_packed_epoch(refs, width, 1, cut, 2, 0) == plan_packed_epoch(refs, width, 1, cut, 2, 0)
+    assert plan_packed_epoch(refs, width, 1, cut, 2, 0) != plan_packed_epoch(refs, width, 1, cut, 2, 1)
+    with pytest.raises(ValueError, match="up to 299 tokens into rows of 256"):
+        plan_packed_epoch(refs, 256, 1, 300, 0, 0)
+
+
+def test_a_packed_schedule_gives_each_process_one_row_of_its_share() -> None:
+    refs = _refs(400)
+    cfg = TrainConfig(batch_tokens=2000, max_len=300, epochs=2, seed=1, batching="pack")
+    assert row_width(cfg, 1) == 1920 and row_width(cfg, 2) == 896  # down to multiples of 128
+    for world in (1, 2):
+        steps = schedule(refs, cfg, world)
+        assert [e for e, _ in steps] == sorted(e for e, _ in steps)
+        for epoch in (0, 1):
+            rows = [row for e, b in steps if e == epoch for row in b]
+            assert sorted(i for row in rows for i in row) == list(range(400))
+        assert all(len(b) == world for _, b in steps)
+        assert max(sum(min(refs[i].length, 300) for i in row) for _, b in steps for row in b) <= row_width(
+            cfg, world
+        )
+    with pytest.raises(Eagle3Error, match="batching is still auto"):
+        schedule(refs, TrainConfig(batch_tokens=2000), 1)
+
+
+def test_auto_batching_packs_under_flex_attention_and_pads_under_sdpa() -> None:
+    cfg = TrainConfig()
+    assert resolve_batching(cfg, "flex").batching == "pack"
+    assert resolve_batching(cfg, "sdpa").batching == "pad"
+    explicit = TrainConfig(batching="pad")
+    assert resolve_batching(explicit, "flex") is explicit
+
+
+def test_packed_validation_rows_cover_the_split_in_a_fixed_order() -> None:
+    refs = _refs(60)
+    batches = plan_packed_validation(refs, 1024, 256)
+    assert all(len(b) == 1 for b in batches)
+    assert sorted(i for (row,) in batches for i in row) == list(range(60))
+    assert max(sum(min(refs[i].length, 256) for i in row) for (row,) in batches) <= 1024
+    assert batches == plan_packed_validation(refs, 1024, 256)
+
+
+def test_a_packed_row_holds_its_samples_back_to_back_then_zeros(tmp_path: Path) -> None:
+    lengths = [7, 3, 5]
+    path = tmp_path / "train-00000.safetensors"
+    with ShardWriter(
+        path, sample_ids=[f"{i:064x}" for i in range(3)], lengths=lengths, hidden_size=4, metadata={}
+    ) as w:
+        for i, n in enumerate(lengths):
+            ids = torch.arange(n, dtype=torch.int32) + 100 * (i + 1)
+            states = torch.full((n, 16), float(i + 1))
+            w.write_sample(i, ids, torch.ones(n, dtype=torch.uint8), states[:, :12], states[:, 12:])
+        w.finalize()
+    data = TrainingData([path])
+    try:
+        refs = data.refs
+        batch = data.load_rows([[refs[0], refs[2]], [refs[1]], []], max_len=6, width=16)
+        assert batch.tokens == 6 + 5 + 3 and batch.packing is not None
+        assert batch.input_ids[0, :11].tolist() == [100, 101, 102, 103, 104, 105, 300, 301, 302, 303, 304]
+        assert batch.packing.doc[0].tolist() == [0] * 6 + [1] * 5 + [2] * 5  # padding: one more sample
+        assert batch.packing.positions[0, :11].tolist() == [*range(6), *range(5)]
+        assert batch.input_ids[1, :3].tolist() == [200, 201, 202] and batch.packing.doc[1, 3:].eq(1).all()
+        assert batch.aux[0, 6:11].eq(3).all() and batch.last[0, :6].eq(1).all()
+        for row, used in ((0, 11), (1, 3), (2, 0)):
+            assert not batch.input_ids[row, used:].any() and not batch.loss_mask[row, used:].any()
+            assert not batch.aux[row, used:].any() and not batch.last[row, used:].any()
+        padded = data.load_batch([refs[0], refs[1]], max_len=6)
+        assert padded.packing is None and padded.input_ids.shape == (2, 6)
+    finally:
+        data.close()

@@ -1,0 +1,135 @@
+"""Packed batches compute what padded ones do: each sample's states, masks, loss and gradients are those it has
+alone (float64; the chain softmax runs in float32, so agreement is to ~1e-8, where a leak across samples
+would move states by ~1e-1), and the flex BlockMask built from the samples' extents
+marks exactly the blocks the mask needs."""
+
+import pytest
+import torch
+
+from eagle3_core.draft.model import FLEX_BLOCK, DrafterConfig, Eagle3Drafter, Packing, packed_block_masks
+from eagle3_core.train.loss import chunked_ttt_targets, lean_ttt_loss
+
+CFG = DrafterConfig(
+    target_hidden_size=24,
+    hidden_size=16,
+    intermediate_size=40,
+    num_heads=4,
+    num_kv_heads=2,
+    target_vocab_size=50,
+    draft_vocab_size=30,
+)
+LENGTHS = [100, 90, 40]  # 230 of a 256-entry row, then padding
+WIDTH = 2 * FLEX_BLOCK
+STEPS = 4
+
+
+def packing(lengths: list[int], width: int) -> Packing:
+    doc = torch.full((1, width), len(lengths), dtype=torch.int32)
+    positions = torch.zeros(1, width, dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(lengths):
+        doc[0, start : start + n], positions[0, start : start + n] = i, torch.arange(n)
+        start += n
+    positions[0, start:] = torch.arange(width - start)
+    return Packing(doc, positions)
+
+
+def starts(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_each_sample_of_a_packed_row_gets_the_states_it_has_alone(attention: str, window: int | None) -> None:
+    torch.manual_seed(0)
+    model = Eagle3Drafter(CFG.model_copy(update={"sliding_window": window})).double()
+    ids = torch.randint(0, CFG.target_vocab_size, (1, WIDTH))
+    aux = torch.randn(1, WIDTH, 3 * CFG.target_hidden_size, dtype=torch.float64)
+    with torch.no_grad():  # eager flex attention has no backward on CPU
+        packed = model.ttt_states(aux, ids, STEPS, attention, packing(LENGTHS, WIDTH))  # type: ignore[arg-type]
+        for start, n in zip(starts(LENGTHS), LENGTHS, strict=True):
+            alone = model.ttt_states(aux[:, start : start + n], ids[:, start : start + n], STEPS, "sdpa")
+            for k in range(STEPS):
+                valid = n - k - 1  # entries whose input token lies inside the sample
+                torch.testing.assert_close(
+                    packed[k][0, start : start + valid], alone[k][0, :valid], rtol=1e-5, atol=1e-7
+                )
+
+
+@pytest.mark.parametrize("window", [None, 40, 200])
+def test_the_packed_block_masks_hold_every_allowed_entry_and_full_blocks_only_where_all_are(
+    window: int | None,
+) -> None:
+    doc = packing([300, 90, 40, 26], WIDTH * 2).doc  # 4 blocks: the first sample fills 2, samples cross edges
+    n, t = 4, WIDTH * 2
+    for k, mask in enumerate(packed_block_masks(doc, STEPS, window)):
+        q, kv = torch.arange(t)[:, None], torch.arange((k + 1) * t)[None, :]
+        entry, step = kv % t, kv // t
+        same = doc[0, entry] == doc[0, q]
+        expected = (step == 0) & (entry <= q) & same | (step > 0) & (entry == q)
+        if window is not None:
+            expected &= torch.where(step == 0, entry > q + k - window, step > k - window)
+        dense = mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv)
+        assert torch.equal(dense, expected)
+        blocks = expected.view(n, FLEX_BLOCK, (k + 1) * n, FLEX_BLOCK)
+        some, every = blocks.any(3).any(1), blocks.all(3).all(1)
+        marked = mask.to_dense()[0, 0].bool()  # partial and full blocks
+        assert torch.equal(marked, some)  # no allowed entry skipped, no empty block computed
+        full = torch.zeros_like(marked)
+        counts, indices = mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0]
+        for i in range(n):
+            full[i, indices[i, : counts[i]].long()] = True
+        assert torch.equal(full, every)  # full blocks skip the mask: only where every entry is allowed
+        assert full.any() == (window is None)
+
+
+def test_a_packed_row_of_other_length_than_the_block_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        packed_block_masks(torch.zeros(1, 200, dtype=torch.int32), 2)
+
+
+def test_a_packed_batch_has_the_loss_and_gradients_of_the_padded_batch_of_its_samples() -> None:
+    torch.manual_seed(1)
+    model = Eagle3Drafter(CFG).double()
+    target_head = torch.randn(CFG.target_vocab_size, CFG.target_hidden_size, dtype=torch.float64)
+    t2d = torch.zeros(CFG.target_vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(CFG.target_vocab_size)[: CFG.draft_vocab_size]] = True
+    lengths = [37, 52, 20, 44]
+    total = sum(lengths)
+    ids = torch.randint(0, CFG.target_vocab_size, (total,))
+    aux = torch.randn(total, 3 * CFG.target_hidden_size, dtype=torch.float64)
+    last = torch.randn(total, CFG.target_hidden_size, dtype=torch.float64)
+    loss_mask = (torch.rand(total) > 0.25).to(torch.uint8)
+
+    def loss_and_grads(
+        ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, packed: Packing | None
+    ) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        doc = packed.doc if packed is not None else None
+        targets = chunked_ttt_targets(lambda h: h @ target_head.T, last, mask, t2d, STEPS, 64, doc)
+        states = model(aux, ids, STEPS, "sdpa", "states", packed)
+        loss, stats = lean_ttt_loss(
+            states, model.lm_head.weight, targets, 0.8, None, "kl", torch.float64, chunk_tokens=50
+        )
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return float(loss), [float(c) for c in stats.sums[3]], grads
+
+    # padded: a sample per row, right-padded; packed: all four back to back in one row of 256
+    longest = max(lengths)
+    rows = [
+        torch.zeros(len(lengths), longest, *x.shape[1:], dtype=x.dtype) for x in (ids, aux, last, loss_mask)
+    ]
+    for r, (start, n) in enumerate(zip(starts(lengths), lengths, strict=True)):
+        for padded, x in zip(rows, (ids, aux, last, loss_mask), strict=True):
+            padded[r, :n] = x[start : start + n]
+    pad = [torch.zeros(WIDTH - total, *x.shape[1:], dtype=x.dtype) for x in (ids, aux, last, loss_mask)]
+    row = [torch.cat([x, p])[None] for x, p in zip((ids, aux, last, loss_mask), pad, strict=True)]
+    padded_loss, padded_counts, padded_grads = loss_and_grads(*rows, None)
+    packed_loss, packed_counts, packed_grads = loss_and_grads(*row, packing(lengths, WIDTH))
+    assert packed_counts == padded_counts and padded_counts[0] > 50
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-9)
+    assert packed_grads.keys() == padded_grads.keys()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-8)
