@@ -314,17 +314,24 @@ def packed_block_masks(doc: torch.Tensor, steps: int, window: int | None = None)
     shares = (kj == qi) | (below & (last[:, None, :] == first[:, :, None]))  # [B, n, n]
     one_sample = below & (first[:, None, :] == last[:, :, None])
 
-    def mask_mod_for(step: int) -> Any:
-        def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            of_step, entry = kv // t, kv % t
-            prefix = (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q])
-            chain = (of_step > 0) & (entry == q)
-            if window is not None:  # within a sample, positions differ as entries do
-                prefix = prefix & (entry > q + step - window)
-                chain = chain & (of_step > step - window)
-            return prefix | chain
+    def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        # one function for every step and batch (the batch's samples are a tensor it reads), so compiled
+        # flex attention is not recompiled per step or per batch
+        of_step, entry = kv // t, kv % t
+        prefix = (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q])
+        return prefix | (of_step > 0) & (entry == q)
 
-        return allowed
+    def windowed(step: int, window: int) -> Any:
+        def allowed_in_window(
+            bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
+            of_step, entry = kv // t, kv % t  # within a sample, positions differ as entries do
+            prefix = (
+                (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q]) & (entry > q + step - window)
+            )
+            return prefix | (of_step > 0) & (entry == q) & (of_step > step - window)
+
+        return allowed_in_window
 
     masks = []
     for step in range(steps):
@@ -344,7 +351,7 @@ def packed_block_masks(doc: torch.Tensor, steps: int, window: int | None = None)
                 *_block_list(partial_all),
                 *_block_list(full_all),
                 BLOCK_SIZE=FLEX_BLOCK,
-                mask_mod=mask_mod_for(step),
+                mask_mod=allowed if window is None else windowed(step, window),
                 seq_lengths=(t, (step + 1) * t),
             )
         )
