@@ -417,6 +417,7 @@ def eval_drafter_dir_step(
         chosen,
         embed,
         target_num_layers=int(target.model.config.num_hidden_layers),
+        target_architectures=tuple(target.model.config.architectures or ()),
     )
     dtype = next(target.model.parameters()).dtype
     drafter, d2t = loaded.drafter.to(target.device, dtype).eval(), loaded.d2t.to(target.device)

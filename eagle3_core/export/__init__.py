@@ -3,6 +3,7 @@ and the loading of any EAGLE-3 drafter directory in either format, ours or anoth
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -63,6 +64,7 @@ def load_drafter_dir(
     embed_weight: torch.Tensor | None = None,
     *,
     target_num_layers: int | None = None,
+    target_architectures: Sequence[str] = (),
 ) -> LoadedExport:
     """Rebuild our drafter from any EAGLE-3 drafter directory: (drafter, d2t, t2d, info), aux layer ids in the
     project convention, the drafter in the directory's dtype and with the variant its engine runs.
@@ -70,11 +72,18 @@ def load_drafter_dir(
     `fmt` "auto" reads it from config.json (`detect_format`). `embed_weight`: the target's embedding; required
     for SGLang (it gives the drafter the target's) and for a speculators directory without one, optional
     otherwise (when given, the two must be equal). `target_num_layers`: only for a config that names no aux
-    layers, whose engines then default to (2, L//2, L-3).
+    layers, whose engines then default to (2, L//2, L-3). `target_architectures`: for a drafter made
+    elsewhere, the target's (SGLang numbers aux layers by model).
     """
     path = Path(path)
     chosen = detect_format(path) if fmt == "auto" else fmt
-    return load(_format(chosen), path, embed_weight, target_num_layers=target_num_layers)
+    return load(
+        _format(chosen),
+        path,
+        embed_weight,
+        target_num_layers=target_num_layers,
+        target_architectures=target_architectures,
+    )
 
 
 def load_export(out_dir: Path, fmt: FormatName, embed_weight: torch.Tensor | None = None) -> LoadedExport:

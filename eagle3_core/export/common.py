@@ -83,6 +83,15 @@ def variant_of(cfg: DrafterConfig) -> dict[str, Any]:
 
 # ---- the target ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class LayerTarget:
+    """What decides the numbers an engine's config gives aux layers: the target's architectures (SGLang's
+    rule differs by model, targets/sglang_models.py) and its layer count."""
+
+    architectures: tuple[str, ...]
+    num_layers: int | None
+
+
+@dataclass(frozen=True)
 class ExportTarget:
     """What an export must say about the target it drafts for."""
 
@@ -95,6 +104,10 @@ class ExportTarget:
     max_position_embeddings: int
     architectures: tuple[str, ...] = ()
     model_type: str = ""
+
+    @property
+    def layers(self) -> LayerTarget:
+        return LayerTarget(self.architectures, self.num_layers)
 
     def __post_init__(self) -> None:
         try:
@@ -418,12 +431,16 @@ class ExportFormat(ABC):
     with_embedding: ClassVar[bool]  # whether our export puts the target's embedding in the weights file
 
     @abstractmethod
-    def engine_layer_ids(self, project_ids: tuple[int, int, int]) -> tuple[int, int, int]:
-        """Project-convention aux ids -> the numbers this engine's config expects."""
+    def engine_layer_ids(
+        self, project_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
+        """Project-convention aux ids -> the numbers this engine's config expects for `target`."""
 
     @abstractmethod
-    def project_layer_ids(self, engine_ids: tuple[int, int, int]) -> tuple[int, int, int]:
-        """The inverse of `engine_layer_ids`."""
+    def project_layer_ids(
+        self, engine_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
+        """The inverse of `engine_layer_ids`: the layers the engine captures for `target`."""
 
     @abstractmethod
     def check_expressible(self, cfg: DrafterConfig) -> None:
@@ -554,7 +571,7 @@ def provenance(
         "format": fmt.name,
         "aux_layer_ids": list(target.aux_layer_ids),
         "aux_layer_convention": AUX_LAYER_CONVENTION,
-        "engine_aux_layer_ids": list(fmt.engine_layer_ids(target.aux_layer_ids)),
+        "engine_aux_layer_ids": list(fmt.engine_layer_ids(target.aux_layer_ids, target.layers)),
         "final_state_convention": target.final_state_convention,
         VARIANT_KEY: variant_of(cfg),
         "vocab_mapping_fingerprint": mapping.fingerprint,
@@ -725,10 +742,11 @@ def _check_provenance(
         f"{PROVENANCE_KEY} says format {block.get('format')!r}, not {fmt.name!r}",
     )
     ours = layer_ids(block.get("aux_layer_ids"), f"{PROVENANCE_KEY}.aux_layer_ids", where)
+    written = fmt.engine_layer_ids(ours, provenance_layers(block))
     expect(
-        fmt.engine_layer_ids(ours) == facts.engine_aux_layer_ids,
+        written == facts.engine_aux_layer_ids,
         where,
-        f"aux layers {list(ours)} (project convention) should be written {list(fmt.engine_layer_ids(ours))} for "
+        f"aux layers {list(ours)} (project convention) should be written {list(written)} for "
         f"{fmt.name}, but the config has {list(facts.engine_aux_layer_ids or [])}",
     )
     expect(
@@ -753,6 +771,15 @@ def _check_provenance(
         f"the engine fields give another drafter than the one trained: {'; '.join(off)}",
     )
     return block
+
+
+def provenance_layers(block: dict[str, Any]) -> LayerTarget:
+    """The target an export of ours was written for, as far as its aux layer numbers go."""
+    target = block.get("target") or {}
+    num_layers = target.get("num_layers")
+    return LayerTarget(
+        tuple(target.get("architectures") or ()), num_layers if isinstance(num_layers, int) else None
+    )
 
 
 def check_export(fmt: ExportFormat, out_dir: Path) -> CheckedExport:
@@ -854,11 +881,13 @@ def load(
     embed_weight: torch.Tensor | None,
     *,
     target_num_layers: int | None = None,
+    target_architectures: Sequence[str] = (),
 ) -> LoadedExport:
     """Validate, then rebuild our drafter (in the directory's dtype) with d2t, t2d and what the directory says.
 
     `target_num_layers`: only for a config that names no aux layers, whose engines then use their default
-    (2, L//2, L-3) for the target.
+    (2, L//2, L-3) for the target. `target_architectures`: the target's, for a drafter made elsewhere whose
+    engine numbers aux layers by model (SGLang); ours records the target it was exported for.
     """
     checked = check_export(fmt, out_dir)
     facts, where, dtype = checked.facts, f"{out_dir} ({fmt.name} export)", checked.dtype
@@ -910,11 +939,16 @@ def load(
             project_ids = default_aux_layer_ids(target_num_layers, where)
         except ValueError as e:
             raise ExportError(str(e)) from e
-        engine_ids = fmt.engine_layer_ids(project_ids)
     block = checked.provenance or {}
+    # ours says what it was written for; a drafter from elsewhere is read for the target the caller names
+    layers = (
+        provenance_layers(block) if block else LayerTarget(tuple(target_architectures), target_num_layers)
+    )
+    if engine_ids is None:
+        engine_ids = fmt.engine_layer_ids(project_ids, layers)
     info = ExportInfo(
         format=fmt.name,
-        aux_layer_ids=fmt.project_layer_ids(engine_ids),
+        aux_layer_ids=fmt.project_layer_ids(engine_ids, layers),
         engine_aux_layer_ids=engine_ids,
         dtype=dtype,
         final_state_convention=block.get("final_state_convention"),

@@ -22,9 +22,12 @@ Variants, as SGLang 0.5.23 reads them (every one written explicitly, true or fal
   as SGLang runs it without the argument (and as vLLM runs this format: it reads a window from `layer_types`,
   which only the speculators export writes).
 
-Layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the *input* of layer
-`id + 1` (`set_eagle3_layers_to_capture`), so project aux k (the input of layer k) is written k - 1. Without the
-field it captures the inputs of layers (2, L//2, L-3), which is the project convention's default.
+Layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and hands them to the target's
+`set_eagle3_layers_to_capture`, whose rule differs by model (targets/sglang_models.py): most capture the *input*
+of layer `id + 1`, so project aux k (the input of layer k) is written k - 1; the DeepSeek family adds one only
+when the first id is 1 (so k is written k - 1 when the first is 2, as given when it is 3 or more, and a first
+aux layer of 1 cannot be expressed); GPT-OSS keeps ids whose largest is the layer count. Without the field it
+captures the inputs of layers (2, L//2, L-3), which is the project convention's default.
 
 A drafter made elsewhere (SpecForge, EAGLE's releases) is read as SGLang reads it: its layer may be named
 `midlayer.` or `layers.0.`, its tensors may carry a `model.` prefix, `target_hidden_size` defaults to
@@ -41,7 +44,7 @@ import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import ExportError
+from eagle3_core.errors import ConfigError, ExportError
 from eagle3_core.export.common import (
     FLAGS,
     OUR_LAYER_PREFIX,
@@ -51,6 +54,7 @@ from eagle3_core.export.common import (
     ExportFormat,
     ExportTarget,
     FormatName,
+    LayerTarget,
     drafter_config,
     expect,
     field,
@@ -62,6 +66,7 @@ from eagle3_core.export.common import (
     read_llama_layer,
     write_export,
 )
+from eagle3_core.targets.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE_CONFIG = "eagle_config"
@@ -87,18 +92,26 @@ class SGLangFormat(ExportFormat):
     layer_prefix: ClassVar[str] = "midlayer."
     with_embedding: ClassVar[bool] = False
 
-    def engine_layer_ids(self, project_ids: tuple[int, int, int]) -> tuple[int, int, int]:
-        if min(project_ids) < 1:
-            # k - 1 = -1 has no meaning to SGLang (it would capture the input of layer 0, the raw embedding)
-            raise ExportError(
-                f"aux layer 0 cannot be expressed for SGLang (ids {list(project_ids)}, project convention)"
-            )
-        a, b, c = project_ids
-        return (a - 1, b - 1, c - 1)
+    def engine_layer_ids(
+        self, project_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
+        try:
+            return config_layer_ids(sglang_model(target.architectures), project_ids, target.num_layers)
+        except ConfigError as e:
+            raise ExportError(f"cannot export for SGLang: {e}") from e
 
-    def project_layer_ids(self, engine_ids: tuple[int, int, int]) -> tuple[int, int, int]:
-        a, b, c = engine_ids
-        return (a + 1, b + 1, c + 1)
+    def project_layer_ids(
+        self, engine_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
+        if not target.architectures:
+            raise ExportError(
+                "the aux layers an SGLang drafter config names depend on the target's model (SGLang's rule "
+                "differs by architecture, targets/sglang_models.py): pass target_architectures"
+            )
+        try:
+            return captured_layer_ids(sglang_model(target.architectures), engine_ids, target.num_layers)
+        except ConfigError as e:
+            raise ExportError(f"cannot read the SGLang drafter's aux layers: {e}") from e
 
     def check_expressible(self, cfg: DrafterConfig) -> None:
         if cfg.norm_before_residual:
@@ -120,7 +133,9 @@ class SGLangFormat(ExportFormat):
             "target_hidden_size": cfg.target_hidden_size,
             **{flag: getattr(cfg, flag) for flag in FLAGS},
             EAGLE_CONFIG: {
-                "eagle_aux_hidden_state_layer_ids": list(self.engine_layer_ids(target.aux_layer_ids)),
+                "eagle_aux_hidden_state_layer_ids": list(
+                    self.engine_layer_ids(target.aux_layer_ids, target.layers)
+                ),
                 "use_aux_hidden_state": True,
                 "norm_before_fc": cfg.norm_before_fc,  # where SGLang and vLLM look first
             },

@@ -45,6 +45,7 @@ from eagle3_core.export.common import (
     ExportFormat,
     ExportTarget,
     FormatName,
+    LayerTarget,
     drafter_config,
     expect,
     field,
@@ -75,7 +76,9 @@ class SpeculatorsFormat(ExportFormat):
             raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
         self.speculative_tokens = speculative_tokens  # vLLM's default num_speculative_tokens for this drafter
 
-    def engine_layer_ids(self, project_ids: tuple[int, int, int]) -> tuple[int, int, int]:
+    def engine_layer_ids(
+        self, project_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
         if 0 in project_ids:
             # vLLM's Llama adds the residual to the state entering each aux layer, and layer 0 has none yet
             # (its capture fails at the first forward): the embeddings cannot be an aux state there
@@ -85,8 +88,10 @@ class SpeculatorsFormat(ExportFormat):
             )
         return project_ids
 
-    def project_layer_ids(self, engine_ids: tuple[int, int, int]) -> tuple[int, int, int]:
-        return engine_ids
+    def project_layer_ids(
+        self, engine_ids: tuple[int, int, int], target: LayerTarget
+    ) -> tuple[int, int, int]:
+        return engine_ids  # vLLM captures the input of each id's layer, for every model
 
     def check_expressible(self, cfg: DrafterConfig) -> None:
         """Every variant of ours has its field here."""
@@ -106,7 +111,9 @@ class SpeculatorsFormat(ExportFormat):
             LAYER_CONFIG: layer,
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(self.engine_layer_ids(target.aux_layer_ids)),
+            "eagle_aux_hidden_state_layer_ids": list(
+                self.engine_layer_ids(target.aux_layer_ids, target.layers)
+            ),
             **{flag: getattr(cfg, flag) for flag in FLAGS},
             "embed_requires_grad": False,
             "speculators_config": {

@@ -69,6 +69,7 @@ from eagle3_core.targets.base import (
     default_aux_layer_ids,
 )
 from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
+from eagle3_core.targets.sglang_models import sglang_model
 
 __all__ = [
     "SGLangEngineBackend",
@@ -265,8 +266,11 @@ def _sglang_dtype(cfg_dtype: str, config: Any) -> str:
     return "bfloat16" if "bfloat16" in declared else "float16"
 
 
-def describe_target(model_dir: Path, cfg: TargetConfig, device: str) -> tuple[Any, str, TargetInfo]:
-    """The tokenizer, its fingerprint and the TargetInfo of the model SGLang serves, from its directory."""
+def describe_target(
+    model_dir: Path, cfg: TargetConfig, device: str
+) -> tuple[Any, str, TargetInfo, tuple[str, ...]]:
+    """The tokenizer, its fingerprint, the TargetInfo and the architectures of the model SGLang serves, from
+    its directory."""
     from transformers import AutoConfig, AutoTokenizer
 
     from eagle3_core.targets.hf import target_fingerprint, tokenizer_fingerprint
@@ -290,7 +294,8 @@ def describe_target(model_dir: Path, cfg: TargetConfig, device: str) -> tuple[An
         dtype=_sglang_dtype(cfg.dtype, text),
         device=device,
     )
-    return AutoTokenizer.from_pretrained(model_dir), tokenizer_fingerprint(model_dir), info
+    architectures = tuple(getattr(config, "architectures", None) or ())
+    return AutoTokenizer.from_pretrained(model_dir), tokenizer_fingerprint(model_dir), info, architectures
 
 
 PROBE = (1, 2, 3, 4)  # any ids of the vocabulary: only the width of their rows is looked at
@@ -348,9 +353,14 @@ class SGLangHttpBackend:
         # SGLang echoes the ids it ran only with input logprobs, which cost a log-softmax over the vocabulary
         # at every prompt position: off by default, the row count and prompt_tokens are checked regardless
         self.echo_token_ids = echo_token_ids
-        self.tokenizer, self.tokenizer_fingerprint, self.info = describe_target(
+        self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
             model_dir, cfg, device=f"sglang {self.url}"
         )
+        # the capture hooks' module paths depend on the architecture: known, or refused (a stock server that
+        # gives final states only needs neither)
+        self.architectures, self.where = architectures, str(model_dir / "config.json")
+        if aux_from_response:
+            sglang_model(architectures, self.where)
         if preflight:
             self.check_server(max_seq_len)
             if aux_from_response:
@@ -399,7 +409,7 @@ class SGLangHttpBackend:
             if hooked is None:
                 problems.append(
                     "it does not run eagle3's capture hooks, so it returns no aux states (launch with "
-                    f"{shlex.join(capture_launch_args(wanted))})"
+                    f"{shlex.join(capture_launch_args(wanted, sglang_model(self.architectures, self.where)))})"
                 )
             elif hooked != wanted:
                 problems.append(
@@ -417,7 +427,13 @@ class SGLangHttpBackend:
     ) -> list[HiddenStates | SampleFailure]:
         if not self.aux_from_response:
             raise Eagle3Error(
-                AUX_UNAVAILABLE.format(flags=shlex.join(capture_launch_args(self.info.aux_layer_ids)))
+                AUX_UNAVAILABLE.format(
+                    flags=shlex.join(
+                        capture_launch_args(
+                            self.info.aux_layer_ids, sglang_model(self.architectures, self.where)
+                        )
+                    )
+                )
             )
         dtype = dtype or torch.float32
         return [
@@ -534,9 +550,10 @@ class SGLangEngineBackend:
             raise Eagle3Error(
                 "target.backend 'sglang_engine' runs on GPUs only, and no CUDA device is visible"
             )
-        self.tokenizer, self.tokenizer_fingerprint, self.info = describe_target(
+        self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
             model_dir, cfg, device=f"sglang engine (tp {tp_size})"
         )
+        capture_model = sglang_model(architectures, str(model_dir / "config.json"))
         fields = server_arg_fields()
         if "forward_hooks" not in fields:
             raise Eagle3Error(
@@ -551,7 +568,7 @@ class SGLangEngineBackend:
             "disable_radix_cache": True,  # a cached prefix is not run: its rows would go missing
             "chunked_prefill_size": -1,  # one forward per prompt: a chunk keeps only its own rows
             "skip_tokenizer_init": True,  # ids in, ids out: the text is never wanted
-            "forward_hooks": capture_hook_specs(self.info.aux_layer_ids),
+            "forward_hooks": capture_hook_specs(self.info.aux_layer_ids, capture_model),
             "random_seed": 0,
         }
         if cfg.dtype != "auto":

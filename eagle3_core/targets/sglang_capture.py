@@ -16,17 +16,22 @@ PR #13217, `srt/model_executor/hook_manager.py`: a spec names modules by `fnmatc
 call on the model: the engine's model lives in that other process, and the model runner calls the causal LM
 as `model.forward(...)`, so hooks on the root module never fire; its submodules are called as modules.
 
-- `model` (the decoder): after each forward, makes sure SGLang's capture is on, through the decoder's own
-  `set_eagle3_layers_to_capture(ids)` (the decoder's ids name the layers whose *input* is captured, which is
-  eagle3's convention; the causal LM's method, used with a drafter config, adds one to the config's `k-1`).
-  A decoder capturing returns `(hidden, aux_list)`; the causal LM, whose `capture_aux_hidden_states` flag
-  stays off, expects the tensor alone, so the hook hands it the tensor and keeps the list. Capture starts
-  with the decoder's second forward: the backends send probe requests until the rows are 4H wide.
+- the decoder (`model`, or `language_model.model` in Kimi-K2.5: the path is the architecture's row in
+  targets/sglang_models.py): after each forward, makes sure SGLang's capture is on, through the decoder's
+  own `set_eagle3_layers_to_capture(ids)` where it has one (Qwen's MoE decoders mark their layers there), else
+  its `layers_to_capture` (the decoder's ids name the layers whose *input* is captured, which is eagle3's
+  convention; the causal LM's method, used with a drafter config, applies the model's layer-id rule first).
+  A decoder capturing returns `(hidden, aux)`, aux a list of per-layer tensors or, in the DeepSeek family,
+  one [T, 3H] tensor packed by `AuxHiddenStatePacker`; the causal LM, whose `capture_aux_hidden_states`
+  flag stays off, expects the tensor alone, so the hook hands it the tensor and keeps the aux states.
+  Capture starts with the decoder's second forward: the backends send probe requests until the rows are 4H
+  wide.
 - `logits_processor`: where SGLang stores every row of a prefill for `return_hidden_states`
   (`CaptureHiddenMode.FULL`: `hidden_states_to_store = hidden_states`, the final state), replaces them by the
   concatenation above. Any other forward (a decode step, a prefill without hidden states) is left alone.
 
-This module imports torch only: SGLang imports it in its own process by the path in the hook spec.
+This module imports torch and the architecture table only: SGLang imports it in its own process by the path in
+the hook spec.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagle3_core.targets.sglang_models import SGLangModel
+
 DECODER_FACTORY = "eagle3_core.targets.sglang_capture:decoder_hook"
 LOGITS_FACTORY = "eagle3_core.targets.sglang_capture:logits_hook"
 
@@ -48,28 +55,29 @@ _pending: dict[str, list[torch.Tensor]] = {}
 Hook = Callable[[nn.Module, tuple[Any, ...], Any], Any]
 
 
-def capture_hook_specs(layer_ids: Sequence[int]) -> list[dict[str, Any]]:
-    """SGLang's `forward_hooks` value that captures the residual stream entering `layer_ids` (eagle3's ids)."""
+def capture_hook_specs(layer_ids: Sequence[int], model: SGLangModel) -> list[dict[str, Any]]:
+    """SGLang's `forward_hooks` value that captures the residual stream entering `layer_ids` (eagle3's ids)
+    in a target of `model`'s architecture (the module paths its hooks go on)."""
     config = {"layer_ids": [int(k) for k in layer_ids]}
     return [
         {
             "name": "eagle3_aux_capture",
-            "target_modules": ["model"],
+            "target_modules": [model.decoder],
             "hook_factory": DECODER_FACTORY,
             "config": config,
         },
         {
             "name": "eagle3_aux_concat",
-            "target_modules": ["logits_processor"],
+            "target_modules": [model.logits_processor],
             "hook_factory": LOGITS_FACTORY,
             "config": config,
         },
     ]
 
 
-def capture_launch_args(layer_ids: Sequence[int]) -> list[str]:
+def capture_launch_args(layer_ids: Sequence[int], model: SGLangModel) -> list[str]:
     """The flags that add the hooks to `python -m sglang.launch_server` (one JSON argument)."""
-    return ["--forward-hooks", json.dumps(capture_hook_specs(layer_ids), separators=(",", ":"))]
+    return ["--forward-hooks", json.dumps(capture_hook_specs(layer_ids, model), separators=(",", ":"))]
 
 
 def hooked_layer_ids(forward_hooks: object) -> list[int] | None:
@@ -108,18 +116,27 @@ def decoder_hook(config: dict[str, Any]) -> Hook:
                     "SGLang cannot give this architecture's aux hidden states"
                 )
             module._eagle3_capture_on = True  # type: ignore[assignment]
-        if (
-            isinstance(output, tuple)
-            and len(output) == 2
-            and isinstance(output[1], list | tuple)
-            and all(isinstance(t, torch.Tensor) for t in output[1])
-        ):
-            _pending["aux"] = list(output[1])
+        aux = _aux_states(output, len(ids))
+        if aux is not None:
+            _pending["aux"] = aux
             return output[0]
         _pending.pop("aux", None)  # a forward without capture: nothing of an earlier one may be reused
         return None
 
     return hook
+
+
+def _aux_states(output: Any, count: int) -> list[torch.Tensor] | None:
+    """A capturing decoder's aux states, one tensor per layer in layer order, from `(hidden, aux)`: aux a list
+    of them, or one tensor of `count` of them side by side (AuxHiddenStatePacker); None for any other output."""
+    if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)):
+        return None
+    aux = output[1]
+    if isinstance(aux, list | tuple) and all(isinstance(t, torch.Tensor) for t in aux):
+        return list(aux)
+    if isinstance(aux, torch.Tensor) and aux.shape[-1] == count * output[0].shape[-1]:
+        return list(aux.chunk(count, dim=-1))
+    return None
 
 
 def logits_hook(config: dict[str, Any]) -> Hook:

@@ -40,10 +40,11 @@ from types import TracebackType
 from typing import Any, Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
-from eagle3_core.errors import Eagle3Error
+from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.procs import ProcStat, proc_stat
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.sglang_models import sglang_model
 
 Purpose = Literal["extract", "serve"]
 Log = Callable[[str], None]
@@ -92,6 +93,21 @@ class ServerGpuMemoryNotReleased(SGLangServerError):
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
+def architectures_of(model_path: str | Path) -> tuple[str, ...]:
+    """The `architectures` of a target directory's config.json; ConfigError for a path not on this machine."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"{model_path}: no config.json here to read the target's architecture from, which the capture "
+            "hooks' module paths depend on; pass the architectures"
+        )
+    try:
+        raw = json.loads(config.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{config}: not JSON ({e})") from e
+    return tuple((raw.get("architectures") if isinstance(raw, dict) else None) or ())
+
+
 def launch_command(
     cfg: Eagle3Config,
     model_path: str | Path,
@@ -99,12 +115,14 @@ def launch_command(
     drafter_dir: str | Path | None = None,
     k: int | None = None,
     aux_layer_ids: Sequence[int] | None = None,
+    architectures: Sequence[str] = (),
 ) -> list[str]:
     """argv of an SGLang server over `model_path`, for hidden-state extraction or for serving a drafter.
 
     An extraction server given `aux_layer_ids` also loads eagle3's capture hooks (targets/sglang_capture.py),
     so `/generate` returns the three aux states beside the final one; without them it returns the final
-    state only.
+    state only. The hooks' module paths follow the target's `architectures` (targets/sglang_models.py), read
+    from `model_path`'s config.json when not given.
 
     `serve` runs EAGLE-3 chain drafting of `k` tokens (default `evaluate.gate_k`, the K the promotion gate
     measured): topk 1, so the verify step holds the K drafts plus the committed token, K + 1.
@@ -132,7 +150,8 @@ def launch_command(
         if aux_layer_ids is not None:
             from eagle3_core.targets.sglang_capture import capture_launch_args
 
-            argv += capture_launch_args(aux_layer_ids)
+            model = sglang_model(architectures or architectures_of(model_path), str(model_path))
+            argv += capture_launch_args(aux_layer_ids, model)
     elif purpose == "serve":
         if drafter_dir is None:
             raise ValueError("serving needs drafter_dir: the exported drafter's sglang directory")

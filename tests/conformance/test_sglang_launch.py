@@ -5,10 +5,12 @@ from pathlib import Path
 
 from eagle3_core.config import Eagle3Config, config_from_dict
 from eagle3_core.targets.sglang_capture import capture_hook_specs
+from eagle3_core.targets.sglang_models import MODELS
 from eagle3_core.targets.sglang_server import launch_command
 from tests.conformance.conftest import Probe
 
 AUX = [2, 16, 29]
+LLAMA = MODELS["LlamaForCausalLM"]
 
 
 def _config(tmp_path: Path) -> Eagle3Config:
@@ -29,7 +31,9 @@ def test_the_extraction_and_serving_commands_parse_in_the_real_server_args_as_in
     tmp_path: Path, sglang_probe: Probe
 ) -> None:
     cfg = _config(tmp_path)
-    extract = launch_command(cfg, "/models/llama", "extract", aux_layer_ids=AUX)
+    extract = launch_command(
+        cfg, "/models/llama", "extract", aux_layer_ids=AUX, architectures=["LlamaForCausalLM"]
+    )
     serve = launch_command(cfg, "/models/llama", "serve", drafter_dir="/drafters/d", k=5)
     result = sglang_probe("probe_server_args.py", json.dumps([_server_argv(extract), _server_argv(serve)]))
     (got_extract, got_serve) = result["parsed"]
@@ -42,7 +46,7 @@ def test_the_extraction_and_serving_commands_parse_in_the_real_server_args_as_in
     assert fields["disable_radix_cache"] is True and fields["chunked_prefill_size"] == -1
     assert fields["enable_return_hidden_states"] is True
     assert fields["cuda_graph_backend_decode"] == fields["cuda_graph_backend_prefill"] == "disabled"
-    assert fields["forward_hooks"] == capture_hook_specs(AUX)  # the hooks arrive as eagle3 wrote them
+    assert fields["forward_hooks"] == capture_hook_specs(AUX, LLAMA)  # the hooks arrive as eagle3 wrote them
     assert fields["speculative_algorithm"] is None
     fields = got_serve["fields"]
     assert {k: fields[k] for k in common} == common

@@ -33,6 +33,7 @@ from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.resolve import open_extraction_target
 from eagle3_core.targets.sglang import SGLangHttpBackend
 from eagle3_core.targets.sglang_capture import capture_hook_specs
+from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import FIXTURES, write_config
 from tests.helpers import save_tiny_chat_target
 from tests.integration.test_sglang_client import FakeSGLang, _Handler, _Server
@@ -111,7 +112,7 @@ def extraction_server_info(layer_ids: tuple[int, ...] = AUX) -> dict[str, Any]:
         "enable_return_hidden_states": True,
         "disable_radix_cache": True,
         "chunked_prefill_size": -1,
-        "forward_hooks": capture_hook_specs(layer_ids),
+        "forward_hooks": capture_hook_specs(layer_ids, MODELS["LlamaForCausalLM"]),
         "version": "0.5.9",
     }
 
@@ -261,7 +262,10 @@ def test_a_wrong_width_stops_the_run_and_writes_no_shard(
         ({"enable_return_hidden_states": False}, "--enable-return-hidden-states"),
         ({"chunked_prefill_size": 8192}, r"chunked prefill \(8192 tokens\) splits samples of up to 16384"),
         ({"forward_hooks": None}, r"does not run eagle3's capture hooks, .*--forward-hooks '\["),
-        ({"forward_hooks": capture_hook_specs([2, 4, 6])}, r"read layers \[2, 4, 6\], .* are \[1, 4, 6\]"),
+        (
+            {"forward_hooks": capture_hook_specs([2, 4, 6], MODELS["LlamaForCausalLM"])},
+            r"read layers \[2, 4, 6\], .* are \[1, 4, 6\]",
+        ),
     ],
 )
 def test_a_server_set_up_to_lose_rows_is_refused_before_any_sample(

@@ -31,6 +31,7 @@ from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.sglang import SGLangEngineBackend, SGLangHttpBackend
 from eagle3_core.targets.sglang_capture import capture_launch_args
+from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import REPO
 from tests.helpers import save_tiny_chat_target
 
@@ -142,7 +143,7 @@ def test_an_http_server_with_the_capture_hooks_gives_the_same_states(
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--mem-fraction-static", "0.3",
         "--enable-return-hidden-states", "--disable-radix-cache",
         "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-        "--chunked-prefill-size", "-1", *capture_launch_args(AUX),
+        "--chunked-prefill-size", "-1", *capture_launch_args(AUX, MODELS["LlamaForCausalLM"]),
     ]  # fmt: skip
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed in finally)
     # cwd: the scheduler imports eagle3_core.targets.sglang_capture by the hook spec's path

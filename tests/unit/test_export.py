@@ -42,6 +42,7 @@ TARGET = ExportTarget(
     model_type="llama",
 )
 K = 24
+LLAMA, DEEPSEEK = ("LlamaForCausalLM",), ("DeepseekV3ForCausalLM",)
 MAPPING = hand_mapping(TARGET.vocab_size, K)
 CFG = drafter_config(TARGET, K)
 EXPORTERS: dict[FormatName, Callable[..., Path]] = {
@@ -121,7 +122,11 @@ def test_the_engine_fields_are_written(pristine: dict[FormatName, Path]) -> None
 
 def test_neither_engine_can_express_aux_layer_0(tmp_path: Path, drafter: Eagle3Drafter) -> None:
     target = replace(TARGET, aux_layer_ids=(0, 4, 5))
-    with pytest.raises(ExportError, match="aux layer 0"):
+    # SGLang's Llama captures the input of layer id + 1, and an id of -1 cannot be written
+    with pytest.raises(
+        ExportError,
+        match=r"\[0, 4, 5\] cannot be captured .*\[-1, 3, 4\] is no valid .*\[0, 4, 5\] would capture \[1, 5, 6\]",
+    ):
         export_sglang(drafter, MAPPING, target, tmp_path / "out")
     # vLLM's Llama captures hidden_states + residual, and the input of layer 0 has no residual yet
     with pytest.raises(ExportError, match="vLLM cannot capture the input of layer 0"):
@@ -659,19 +664,23 @@ def test_an_sglang_drafter_from_elsewhere_with_legacy_names_loads(
 
     out = external(source, tmp_path / "ext", legacy_config, legacy_names)
     assert detect_format(out) == "sglang"
-    loaded = load_drafter_dir(out, "auto", EMBED)
+    with pytest.raises(ExportError, match=r"depend on the target's model .* pass target_architectures"):
+        load_drafter_dir(out, "auto", EMBED)
+    loaded = load_drafter_dir(out, "auto", EMBED, target_architectures=LLAMA)
     assert loaded.info.external and loaded.info.aux_layer_ids == (2, 4, 5)
     assert_same_network(drafter, loaded.drafter)
     assert torch.equal(loaded.drafter.embed_tokens.weight, EMBED)
+    # the same config drafting for DeepSeek-V3, whose SGLang adds one only to a first id of 1: (1, 3, 4) -> 2, 4, 5
+    assert load_drafter_dir(out, "auto", EMBED, target_architectures=DEEPSEEK).info.aux_layer_ids == (2, 4, 5)
 
     def no_layer_ids(config: dict[str, Any]) -> None:
         del config["eagle_config"]
 
     bare = external(source, tmp_path / "no-ids", no_layer_ids)
     with pytest.raises(ExportError, match=r"names no aux layers.*pass target_num_layers"):
-        load_drafter_dir(bare, "sglang", EMBED)
+        load_drafter_dir(bare, "sglang", EMBED, target_architectures=LLAMA)
     # SGLang then captures the inputs of layers (2, L//2, L-3)
-    defaulted = load_drafter_dir(bare, "sglang", EMBED, target_num_layers=8)
+    defaulted = load_drafter_dir(bare, "sglang", EMBED, target_num_layers=8, target_architectures=LLAMA)
     assert defaulted.info.aux_layer_ids == (2, 4, 5) and defaulted.info.engine_aux_layer_ids == (1, 3, 4)
 
 
@@ -776,7 +785,8 @@ def test_pickled_weights_and_unknown_configs_are_refused(
         load_drafter_dir(out, "auto", EMBED)
     shutil.copy(variant_exports["sglang"][1] / "model.safetensors", out / "model.safetensors")
     # beside safetensors the engines skip it, and so do we: it is never opened
-    assert_same_network(variant_exports["sglang"][0], load_drafter_dir(out, "auto", EMBED).drafter)
+    loaded = load_drafter_dir(out, "auto", EMBED, target_architectures=LLAMA)
+    assert_same_network(variant_exports["sglang"][0], loaded.drafter)
     save_file({"fc.weight": torch.zeros(1)}, str(out / "extra.safetensors"))  # one an engine would load too
     with pytest.raises(ExportError, match=r"unexpected weight files \['extra.safetensors'\]"):
         load_drafter_dir(out, "auto", EMBED)

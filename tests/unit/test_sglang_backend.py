@@ -28,7 +28,10 @@ from eagle3_core.targets.sglang import (
     width_problem,
 )
 from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
+from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import FIXTURES, write_config
+
+LLAMA = MODELS["LlamaForCausalLM"]
 
 SENT = [1, 2, 3, 4, 5]
 H = 4
@@ -224,6 +227,14 @@ class _Decoder(nn.Module):
         return x if not aux else (x, aux)
 
 
+class _PackedDecoder(_Decoder):
+    """SGLang's DeepseekV2Model as far as capture goes: the aux states packed side by side in one tensor."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = super().forward(x)
+        return out if isinstance(out, torch.Tensor) else (out[0], torch.cat(out[1], -1))
+
+
 class _LogitsProcessor(nn.Module):
     def forward(self, input_ids: Any, hidden: torch.Tensor, lm_head: Any, batch: Any, aux: Any = None) -> Any:
         # CaptureHiddenMode.FULL: with aux states SGLang stores their concatenation, else the final state
@@ -231,9 +242,9 @@ class _LogitsProcessor(nn.Module):
 
 
 class _CausalLM(nn.Module):
-    def __init__(self, layers: int = 8, h: int = 4) -> None:
+    def __init__(self, layers: int = 8, h: int = 4, packed: bool = False) -> None:
         super().__init__()
-        self.model = _Decoder(layers, h)
+        self.model = (_PackedDecoder if packed else _Decoder)(layers, h)
         self.logits_processor = _LogitsProcessor()
         self.capture_aux_hidden_states = False  # set by the causal LM's own method, which eagle3 cannot call
 
@@ -243,6 +254,17 @@ class _CausalLM(nn.Module):
         if self.capture_aux_hidden_states:
             hidden, aux = hidden
         return self.logits_processor(None, hidden, None, None, aux)
+
+
+class _MultimodalLM(nn.Module):
+    """Kimi-K2.5 as far as hooks go: the DeepSeek-V3 causal LM nested as `language_model`, called as a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.language_model = _CausalLM(packed=True)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.language_model(x)
 
 
 def _register(model: nn.Module, specs: list[dict[str, Any]]) -> None:
@@ -255,15 +277,25 @@ def _register(model: nn.Module, specs: list[dict[str, Any]]) -> None:
                 module.register_forward_hook(hook)
 
 
-def test_the_hooks_return_aux_in_the_asked_order_then_the_final_state() -> None:
+@pytest.mark.parametrize(
+    "architecture", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"]
+)
+def test_the_hooks_return_aux_in_the_asked_order_then_the_final_state(architecture: str) -> None:
     torch.manual_seed(0)
-    lm = _CausalLM()
+    row = MODELS[architecture]
+    root: nn.Module = (
+        _MultimodalLM()
+        if row.decoder == "language_model.model"
+        else _CausalLM(packed=row.aux_output == "packed")
+    )
+    lm = root.get_submodule(row.decoder.rpartition(".")[0]) if "." in row.decoder else root
+    assert isinstance(lm, _CausalLM)
     ids = (6, 1, 4)  # not sorted: SGLang captures in layer order, the rows follow the config
-    _register(lm, capture_hook_specs(ids))
+    _register(root, capture_hook_specs(ids, row))
     x = torch.randn(5, 4)
     with torch.no_grad():
-        first = lm.forward(x).hidden_states  # the model runner calls forward(), not the module
-        second = lm.forward(x).hidden_states
+        first = root.forward(x).hidden_states  # the model runner calls forward(), not the module
+        second = root.forward(x).hidden_states
         entering, h = [], x
         for layer in lm.model.layers:
             entering.append(h)
@@ -278,7 +310,7 @@ def test_the_hooks_return_aux_in_the_asked_order_then_the_final_state() -> None:
 
 def test_the_hooks_leave_a_decode_step_alone() -> None:
     lm = _CausalLM()
-    _register(lm, capture_hook_specs((1, 4, 6)))
+    _register(lm, capture_hook_specs((1, 4, 6), LLAMA))
     lm.forward(torch.randn(3, 4))  # turns capture on
     lm.model.layers_to_capture = []  # a forward without capture: no aux list
     out = lm.forward(torch.randn(2, 4)).hidden_states
@@ -286,11 +318,16 @@ def test_the_hooks_leave_a_decode_step_alone() -> None:
 
 
 def test_launch_args_and_what_a_server_reports() -> None:
-    flag, value = capture_launch_args([2, 16, 29])
+    flag, value = capture_launch_args([2, 16, 29], LLAMA)
     assert flag == "--forward-hooks"
     specs = json.loads(value)
-    assert specs == capture_hook_specs([2, 16, 29])
+    assert specs == capture_hook_specs([2, 16, 29], LLAMA)
     assert [s["target_modules"] for s in specs] == [["model"], ["logits_processor"]]
+    kimi = capture_hook_specs([2, 16, 29], MODELS["KimiK25ForConditionalGeneration"])
+    assert [s["target_modules"] for s in kimi] == [
+        ["language_model.model"],
+        ["language_model.logits_processor"],
+    ]
     assert hooked_layer_ids(specs) == [2, 16, 29]
     assert hooked_layer_ids(None) is None
     assert hooked_layer_ids([{"hook_factory": "other:hook", "config": {}}]) is None

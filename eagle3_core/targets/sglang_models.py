@@ -1,0 +1,138 @@
+"""What eagle3 relies on in each SGLang 0.5.23 model it extracts from or drafts for, in one table.
+
+For every target architecture (the `architectures` entry of its config.json), three facts of SGLang's model
+code (`srt/models/<source>`), pinned by tests/conformance against that code:
+
+- `decoder`, `logits_processor`: the module paths, in the causal LM, of the decoder whose forward collects
+  the aux states and of the logits processor that stores returned hidden states. The capture hooks
+  (targets/sglang_capture.py) are registered on exactly these names (SGLang matches hook targets against
+  `named_modules()`): Kimi-K2.5 nests its DeepSeek-V3 language model as `language_model`.
+- `aux_output`: how a capturing decoder returns its aux states beside the final state: `list`, one tensor
+  per layer, or `packed`, one [tokens, 3H] tensor filled by `AuxHiddenStatePacker` (layers/aux_hidden_states.py).
+- `layer_id_rule`: what the causal LM's `set_eagle3_layers_to_capture(config ids)` does with the drafter
+  config's `eagle_aux_hidden_state_layer_ids` before the decoder captures the *input* of those layers
+  (eagle3's convention, docs/design.md):
+    plus_one               every id + 1 (llama.py and most models)
+    plus_one_if_first_is_1 + 1 only when the first id is 1, else as given (deepseek_v2.py, glm4_moe_lite.py)
+    plus_one_unless_max_is_L as given when the largest id is the layer count, else + 1 (gpt_oss.py)
+
+`config_layer_ids` inverts the rule: the ids an export writes so that SGLang captures the layers eagle3 trained
+on, refusing (with the reason) a choice no ids can express. An architecture not in the table is refused for
+SGLang extraction and export: its capture cannot be known to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_core.errors import ConfigError
+
+SGLANG_VERSION = "0.5.23"
+LayerIdRule = Literal["plus_one", "plus_one_if_first_is_1", "plus_one_unless_max_is_L"]
+
+
+class SGLangModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: str
+    source: str  # srt/models/<source>, where the class and its rule live
+    decoder: str = "model"
+    logits_processor: str = "logits_processor"
+    aux_output: Literal["list", "packed"] = "list"
+    layer_id_rule: LayerIdRule = "plus_one"
+
+
+def _deepseek(architecture: str, source: str = "deepseek_v2.py", **paths: str) -> SGLangModel:
+    """The DeepSeek family: aux packed by AuxHiddenStatePacker, + 1 only when the first id is 1."""
+    return SGLangModel(
+        architecture=architecture,
+        source=source,
+        aux_output="packed",
+        layer_id_rule="plus_one_if_first_is_1",
+        **paths,
+    )
+
+
+MODELS: dict[str, SGLangModel] = {
+    m.architecture: m
+    for m in [
+        SGLangModel(architecture="LlamaForCausalLM", source="llama.py"),
+        SGLangModel(architecture="Qwen2ForCausalLM", source="qwen2.py"),
+        SGLangModel(architecture="Qwen3ForCausalLM", source="qwen3.py"),
+        SGLangModel(architecture="Qwen3MoeForCausalLM", source="qwen3_moe.py"),
+        _deepseek("DeepseekV2ForCausalLM"),
+        _deepseek("DeepseekV3ForCausalLM"),
+        _deepseek(
+            "KimiK25ForConditionalGeneration",
+            "kimi_k25.py",
+            decoder="language_model.model",
+            logits_processor="language_model.logits_processor",
+        ),
+        SGLangModel(architecture="Glm4MoeForCausalLM", source="glm4_moe.py"),
+        SGLangModel(
+            architecture="Glm4MoeLiteForCausalLM",
+            source="glm4_moe_lite.py",
+            layer_id_rule="plus_one_if_first_is_1",
+        ),
+        SGLangModel(
+            architecture="GptOssForCausalLM", source="gpt_oss.py", layer_id_rule="plus_one_unless_max_is_L"
+        ),
+    ]
+}
+
+
+def sglang_model(architectures: Sequence[str], where: str = "") -> SGLangModel:
+    """The table's row for a target whose config.json lists `architectures`; ConfigError naming the rows."""
+    for name in architectures:
+        if name in MODELS:
+            return MODELS[name]
+    raise ConfigError(
+        f"target architecture {list(architectures)}{f' ({where})' if where else ''} is not one eagle3 knows "
+        f"SGLang {SGLANG_VERSION}'s EAGLE-3 capture for (its decoder path, aux format and layer-id rule); "
+        f"known: {', '.join(sorted(MODELS))}"
+    )
+
+
+def captured_layers(rule: LayerIdRule, config_ids: Sequence[int], num_layers: int | None) -> list[int]:
+    """The layers whose input SGLang's set_eagle3_layers_to_capture(config_ids) captures, by `rule`
+    (`num_layers` only matters to plus_one_unless_max_is_L: unknown, the ids are taken as not reaching it)."""
+    ids = list(config_ids)
+    if rule == "plus_one_if_first_is_1":
+        return [k + 1 for k in ids] if ids and ids[0] == 1 else ids
+    if rule == "plus_one_unless_max_is_L":
+        return ids if ids and max(ids) == num_layers else [k + 1 for k in ids]
+    return [k + 1 for k in ids]
+
+
+def config_layer_ids(
+    model: SGLangModel, aux_layer_ids: Sequence[int], num_layers: int | None
+) -> tuple[int, int, int]:
+    """The `eagle_aux_hidden_state_layer_ids` that make `model` capture the inputs of `aux_layer_ids`
+    (eagle3's ids), ConfigError when none can: ids - 1 where the rule then adds one, else the ids as given."""
+    ids = tuple(int(k) for k in aux_layer_ids)
+    for candidate in (tuple(k - 1 for k in ids), ids):
+        if min(candidate) >= 0 and captured_layers(model.layer_id_rule, candidate, num_layers) == list(ids):
+            return (candidate[0], candidate[1], candidate[2])
+    tried = []
+    for candidate in (tuple(k - 1 for k in ids), ids):
+        if min(candidate) < 0:
+            tried.append(f"{list(candidate)} is no valid config (ids are >= 0)")
+        else:
+            got = captured_layers(model.layer_id_rule, candidate, num_layers)
+            tried.append(f"{list(candidate)} would capture {got}")
+    raise ConfigError(
+        f"aux layers {list(ids)} cannot be captured by SGLang {SGLANG_VERSION}'s {model.architecture} "
+        f"(srt/models/{model.source}, layer rule {model.layer_id_rule}): {'; '.join(tried)}; choose other "
+        "aux layers (target.aux_layer_ids)"
+    )
+
+
+def captured_layer_ids(
+    model: SGLangModel, config_ids: Sequence[int], num_layers: int | None
+) -> tuple[int, int, int]:
+    """The layers (eagle3's ids) an SGLang drafter config's ids make `model` capture."""
+    a, b, c = captured_layers(model.layer_id_rule, config_ids, num_layers)
+    return (a, b, c)
