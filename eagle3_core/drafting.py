@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.draft.vocab import (
     VocabMapping,
@@ -203,6 +205,16 @@ def latest_final(layout: StoreLayout) -> Path:
     return final
 
 
+def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
+    """The dtype the target is served in (targets/sglang_models.py `serving_dtype`), which the drafter is
+    exported in: an fp16 target gets an fp16 drafter."""
+    from eagle3_core.targets.sglang_models import serving_dtype
+
+    raw = json.loads((target / "config.json").read_text())
+    name = serving_dtype(cfg.target.dtype, raw.get("text_config", raw))
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
 def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
     from eagle3_core.draft.target_head import load_target_head
@@ -215,9 +227,10 @@ def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
     drafter, mapping, summary = load_trained(final, load_target_head(target).embed)
     facts = ExportTarget.from_model_dir(target, summary["aux_layer_ids"], summary["final_state_convention"])
     out = layout.exports / summary["run"]
-    sglang = export_sglang(drafter, mapping, facts, out / "sglang")
+    dtype = export_dtype(cfg, target)
+    sglang = export_sglang(drafter, mapping, facts, out / "sglang", dtype=dtype)
     speculators = export_speculators(
-        drafter, mapping, facts, out / "speculators", speculative_tokens=cfg.evaluate.gate_k
+        drafter, mapping, facts, out / "speculators", dtype=dtype, speculative_tokens=cfg.evaluate.gate_k
     )  # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
     sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"

@@ -33,7 +33,7 @@ The contract of the two backends:
 
 - `SGLangHttpBackend(url, model_dir, cfg, aux_from_response=True)`: a running server. With
   `aux_from_response=True` (what extraction needs) the server must have been launched with eagle3's capture
-  hooks (`capture_launch_args`); its `/get_server_info` is checked for them, for the same layer ids, and for
+  hooks (`capture_launch_args`); its `/server_info` is checked for them, for the same layer ids, and for
   the radix cache and chunked prefill being off, before any sample is sent. With `aux_from_response=False`
   (the stock server) only `final_states` works: `hidden_states` refuses with the reason, never inventing aux
   states.
@@ -69,7 +69,7 @@ from eagle3_core.targets.base import (
     default_aux_layer_ids,
 )
 from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
-from eagle3_core.targets.sglang_models import sglang_model
+from eagle3_core.targets.sglang_models import SGLangModel, serving_dtype, sglang_model
 
 __all__ = [
     "SGLangEngineBackend",
@@ -130,7 +130,9 @@ def width_problem(width: int, hidden_size: int, with_aux: bool) -> str | None:
     if width == NUM_AUX * hidden_size:
         return (
             f"{head}: these are SGLang's own EAGLE-3 aux states, which replace the final state when a drafter "
-            "is loaded; extract from a server without --speculative-algorithm"
+            "is loaded or under --enable-return-aux-hidden-states; extraction needs both, through eagle3's "
+            "capture hooks: extract from a server without --speculative-algorithm and without "
+            "--enable-return-aux-hidden-states"
         )
     return f"{head}: the server runs another model than target.path"
 
@@ -258,14 +260,6 @@ def _split(states: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> Hidden
 
 
 # ---- what both backends know of the target -------------------------------------------------------------------
-def _sglang_dtype(cfg_dtype: str, config: Any) -> str:
-    if cfg_dtype != "auto":
-        return cfg_dtype
-    # SGLang's --dtype auto: bfloat16 for a bfloat16 checkpoint, float16 for float16 and float32 ones
-    declared = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
-    return "bfloat16" if "bfloat16" in declared else "float16"
-
-
 def describe_target(
     model_dir: Path, cfg: TargetConfig, device: str
 ) -> tuple[Any, str, TargetInfo, tuple[str, ...]]:
@@ -291,11 +285,65 @@ def describe_target(
         vocab_size=int(text.vocab_size),
         aux_layer_ids=aux,
         final_state_convention="post_norm",  # the state entering lm_head (module docstring)
-        dtype=_sglang_dtype(cfg.dtype, text),
+        dtype=serving_dtype(cfg.dtype, text.to_dict()),
         device=device,
     )
     architectures = tuple(getattr(config, "architectures", None) or ())
     return AutoTokenizer.from_pretrained(model_dir), tokenizer_fingerprint(model_dir), info, architectures
+
+
+SERVER_INFO_ROUTES = ("/server_info", "/get_server_info")  # 0.5.23's, then the one it deprecated
+
+
+def server_problems(
+    info: dict[str, Any],
+    max_seq_len: int | None,
+    aux_layer_ids: list[int] | None,
+    model: SGLangModel | None,
+) -> list[str]:
+    """What in a server's resolved arguments (`/server_info`) would lose or misplace rows, one reason each.
+
+    `aux_layer_ids`: the layers the capture hooks must read (None: final states only, no hooks needed).
+    Hidden states come back for every prompt row only under `return_hidden_states_mode` full, which
+    `--enable-return-hidden-states` resolves to (`last` returns the last row alone); a release without the
+    mode says it with `enable_return_hidden_states`.
+    """
+    problems = []
+    mode = info.get("return_hidden_states_mode")
+    if mode == "last" or (mode is None and info.get("enable_return_hidden_states") is False):
+        problems.append(
+            "it returns no hidden states for every prompt token (launch with --enable-return-hidden-states "
+            "or --return-hidden-states-mode full)"
+        )
+    if info.get("disable_radix_cache") is False:
+        problems.append(
+            "its radix cache is on: a cached prefix is not run, so its rows go missing "
+            "(launch with --disable-radix-cache)"
+        )
+    chunk = info.get("chunked_prefill_size")
+    if isinstance(chunk, int) and chunk > 0 and max_seq_len is not None and chunk < max_seq_len:
+        problems.append(
+            f"its chunked prefill ({chunk} tokens) splits samples of up to {max_seq_len} tokens and "
+            "returns only the last chunk's rows (launch with --chunked-prefill-size -1)"
+        )
+    if info.get("enable_return_aux_hidden_states") is True:
+        problems.append(
+            "it runs --enable-return-aux-hidden-states, which returns the aux states in place of the final "
+            "state: extraction needs both, through eagle3's capture hooks instead (launch without it)"
+        )
+    if aux_layer_ids is not None and model is not None:
+        hooked = hooked_layer_ids(info.get("forward_hooks"))
+        if hooked is None:
+            problems.append(
+                "it does not run eagle3's capture hooks, so it returns no aux states (launch with "
+                f"{shlex.join(capture_launch_args(aux_layer_ids, model))})"
+            )
+        elif hooked != aux_layer_ids:
+            problems.append(
+                f"its capture hooks read layers {hooked}, the target's aux layers are {aux_layer_ids} "
+                "(target.aux_layer_ids): a drafter trained on them would read the wrong layers"
+            )
+    return problems
 
 
 PROBE = (1, 2, 3, 4)  # any ids of the vocabulary: only the width of their rows is looked at
@@ -373,49 +421,29 @@ class SGLangHttpBackend:
     def check_server(self, max_seq_len: int | None = None) -> dict[str, Any] | None:
         """Refuse a server whose settings would lose or misplace rows, before any sample is sent.
 
-        Reads `/get_server_info` (SGLang's server arguments); None when the server does not have that route,
-        in which case only the per-response checks remain.
+        Reads `/server_info` (SGLang's resolved server arguments; `/get_server_info` on releases before it,
+        where it is now deprecated); None when the server has neither, in which case only the per-response
+        checks remain.
         """
-        try:
-            with _OPENER.open(self.url + "/get_server_info", timeout=min(self.timeout_s, 60.0)) as r:
-                info = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise SGLangError(f"SGLang {self.url}/get_server_info answered HTTP {e.code} {e.reason}") from e
-        except (urllib.error.URLError, OSError) as e:
-            raise SGLangError(f"SGLang server at {self.url} is unreachable ({e}); is it running?") from e
-        except ValueError as e:
-            raise SGLangError(f"SGLang {self.url}/get_server_info answered something that is not JSON") from e
+        info = None
+        for route in SERVER_INFO_ROUTES:
+            try:
+                with _OPENER.open(self.url + route, timeout=min(self.timeout_s, 60.0)) as r:
+                    info = json.loads(r.read())
+                break
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    continue
+                raise SGLangError(f"SGLang {self.url}{route} answered HTTP {e.code} {e.reason}") from e
+            except (urllib.error.URLError, OSError) as e:
+                raise SGLangError(f"SGLang server at {self.url} is unreachable ({e}); is it running?") from e
+            except ValueError as e:
+                raise SGLangError(f"SGLang {self.url}{route} answered something that is not JSON") from e
         if not isinstance(info, dict):
             return None
-        problems = []
-        if info.get("enable_return_hidden_states") is False:
-            problems.append("it returns no hidden states (launch with --enable-return-hidden-states)")
-        if info.get("disable_radix_cache") is False:
-            problems.append(
-                "its radix cache is on: a cached prefix is not run, so its rows go missing "
-                "(launch with --disable-radix-cache)"
-            )
-        chunk = info.get("chunked_prefill_size")
-        if isinstance(chunk, int) and chunk > 0 and max_seq_len is not None and chunk < max_seq_len:
-            problems.append(
-                f"its chunked prefill ({chunk} tokens) splits samples of up to {max_seq_len} tokens and "
-                "returns only the last chunk's rows (launch with --chunked-prefill-size -1)"
-            )
-        if self.aux_from_response:
-            hooked = hooked_layer_ids(info.get("forward_hooks"))
-            wanted = list(self.info.aux_layer_ids)
-            if hooked is None:
-                problems.append(
-                    "it does not run eagle3's capture hooks, so it returns no aux states (launch with "
-                    f"{shlex.join(capture_launch_args(wanted, sglang_model(self.architectures, self.where)))})"
-                )
-            elif hooked != wanted:
-                problems.append(
-                    f"its capture hooks read layers {hooked}, the target's aux layers are {wanted} "
-                    "(target.aux_layer_ids): a drafter trained on them would read the wrong layers"
-                )
+        wanted = list(self.info.aux_layer_ids) if self.aux_from_response else None
+        model = sglang_model(self.architectures, self.where) if self.aux_from_response else None
+        problems = server_problems(info, max_seq_len, wanted, model)
         if problems:
             raise SGLangError(
                 f"the SGLang server at {self.url} cannot serve extraction: " + "; ".join(problems)

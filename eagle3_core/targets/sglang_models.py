@@ -136,3 +136,16 @@ def captured_layer_ids(
     """The layers (eagle3's ids) an SGLang drafter config's ids make `model` capture."""
     a, b, c = captured_layers(model.layer_id_rule, config_ids, num_layers)
     return (a, b, c)
+
+
+def serving_dtype(target_dtype: str, config: dict[str, object]) -> str:
+    """The dtype SGLang serves a target in, from `target.dtype` and the target's config.json: the dtype
+    given, or `--dtype auto`'s (srt/configs/model_config.py): the checkpoint's own dtype, float16 for a float32
+    (or undeclared) checkpoint, bfloat16 for a float32 Gemma. An export is written in it: under auto SGLang
+    takes the drafter's dtype from the drafter's config and runs fc on the target's states without a cast."""
+    if target_dtype != "auto":
+        return target_dtype
+    declared = config.get("dtype") or config.get("torch_dtype")
+    if declared in ("bfloat16", "float16"):
+        return str(declared)
+    return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"

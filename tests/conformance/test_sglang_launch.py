@@ -66,3 +66,52 @@ def test_the_engine_arguments_eagle3_needs_are_fields_of_the_real_server_args(sg
     assert {"enable_return_hidden_states", "disable_radix_cache", "chunked_prefill_size"} <= set(
         result["engine_fields"]
     )
+
+
+def test_the_preflight_reads_sglangs_resolved_server_info_as_intended(
+    tmp_path: Path, sglang_probe: Probe
+) -> None:
+    cfg = _config(tmp_path)
+    extract = _server_argv(
+        launch_command(cfg, "/models/llama", "extract", aux_layer_ids=AUX, architectures=["LlamaForCausalLM"])
+    )
+    mode_full = [
+        a if a != "--enable-return-hidden-states" else "--return-hidden-states-mode" for a in extract
+    ]
+    mode_full.insert(mode_full.index("--return-hidden-states-mode") + 1, "full")
+    mode_last = [a if a != "full" else "last" for a in mode_full]
+    radix_on = [a for a in extract if a != "--disable-radix-cache"]
+    no_hooks = extract[: extract.index("--forward-hooks")]
+    problems = sglang_probe(
+        "probe_server_info.py",
+        json.dumps([extract, mode_full, mode_last, radix_on, no_hooks]),
+        json.dumps(AUX),
+    )
+    assert problems[0] == [] and problems[1] == []  # eagle3's command, and the mode spelled out
+    assert [len(p) for p in problems[2:]] == [1, 1, 1]
+    assert "no hidden states for every prompt token" in problems[2][0]
+    assert "radix cache is on" in problems[3][0]
+    assert "does not run eagle3's capture hooks" in problems[4][0]
+
+
+def test_the_export_dtype_is_the_dtype_sglangs_own_resolution_serves_the_target_in(
+    sglang_probe: Probe,
+) -> None:
+    cases = [
+        ["auto", {"torch_dtype": "bfloat16", "model_type": "llama"}],
+        ["auto", {"torch_dtype": "float16", "model_type": "llama"}],
+        ["auto", {"torch_dtype": "float32", "model_type": "llama"}],
+        ["auto", {"model_type": "deepseek_v3"}],
+        ["auto", {"torch_dtype": "float32", "model_type": "gemma2"}],
+        ["float16", {"torch_dtype": "bfloat16", "model_type": "llama"}],
+    ]
+    pairs = sglang_probe("probe_dtype.py", json.dumps(cases))
+    assert [theirs for theirs, _ in pairs] == [
+        "bfloat16",
+        "float16",
+        "float16",
+        "float16",
+        "bfloat16",
+        "float16",
+    ]
+    assert all(theirs == ours for theirs, ours in pairs), pairs

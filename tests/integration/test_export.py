@@ -3,6 +3,7 @@ package, with the same draft logits."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -84,13 +85,20 @@ def test_an_export_reloads_into_the_same_drafter(
         assert torch.equal(ours[step], theirs[step]), step
 
 
-def test_a_bfloat16_export_reloads_as_the_bfloat16_drafter(
-    tmp_path: Path, drafter: Eagle3Drafter, mapping: VocabMapping, target: ExportTarget, head: TargetHead
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # a bf16 target's, an fp16 target's
+def test_an_export_reloads_as_the_drafter_in_its_dtype(
+    tmp_path: Path,
+    drafter: Eagle3Drafter,
+    mapping: VocabMapping,
+    target: ExportTarget,
+    head: TargetHead,
+    dtype: torch.dtype,
 ) -> None:
-    out = export_sglang(drafter, mapping, target, tmp_path / "bf16")  # the default dtype
+    out = export_sglang(drafter, mapping, target, tmp_path / str(dtype), dtype=dtype)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
     loaded = load_export(out, "sglang", head.embed)
-    assert loaded.info.dtype == torch.bfloat16 and loaded.drafter.fc.weight.dtype == torch.bfloat16
-    reference = {k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}
+    assert loaded.info.dtype == dtype and loaded.drafter.fc.weight.dtype == dtype
+    reference = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
     assert all(torch.equal(v, reference[k]) for k, v in loaded.drafter.state_dict().items())
 
 

@@ -1,6 +1,6 @@
 """Extraction through SGLangHttpBackend against a real HTTP server on loopback that answers with the fixtures.
 
-The server is the one tests/integration/test_sglang_client.py runs, taught `/get_server_info` and batched
+The server is the one tests/integration/test_sglang_client.py runs, taught `/server_info` and batched
 hidden-state requests. Each answer is its fixture (tests/fixtures/sglang/hidden_states_*.json: SGLang's format,
 read from its source) for the request's tokens: the fixture's fields and its defect (the rows a radix-cache hit
 leaves out, a null, an extra column), with rows made from the tokens so that stored states can be compared.
@@ -72,7 +72,8 @@ def answer(kind: str, ids: list[int], width: int) -> dict[str, Any]:
 class HiddenStatesFake(FakeSGLang):
     width: int = 4 * H  # rows as eagle3's capture hooks make them: [aux0 | aux1 | aux2 | final]
     kinds: dict[tuple[int, ...], str] = field(default_factory=dict)  # request -> fixture; default "good"
-    server_info: dict[str, Any] | None = None  # None: the server has no /get_server_info (HTTP 404)
+    server_info: dict[str, Any] | None = None  # None: the server has no server-info route (HTTP 404)
+    info_route: str = "/server_info"  # SGLang 0.5.23's; releases before it had only /get_server_info
     first_widths: list[int] = field(default_factory=list)  # widths of the first answers (capture not on yet)
 
 
@@ -82,7 +83,7 @@ class _HiddenStatesHandler(_Handler):
 
     def do_GET(self) -> None:
         info = self._fake().server_info
-        if self.path != "/get_server_info" or info is None:
+        if self.path != self._fake().info_route or info is None:
             return self._send(404, b'{"detail":"Not Found"}')
         self._send(200, json.dumps(info).encode())
 
@@ -106,7 +107,7 @@ class _HiddenStatesHandler(_Handler):
 
 
 def extraction_server_info(layer_ids: tuple[int, ...] = AUX) -> dict[str, Any]:
-    """The part of SGLang's /get_server_info (its server arguments) the backend reads."""
+    """The part of SGLang's /server_info (its resolved server arguments) the backend reads."""
     return {
         "model_path": "/models/tiny",
         "enable_return_hidden_states": True,
@@ -260,6 +261,8 @@ def test_a_wrong_width_stops_the_run_and_writes_no_shard(
     [
         ({"disable_radix_cache": False}, "its radix cache is on.*--disable-radix-cache"),
         ({"enable_return_hidden_states": False}, "--enable-return-hidden-states"),
+        ({"return_hidden_states_mode": "last"}, "no hidden states for every prompt token"),
+        ({"enable_return_aux_hidden_states": True}, "in place of the final state.*launch without it"),
         ({"chunked_prefill_size": 8192}, r"chunked prefill \(8192 tokens\) splits samples of up to 16384"),
         ({"forward_hooks": None}, r"does not run eagle3's capture hooks, .*--forward-hooks '\["),
         (
@@ -278,10 +281,25 @@ def test_a_server_set_up_to_lose_rows_is_refused_before_any_sample(
     assert server.received == []
 
 
+def test_an_older_server_is_checked_through_get_server_info_and_mode_full_is_accepted(
+    tiny_target_dir: Path, server: HiddenStatesFake
+) -> None:
+    assert server.server_info is not None
+    server.info_route = "/get_server_info"
+    server.server_info["disable_radix_cache"] = False
+    with pytest.raises(SGLangError, match="its radix cache is on"):
+        SGLangHttpBackend(server.url, tiny_target_dir, TargetConfig(aux_layer_ids=AUX))
+    # --return-hidden-states-mode full instead of --enable-return-hidden-states
+    server.server_info.update(disable_radix_cache=True, enable_return_hidden_states=False)
+    server.server_info["return_hidden_states_mode"] = "full"
+    backend = SGLangHttpBackend(server.url, tiny_target_dir, TargetConfig(aux_layer_ids=AUX))
+    assert backend.check_server() == server.server_info
+
+
 def test_without_server_info_only_the_responses_are_checked(
     tiny_target_dir: Path, server: HiddenStatesFake
 ) -> None:
-    server.server_info = None  # an SGLang without /get_server_info
+    server.server_info = None  # an SGLang without either route
     backend = SGLangHttpBackend(server.url, tiny_target_dir, TargetConfig(aux_layer_ids=AUX))
     assert backend.check_server() is None
     [states] = backend.hidden_states([[5, 6, 7]])

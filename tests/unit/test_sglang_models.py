@@ -5,7 +5,13 @@ import pytest
 
 from eagle3_core.errors import ConfigError
 from eagle3_core.export.common import ExportTarget
-from eagle3_core.targets.sglang_models import MODELS, captured_layers, config_layer_ids, sglang_model
+from eagle3_core.targets.sglang_models import (
+    MODELS,
+    captured_layers,
+    config_layer_ids,
+    serving_dtype,
+    sglang_model,
+)
 
 # architecture -> (source, decoder path, aux format, layer-id rule)
 ROWS = {
@@ -104,3 +110,20 @@ def test_an_export_for_deepseek_refuses_a_first_aux_layer_of_1_and_unsorted_ids(
         SGLangFormat().engine_layer_ids(deepseek.aux_layer_ids, deepseek.layers)
     with pytest.raises(ExportError, match="ascending layer order"):
         ExportTarget("t", 61, (30, 2, 58), "post_norm", 10, 8, 64, ("DeepseekV3ForCausalLM",))
+
+
+@pytest.mark.parametrize(
+    ("target_dtype", "config", "served"),
+    [
+        ("auto", {"torch_dtype": "bfloat16", "model_type": "llama"}, "bfloat16"),
+        ("auto", {"dtype": "float16", "model_type": "qwen2"}, "float16"),
+        ("auto", {"torch_dtype": "float32", "model_type": "llama"}, "float16"),  # SGLang downcasts float32
+        ("auto", {"model_type": "llama"}, "float16"),  # undeclared counts as float32
+        ("auto", {"torch_dtype": "float32", "model_type": "gemma2"}, "bfloat16"),
+        ("float16", {"torch_dtype": "bfloat16"}, "float16"),  # target.dtype given: that one
+    ],
+)
+def test_the_export_dtype_is_the_one_sglang_serves_the_target_in(
+    target_dtype: str, config: dict[str, object], served: str
+) -> None:
+    assert serving_dtype(target_dtype, config) == served
