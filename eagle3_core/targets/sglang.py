@@ -2,29 +2,26 @@
 
 Two backends, and the checks every response passes before a row can reach a shard.
 
-What SGLang returns, as read in sgl-project/sglang (commits in tests/fixtures/sglang/README.md):
+What SGLang returns, as read in the released SGLang 0.5.23 (and earlier releases where they differ):
 
-- A `/generate` request (or `Engine.generate`) with `"return_hidden_states": true`, to a server started with
-  `--enable-return-hidden-states`, gets `meta_info.hidden_states`: a list whose first entry is the prefill's
-  rows, one per prompt token, followed by one row per later decode step. The scheduler cuts the prefill entry
-  as `hidden_states[offset : offset + len(req.origin_input_ids)]` of the forward's rows
-  (`srt/managers/scheduler_output_processor_mixin.py`, `process_batch_result_prefill`), and
-  `test/srt/test_hidden_states.py` checks that `max_new_tokens: 8` gives 8 entries whose concatenation equals
-  transformers' `hidden_states[-1]` over prompt + output[:-1]. So `max_new_tokens: 1` returns exactly the
-  prompt's rows and nothing else (SpecForge's capture also runs `max_new_tokens=1`).
-- The rows are the state entering `lm_head`, after the final norm: `post_norm` (that test compares them with
-  transformers' last hidden state, which is normed; the logits processor stores the `hidden_states` it gets).
-- A radix-cache hit runs the forward over the uncached suffix only, yet the cut still takes
-  len(origin_input_ids) rows: the sample gets fewer rows than tokens (sglang #4997; the review of PR #30177).
-  A chunked prefill keeps only its last chunk's rows. Hence every response's row count is checked against
-  the request, and extraction servers run `--disable-radix-cache --chunked-prefill-size -1`.
-- That offset advances only for requests that asked for hidden states: one without them in the same batch
-  (a health check, another client) shifts the rows of those after it, their count still right. An
-  extraction server serves extraction only.
-- A non-streaming `/generate` answer goes through FastAPI's JSON encoder, which refuses NaN and inf: the whole
-  request fails with HTTP 500 (`srt/entrypoints/http_server.py`, `generate_request` returns the dict). orjson
-  (SGLang's other responses) writes them as `null`; the engine hands Python floats. All three are handled: a
-  batch answered 5xx is sent again sample by sample, and null, NaN and inf are refused per sample.
+- A `/generate` request (or `Engine.generate`) with `"return_hidden_states": true`, to a server whose
+  `return_hidden_states_mode` is full (`--enable-return-hidden-states`), gets `meta_info.hidden_states`: a list
+  whose first entry is the prefill's rows, followed by one row per later decode step. The prefill entry is
+  the forward's rows for that request, `extend_input_len` of them
+  (`srt/managers/scheduler_components/batch_result_processor.py`, `_append_prefill_hidden_states`; before
+  0.5.23, `len(req.origin_input_ids)` from an offset that advanced only for requests asking for hidden states,
+  so a request without them in the batch shifted the rows of those after it). So `max_new_tokens: 1` returns
+  exactly the prompt's rows (SpecForge's capture also runs `max_new_tokens=1`).
+- The rows are the state entering `lm_head`, after the final norm: `post_norm` (the logits processor stores
+  the `hidden_states` it gets; the architectures whose logits processor gets `hidden_states_before_norm`,
+  step3p5, deepseek_v4, mimo_v2 and inkling, are not in targets/sglang_models.py and so are refused).
+- A radix-cache hit runs the forward over the uncached suffix only, and a chunked prefill keeps only its
+  chunk's rows: the sample gets fewer rows than tokens (sglang #4997). Hence every response's row count is
+  checked against the request, and extraction servers run `--disable-radix-cache --chunked-prefill-size -1`.
+- A NaN or inf in the states: 0.5.23 answers non-streaming `/generate` through orjson, which writes `null`;
+  earlier releases went through FastAPI's JSON encoder, which refuses them, and the whole request failed with
+  HTTP 500 (`srt/entrypoints/http_server.py`); the engine hands Python floats. All three are handled: a batch
+  answered 5xx is sent again sample by sample, and null, NaN and inf are refused per sample.
 - Aux layers are not returned by the stock server (REFERENCE.md). `sglang_capture.py` adds them through
   SGLang's `forward_hooks`, with SGLang's own `set_eagle3_layers_to_capture`: each row is then
   [aux0 | aux1 | aux2 | final], 4H wide.

@@ -8,7 +8,10 @@ developed on, so nothing here has run in CI. What it checks, against Transformer
   on off-by-one layers loses most of its acceptance);
 - every sample gets all its rows, with a shared prefix and in any batch (radix cache off; sglang #4997);
 - an HTTP server launched with the extraction flags and eagle3's capture hooks passes the backend's
-  preflight (its real `/get_server_info`) and returns the same states.
+  preflight (its real `/server_info`) and returns the same states.
+
+The rules these rely on (the architecture table, layer ids, hook formats, server-info fields, load_weights)
+are checked against SGLang 0.5.23's code on CPU in tests/conformance, in every `make test`.
 """
 
 from __future__ import annotations
