@@ -415,7 +415,7 @@ class OrchestrationConfig(_Model):
 
 
 class SGLangServerConfig(_Model):
-    """The SGLang server eagle3 starts and stops itself (eagle3_core/targets/sglang_server.py), and the flags
+    """The SGLang server eagle3 starts and stops itself (eagle3_core/engines/sglang_server.py), and the flags
     of the serving command it prints (`eagle3 serve-command`)."""
 
     launcher: list[str] = Field(

@@ -206,9 +206,9 @@ def latest_final(layout: StoreLayout) -> Path:
 
 
 def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
-    """The dtype the target is served in (targets/sglang_models.py `serving_dtype`), which the drafter is
+    """The dtype the target is served in (engines/sglang_models.py `serving_dtype`), which the drafter is
     exported in: an fp16 target gets an fp16 drafter."""
-    from eagle3_core.targets.sglang_models import serving_dtype
+    from eagle3_core.engines.sglang_models import serving_dtype
 
     raw = json.loads((target / "config.json").read_text())
     name = serving_dtype(cfg.target.dtype, raw.get("text_config", raw))

@@ -572,7 +572,7 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
     """
     from transformers import AutoTokenizer
 
-    from eagle3_core.evaluate.sglang_client import benchmark_sglang
+    from eagle3_core.engines.sglang_client import benchmark_sglang
 
     ev = cfg.evaluate
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log, weights=False))

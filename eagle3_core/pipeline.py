@@ -21,6 +21,7 @@ from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
+from eagle3_core.engines.openai_client import regenerate_through_server, remove_journal
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
@@ -28,7 +29,6 @@ from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.targets.openai_server import regenerate_through_server, remove_journal
 from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
 from eagle3_core.targets.resolve import ExtractionTarget
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.config import Eagle3Config
+from eagle3_core.engines.sglang_server import launch_command
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.sglang_server import launch_command
 
 # Mirror eagle3_core.export.common's PROVENANCE_KEY and VARIANT_KEY (that module imports torch; this one must not).
 PROVENANCE_KEY = "eagle3_export"

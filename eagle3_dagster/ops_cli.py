@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from rich.table import Table
 
 from eagle3_core.cli import console
 from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 
@@ -246,15 +246,15 @@ class Webserver:
         self.url = url.rstrip("/")
 
     def graphql(self, query: str, variables: Mapping[str, Any] | None = None, timeout: float = 60.0) -> Any:
-        body = json.dumps({"query": query, "variables": dict(variables or {})}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/graphql", data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
+        body = {"query": query, "variables": dict(variables or {})}
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                payload = json.loads(response.read())
-        except (OSError, ValueError) as err:  # URLError, HTTPError, a timeout, a body that is not JSON
-            raise OperationError(f"{self.url}/graphql: {err}") from err
+            payload = http.request_json(
+                "POST", f"{self.url}/graphql", body, timeout, who="the Dagster webserver"
+            )
+        except http.HttpError as err:
+            raise OperationError(str(err)) from err
+        if not isinstance(payload, dict):
+            raise OperationError(f"{self.url}/graphql answered {http.clip(payload)}, not a GraphQL response")
         if payload.get("errors"):
             raise OperationError(f"{self.url}/graphql answered with errors: {payload['errors']}")
         return payload["data"]

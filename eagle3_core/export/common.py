@@ -85,7 +85,7 @@ def variant_of(cfg: DrafterConfig) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LayerTarget:
     """What decides the numbers an engine's config gives aux layers: the target's architectures (SGLang's
-    rule differs by model, targets/sglang_models.py) and its layer count."""
+    rule differs by model, engines/sglang_models.py) and its layer count."""
 
     architectures: tuple[str, ...]
     num_layers: int | None

@@ -23,7 +23,7 @@ Variants, as SGLang 0.5.23 reads them (every one written explicitly, true or fal
   which only the speculators export writes).
 
 Layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and hands them to the target's
-`set_eagle3_layers_to_capture`, whose rule differs by model (targets/sglang_models.py): most capture the *input*
+`set_eagle3_layers_to_capture`, whose rule differs by model (engines/sglang_models.py): most capture the *input*
 of layer `id + 1`, so project aux k (the input of layer k) is written k - 1; the DeepSeek family adds one only
 when the first id is 1 (so k is written k - 1 when the first is 2, as given when it is 3 or more, and a first
 aux layer of 1 cannot be expressed); GPT-OSS keeps ids whose largest is the layer count. Without the field it
@@ -44,6 +44,7 @@ import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
+from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 from eagle3_core.errors import ConfigError, ExportError
 from eagle3_core.export.common import (
     FLAGS,
@@ -66,7 +67,6 @@ from eagle3_core.export.common import (
     read_llama_layer,
     write_export,
 )
-from eagle3_core.targets.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE_CONFIG = "eagle_config"
@@ -106,7 +106,7 @@ class SGLangFormat(ExportFormat):
         if not target.architectures:
             raise ExportError(
                 "the aux layers an SGLang drafter config names depend on the target's model (SGLang's rule "
-                "differs by architecture, targets/sglang_models.py): pass target_architectures"
+                "differs by architecture, engines/sglang_models.py): pass target_architectures"
             )
         try:
             return captured_layer_ids(sglang_model(target.architectures), engine_ids, target.num_layers)

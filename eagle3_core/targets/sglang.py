@@ -14,7 +14,7 @@ What SGLang returns, as read in the released SGLang 0.5.23 (and earlier releases
   exactly the prompt's rows (SpecForge's capture also runs `max_new_tokens=1`).
 - The rows are the state entering `lm_head`, after the final norm: `post_norm` (the logits processor stores
   the `hidden_states` it gets; the architectures whose logits processor gets `hidden_states_before_norm`,
-  step3p5, deepseek_v4, mimo_v2 and inkling, are not in targets/sglang_models.py and so are refused).
+  step3p5, deepseek_v4, mimo_v2 and inkling, are not in engines/sglang_models.py and so are refused).
 - A radix-cache hit runs the forward over the uncached suffix only, and a chunked prefill keeps only its
   chunk's rows: the sample gets fewer rows than tokens (sglang #4997). Hence every response's row count is
   checked against the request, and extraction servers run `--disable-radix-cache --chunked-prefill-size -1`.
@@ -45,10 +45,8 @@ the server's configuration, the same for every sample: it raises `SGLangError` a
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import time
-import urllib.error
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,8 +54,11 @@ from typing import Any
 import torch
 
 from eagle3_core.config import TargetConfig
+from eagle3_core.engines import http
+from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
+from eagle3_core.engines.sglang_client import SGLangError
+from eagle3_core.engines.sglang_models import SGLangModel, serving_dtype, sglang_model
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.evaluate.sglang_client import _OPENER, SGLangError, _clip, _error_message, _post_json
 from eagle3_core.targets.base import (
     HiddenStates,
     SampleFailure,
@@ -65,8 +66,6 @@ from eagle3_core.targets.base import (
     check_aux_layer_ids,
     default_aux_layer_ids,
 )
-from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
-from eagle3_core.targets.sglang_models import SGLangModel, serving_dtype, sglang_model
 
 __all__ = [
     "SGLangEngineBackend",
@@ -175,7 +174,7 @@ def _rows_tensor(rows: object, hidden_size: int, with_aux: bool) -> torch.Tensor
     else:
         if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
             return SampleFailure(
-                f"sglang's meta_info.hidden_states[0] is not a list of rows: {_clip(rows, 120)}"
+                f"sglang's meta_info.hidden_states[0] is not a list of rows: {http.clip(rows, 120)}"
             )
         widths = sorted({len(r) for r in rows})
         if len(widths) > 1:
@@ -212,12 +211,12 @@ def states_from_response(
     response, no hidden states at all, rows of another width).
     """
     if not isinstance(response, dict):
-        raise SGLangError(f"SGLang response is not a JSON object: {_clip(response)}")
+        raise SGLangError(f"SGLang response is not a JSON object: {http.clip(response)}")
     if "error" in response or response.get("object") == "error":
-        raise SGLangError(f"SGLang answered with an error: {_error_message(response)}")
+        raise SGLangError(f"SGLang answered with an error: {http.error_message(response)}")
     meta = response.get("meta_info")
     if not isinstance(meta, dict):
-        raise SGLangError(f"SGLang response has no meta_info object: {_clip(response)}")
+        raise SGLangError(f"SGLang response has no meta_info object: {http.clip(response)}")
     finish = meta.get("finish_reason")
     if isinstance(finish, dict) and finish.get("type") == "abort":
         return SampleFailure(f"sglang aborted the request: {finish.get('message', '(no message)')}")
@@ -424,18 +423,17 @@ class SGLangHttpBackend:
         """
         info = None
         for route in SERVER_INFO_ROUTES:
-            try:
-                with _OPENER.open(self.url + route, timeout=min(self.timeout_s, 60.0)) as r:
-                    info = json.loads(r.read())
+            info = http.request_json(
+                "GET",
+                self.url + route,
+                None,
+                min(self.timeout_s, 60.0),
+                who="SGLang",
+                error=SGLangError,
+                missing=True,
+            )
+            if info is not None:
                 break
-            except urllib.error.HTTPError as e:
-                if e.code == 404:
-                    continue
-                raise SGLangError(f"SGLang {self.url}{route} answered HTTP {e.code} {e.reason}") from e
-            except (urllib.error.URLError, OSError) as e:
-                raise SGLangError(f"SGLang server at {self.url} is unreachable ({e}); is it running?") from e
-            except ValueError as e:
-                raise SGLangError(f"SGLang {self.url}{route} answered something that is not JSON") from e
         if not isinstance(info, dict):
             return None
         wanted = list(self.info.aux_layer_ids) if self.aux_from_response else None
@@ -485,7 +483,7 @@ class SGLangHttpBackend:
         try:
             responses = self._generate(seqs)
         except SGLangError as err:
-            if _http_status(err) < 500:
+            if err.status < 500:
                 raise
             return self._one_by_one(seqs, err)
         return [
@@ -503,12 +501,12 @@ class SGLangHttpBackend:
             try:
                 [response] = self._generate([s])
             except SGLangError as err:
-                if _http_status(err) < 500:
+                if err.status < 500:
                     raise
                 errors.append(err)
                 out.append(
                     SampleFailure(
-                        f"sglang answered HTTP {_http_status(err)} for this sample, alone too: its JSON encoder "
+                        f"sglang answered HTTP {err.status} for this sample, alone too: its JSON encoder "
                         "fails that way on a NaN or inf hidden state; the target likely overflowed on it"
                     )
                 )
@@ -529,22 +527,22 @@ class SGLangHttpBackend:
         }
         if self.echo_token_ids:
             body.update(return_logprob=True, logprob_start_len=0)
-        answer = _post_json(self.url + "/generate", body, self.timeout_s)
+        answer = http.request_json(
+            "POST", self.url + "/generate", body, self.timeout_s, who="SGLang", error=SGLangError
+        )
         if isinstance(answer, dict):
             raise SGLangError(
                 f"SGLang answered a batch of {len(seqs)} with one object: "
-                + (_error_message(answer) if "error" in answer or "message" in answer else _clip(answer))
+                + (
+                    http.error_message(answer)
+                    if "error" in answer or "message" in answer
+                    else http.clip(answer)
+                )
             )
         if not isinstance(answer, list) or len(answer) != len(seqs):
             got = len(answer) if isinstance(answer, list) else type(answer).__name__
             raise SGLangError(f"SGLang answered a batch of {len(seqs)} requests with {got} responses")
         return answer
-
-
-def _http_status(err: SGLangError) -> int:
-    """The HTTP status behind an SGLangError raised by the client, 0 if it was no HTTP answer."""
-    cause = err.__cause__
-    return int(cause.code) if isinstance(cause, urllib.error.HTTPError) else 0
 
 
 # ---- the in-process engine -----------------------------------------------------------------------------------

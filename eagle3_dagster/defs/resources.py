@@ -12,10 +12,10 @@ import dagster as dg
 from pydantic import Field, PrivateAttr
 
 from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.engines.sglang_server import Purpose, SGLangServer, launch_command
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.resolve import ExtractionTarget, open_extraction_target, target_dir
-from eagle3_core.targets.sglang_server import Purpose, SGLangServer, launch_command
 
 DEFAULT_CONFIG = "eagle3.yaml"
 

@@ -1,4 +1,4 @@
-"""Run beside SGLang 0.5.23: for each row of eagle3's architecture table (targets/sglang_models.py), read what
+"""Run beside SGLang 0.5.23: for each row of eagle3's architecture table (engines/sglang_models.py), read what
 SGLang's own model code does, and print it as JSON:
 
 - `decoder`/`logits_processor`: the attributes the causal LM's __init__ assigns them to (its source), nested
@@ -23,9 +23,9 @@ import torch
 from sglang.srt.layers.aux_hidden_states import AuxHiddenStateList, AuxHiddenStatePacker
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
+from eagle3_core.engines.sglang_capture import decoder_hook, logits_hook
+from eagle3_core.engines.sglang_models import MODELS, SGLangModel, config_layer_ids
 from eagle3_core.errors import ConfigError
-from eagle3_core.targets.sglang_capture import decoder_hook, logits_hook
-from eagle3_core.targets.sglang_models import MODELS, SGLangModel, config_layer_ids
 
 LAYERS = 24
 CHOICES = [(2, 12, 21), (1, 10, 20), (3, 10, 20), (5, 11, 17), (2, 12, 23)]

@@ -6,7 +6,7 @@ import sys
 
 from sglang.srt.configs.model_config import _get_and_verify_dtype
 
-from eagle3_core.targets.sglang_models import serving_dtype
+from eagle3_core.engines.sglang_models import serving_dtype
 
 out = []
 for argument, config in json.loads(sys.argv[1]):

@@ -9,8 +9,8 @@ import sys
 
 from sglang.srt.server_args import prepare_server_args
 
+from eagle3_core.engines.sglang_models import MODELS
 from eagle3_core.targets.sglang import server_problems
-from eagle3_core.targets.sglang_models import MODELS
 
 aux = json.loads(sys.argv[2])
 out = []

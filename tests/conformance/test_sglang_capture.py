@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_core.targets.sglang_models import MODELS
+from eagle3_core.engines.sglang_models import MODELS
 from tests.conformance.conftest import Probe
 
 

@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 from eagle3_core.config import Eagle3Config, config_from_dict
-from eagle3_core.targets.sglang_capture import capture_hook_specs
-from eagle3_core.targets.sglang_models import MODELS
-from eagle3_core.targets.sglang_server import launch_command
+from eagle3_core.engines.sglang_capture import capture_hook_specs
+from eagle3_core.engines.sglang_models import MODELS
+from eagle3_core.engines.sglang_server import launch_command
 from tests.conformance.conftest import Probe
 
 AUX = [2, 16, 29]

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.config import config_from_dict
-from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.sglang_server import (
+from eagle3_core.engines.sglang_server import (
     SGLangServer,
     _nvml_held,
     gpu_memory_held_by,
@@ -27,6 +26,7 @@ from eagle3_core.targets.sglang_server import (
     nvidia_smi_held,
     proc_stat,
 )
+from eagle3_core.store.layout import StoreLayout
 
 pytestmark = pytest.mark.gpu
 

@@ -25,11 +25,11 @@ import torch
 
 from eagle3_core.config import Eagle3Config, RegenerateServerConfig, load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
+from eagle3_core.engines.openai_client import ServerRegenerationFailed, journal_path
 from eagle3_core.pipeline import regenerate_step
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.targets.openai_server import ServerRegenerationFailed, journal_path
 from tests.conftest import write_config
 from tests.helpers import save_tiny_chat_target
 

@@ -24,16 +24,16 @@ from eagle3_core.config import Eagle3Config, TargetConfig, load_config
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer
+from eagle3_core.engines.sglang_capture import capture_hook_specs
+from eagle3_core.engines.sglang_client import SGLangError
+from eagle3_core.engines.sglang_models import MODELS
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.evaluate.sglang_client import SGLangError
 from eagle3_core.pipeline import extract_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import ShardReader
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.resolve import open_extraction_target
 from eagle3_core.targets.sglang import SGLangHttpBackend
-from eagle3_core.targets.sglang_capture import capture_hook_specs
-from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import FIXTURES, write_config
 from tests.helpers import save_tiny_chat_target
 from tests.integration.test_sglang_client import FakeSGLang, _Handler, _Server
@@ -345,7 +345,7 @@ def test_an_unreachable_server_is_named(tiny_target_dir: Path) -> None:
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(SGLangError, match=rf"server at http://127.0.0.1:{port} is unreachable"):
+    with pytest.raises(SGLangError, match=rf"server at http://127.0.0.1:{port}/server_info is unreachable"):
         SGLangHttpBackend(f"http://127.0.0.1:{port}", tiny_target_dir, TargetConfig(aux_layer_ids=AUX))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_core.evaluate.sglang_client import SGLangError, benchmark_sglang
+from eagle3_core.engines.sglang_client import SGLangError, benchmark_sglang
 from tests.conftest import FIXTURES
 
 SPEC = ("generate_spec_length.json", "generate_spec_stop.json", "generate_spec_hard.json")

@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.config import Eagle3Config, config_from_dict
-from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.sglang_server import (
+from eagle3_core.engines.sglang_server import (
     ServerBusyError,
     ServerGpuMemoryNotReleased,
     ServerStartError,
@@ -34,6 +33,7 @@ from eagle3_core.targets.sglang_server import (
     launch_command,
     proc_stat,
 )
+from eagle3_core.store.layout import StoreLayout
 
 FAKE_SERVER = r"""
 import signal, subprocess, sys, time

@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from eagle3_core.config import TargetConfig
+from eagle3_core.engines.sglang_capture import capture_launch_args
+from eagle3_core.engines.sglang_models import MODELS
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.sglang import SGLangEngineBackend, SGLangHttpBackend
-from eagle3_core.targets.sglang_capture import capture_launch_args
-from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import REPO
 from tests.helpers import save_tiny_chat_target
 
@@ -149,7 +149,7 @@ def test_an_http_server_with_the_capture_hooks_gives_the_same_states(
         "--chunked-prefill-size", "-1", *capture_launch_args(AUX, MODELS["LlamaForCausalLM"]),
     ]  # fmt: skip
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed in finally)
-    # cwd: the scheduler imports eagle3_core.targets.sglang_capture by the hook spec's path
+    # cwd: the scheduler imports eagle3_core.engines.sglang_capture by the hook spec's path
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from eagle3_core.config import ConfigError, load_config
-from eagle3_core.evaluate.sglang_client import SGLangError
+from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
+from eagle3_core.engines.sglang_client import SGLangError
+from eagle3_core.engines.sglang_models import MODELS
 from eagle3_core.targets.base import SampleFailure
 from eagle3_core.targets.sglang import (
     echo_problem,
@@ -27,8 +29,6 @@ from eagle3_core.targets.sglang import (
     states_from_response,
     width_problem,
 )
-from eagle3_core.targets.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
-from eagle3_core.targets.sglang_models import MODELS
 from tests.conftest import FIXTURES, write_config
 
 LLAMA = MODELS["LlamaForCausalLM"]

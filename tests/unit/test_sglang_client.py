@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from eagle3_core.errors import Eagle3Error
-from eagle3_core.evaluate.sglang_client import (
+from eagle3_core.engines.sglang_client import (
     RequestResult,
     SGLangBenchmark,
     SGLangError,
     benchmark_sglang,
     parse_generate_response,
 )
+from eagle3_core.errors import Eagle3Error
 from tests.conftest import FIXTURES
 
 SPEC = ("generate_spec_length.json", "generate_spec_stop.json", "generate_spec_hard.json")

@@ -3,15 +3,15 @@ and the ids an export writes (tests/conformance runs the same rows against SGLan
 
 import pytest
 
-from eagle3_core.errors import ConfigError
-from eagle3_core.export.common import ExportTarget
-from eagle3_core.targets.sglang_models import (
+from eagle3_core.engines.sglang_models import (
     MODELS,
     captured_layers,
     config_layer_ids,
     serving_dtype,
     sglang_model,
 )
+from eagle3_core.errors import ConfigError
+from eagle3_core.export.common import ExportTarget
 
 # architecture -> (source, decoder path, aux format, layer-id rule)
 ROWS = {

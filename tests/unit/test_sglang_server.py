@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.config import Eagle3Config, config_from_dict
+from eagle3_core.engines.sglang_capture import hooked_layer_ids
+from eagle3_core.engines.sglang_server import launch_command, nvidia_smi_held, proc_stat
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.serving import serve_commands, serve_markdown
-from eagle3_core.targets.sglang_capture import hooked_layer_ids
-from eagle3_core.targets.sglang_server import launch_command, nvidia_smi_held, proc_stat
 
 
 def make_config(tmp: Path, **sections: object) -> Eagle3Config:
@@ -49,8 +49,24 @@ def test_the_extraction_command_has_every_flag_extraction_needs(tmp_path: Path) 
         "-1",
         "--enable-return-hidden-states",
     ]
-    hooked = launch_command(cfg, "/models/llama", "extract", aux_layer_ids=[1, 15, 28])
+    hooked = launch_command(
+        cfg, "/models/llama", "extract", aux_layer_ids=[1, 15, 28], architectures=["LlamaForCausalLM"]
+    )
     assert hooked[-2] == "--forward-hooks" and hooked_layer_ids(json.loads(hooked[-1])) == [1, 15, 28]
+    # the hooks' module paths follow the architecture, read from the target's config.json when it is here
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    (kimi / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"]}))
+    specs = json.loads(launch_command(cfg, kimi, "extract", aux_layer_ids=[2, 30, 58])[-1])
+    assert [s["target_modules"] for s in specs] == [
+        ["language_model.model"],
+        ["language_model.logits_processor"],
+    ]
+    with pytest.raises(ConfigError, match=r"/models/llama: no config\.json here .* pass the architectures"):
+        launch_command(cfg, "/models/llama", "extract", aux_layer_ids=[1, 15, 28])
+    (kimi / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"\['MistralForCausalLM'\] .* is not one eagle3 knows"):
+        launch_command(cfg, kimi, "extract", aux_layer_ids=[2, 30, 58])
 
 
 def test_the_serving_command_runs_eagle3_with_k_steps_and_k_plus_one_draft_tokens(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ call on the model: the engine's model lives in that other process, and the model
 as `model.forward(...)`, so hooks on the root module never fire; its submodules are called as modules.
 
 - the decoder (`model`, or `language_model.model` in Kimi-K2.5: the path is the architecture's row in
-  targets/sglang_models.py): after each forward, makes sure SGLang's capture is on, through the decoder's
+  engines/sglang_models.py): after each forward, makes sure SGLang's capture is on, through the decoder's
   own `set_eagle3_layers_to_capture(ids)` where it has one (Qwen's MoE decoders mark their layers there), else
   its `layers_to_capture` (the decoder's ids name the layers whose *input* is captured, which is eagle3's
   convention; the causal LM's method, used with a drafter config, applies the model's layer-id rule first).
@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3_core.targets.sglang_models import SGLangModel
+from eagle3_core.engines.sglang_models import SGLangModel
 
-DECODER_FACTORY = "eagle3_core.targets.sglang_capture:decoder_hook"
-LOGITS_FACTORY = "eagle3_core.targets.sglang_capture:logits_hook"
+DECODER_FACTORY = "eagle3_core.engines.sglang_capture:decoder_hook"
+LOGITS_FACTORY = "eagle3_core.engines.sglang_capture:logits_hook"
 
 # The aux list of the forward in flight, from the decoder's hook to the logits processor's (one forward at
 # a time per process: each tensor-parallel rank is its own process with its own copy of this module).

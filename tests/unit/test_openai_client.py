@@ -24,8 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle3_core.config import RegenerateConfig, RegenerateServerConfig, config_from_dict
-from eagle3_core.errors import ConfigError
-from eagle3_core.targets.openai_server import (
+from eagle3_core.engines.openai_client import (
     ChatClient,
     RegenerationJournal,
     RequestFailed,
@@ -36,6 +35,7 @@ from eagle3_core.targets.openai_server import (
     journal_fingerprint,
     journal_path,
 )
+from eagle3_core.errors import ConfigError
 
 Reply = tuple[int, Any, float, dict[str, str]]  # status, JSON body (or text), delay before answering, headers
 
@@ -397,7 +397,7 @@ CHILD = """
 import json, sys
 from transformers import AutoTokenizer
 from eagle3_core.config import RegenerateConfig
-from eagle3_core.targets.openai_server import RegenerationJournal, ServerRegenerator
+from eagle3_core.engines.openai_client import RegenerationJournal, ServerRegenerator
 args = json.loads(sys.argv[1])
 cfg = RegenerateConfig.model_validate(args["cfg"])
 regenerator = ServerRegenerator(AutoTokenizer.from_pretrained(args["tokenizer"]), cfg, 256)

@@ -5,7 +5,7 @@ code (`srt/models/<source>`), pinned by tests/conformance against that code:
 
 - `decoder`, `logits_processor`: the module paths, in the causal LM, of the decoder whose forward collects
   the aux states and of the logits processor that stores returned hidden states. The capture hooks
-  (targets/sglang_capture.py) are registered on exactly these names (SGLang matches hook targets against
+  (engines/sglang_capture.py) are registered on exactly these names (SGLang matches hook targets against
   `named_modules()`): Kimi-K2.5 nests its DeepSeek-V3 language model as `language_model`.
 - `aux_output`: how a capturing decoder returns its aux states beside the final state: `list`, one tensor
   per layer, or `packed`, one [tokens, 3H] tensor filled by `AuxHiddenStatePacker` (layers/aux_hidden_states.py).

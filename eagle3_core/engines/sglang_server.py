@@ -21,7 +21,6 @@ SGLang itself is never imported: it is started as `python -m sglang.launch_serve
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import shlex
@@ -30,8 +29,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -40,11 +37,12 @@ from types import TracebackType
 from typing import Any, Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
+from eagle3_core.engines import http
+from eagle3_core.engines.sglang_models import sglang_model
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.procs import ProcStat, proc_stat
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.sglang_models import sglang_model
 
 Purpose = Literal["extract", "serve"]
 Log = Callable[[str], None]
@@ -119,9 +117,9 @@ def launch_command(
 ) -> list[str]:
     """argv of an SGLang server over `model_path`, for hidden-state extraction or for serving a drafter.
 
-    An extraction server given `aux_layer_ids` also loads eagle3's capture hooks (targets/sglang_capture.py),
+    An extraction server given `aux_layer_ids` also loads eagle3's capture hooks (engines/sglang_capture.py),
     so `/generate` returns the three aux states beside the final one; without them it returns the final
-    state only. The hooks' module paths follow the target's `architectures` (targets/sglang_models.py), read
+    state only. The hooks' module paths follow the target's `architectures` (engines/sglang_models.py), read
     from `model_path`'s config.json when not given.
 
     `serve` runs EAGLE-3 chain drafting of `k` tokens (default `evaluate.gate_k`, the K the promotion gate
@@ -148,7 +146,7 @@ def launch_command(
             raise ValueError("an extraction server runs the target alone: no drafter_dir")
         argv += EXTRACT_FLAGS
         if aux_layer_ids is not None:
-            from eagle3_core.targets.sglang_capture import capture_launch_args
+            from eagle3_core.engines.sglang_capture import capture_launch_args
 
             model = sglang_model(architectures or architectures_of(model_path), str(model_path))
             argv += capture_launch_args(aux_layer_ids, model)
@@ -304,19 +302,6 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-_OPENER = urllib.request.build_opener(
-    urllib.request.ProxyHandler({})
-)  # the server is local: never via a proxy
-
-
-def _answers(url: str, timeout: float) -> bool:
-    try:
-        with _OPENER.open(url, timeout=timeout) as response:
-            return int(response.status) == 200
-    except (urllib.error.URLError, OSError, http.client.HTTPException):
-        return False  # not listening yet, or loading (503), or cut off mid-answer
-
-
 # ---- the server --------------------------------------------------------------------------------------------------
 class SGLangServer:
     """One managed SGLang server on this host, its PID file and log in the store.
@@ -450,7 +435,8 @@ class SGLangServer:
             if code is not None:
                 self._fail_start(f"the SGLang server {_describe_exit(code)} before answering {HEALTH_PATH}")
             elapsed = time.monotonic() - start
-            if _answers(url, timeout=min(10.0, max(0.5, timeout - elapsed))):
+            # False while not listening, loading (503), or cut off mid-answer
+            if http.answers(url, min(10.0, max(0.5, timeout - elapsed))):
                 self._log(f"SGLang server healthy at {self.url} after {elapsed:.1f} s")
                 return time.monotonic() - start
             if time.monotonic() - start >= timeout:

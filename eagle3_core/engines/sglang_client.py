@@ -24,29 +24,23 @@ Format read from sgl-project/sglang `python/sglang/srt/managers/tokenizer_manage
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from eagle3_core.errors import Eagle3Error
+from eagle3_core.engines import http
 
 _NOT_SPECULATIVE = (
     "the SGLang server is not running speculative decoding: its response has {what}. Start it with "
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path <the exported drafter>"
 )
 
-# A benchmark measures the server, not a proxy in between: talk to it directly whatever *_proxy says.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-
-class SGLangError(Eagle3Error):
-    """The SGLang server could not be reached, refused a request, or answered in an unexpected shape."""
+class SGLangError(http.HttpError):
+    """The SGLang server could not be reached, refused a request (`status`), or answered in an unexpected shape."""
 
 
 @dataclass(frozen=True)
@@ -123,18 +117,18 @@ class SGLangBenchmark:
 def parse_generate_response(obj: object) -> RequestResult:
     """One non-streaming `/generate` response of a speculative-decoding server; SGLangError if it is not one."""
     if not isinstance(obj, dict):
-        raise SGLangError(f"SGLang response is not a JSON object: {_clip(obj)}")
+        raise SGLangError(f"SGLang response is not a JSON object: {http.clip(obj)}")
     if "error" in obj or obj.get("object") == "error":  # SGLang's two error bodies
-        raise SGLangError(f"SGLang answered with an error: {_error_message(obj)}")
+        raise SGLangError(f"SGLang answered with an error: {http.error_message(obj)}")
     meta = obj.get("meta_info")
     if not isinstance(meta, dict):
-        raise SGLangError(f"SGLang response has no meta_info object: {_clip(obj)}")
+        raise SGLangError(f"SGLang response has no meta_info object: {http.clip(obj)}")
     finish = _finish_type(meta)
     completion = _int(meta, "completion_tokens")
     verify = _verify_steps(meta, completion)
     text = obj.get("text", "")  # absent when the server runs with --skip-tokenizer-init
     if not isinstance(text, str):
-        raise SGLangError(f"SGLang response field text is not a string: {_clip(text)}")
+        raise SGLangError(f"SGLang response field text is not a string: {http.clip(text)}")
     return RequestResult(
         text=text,
         prompt_tokens=_int(meta, "prompt_tokens"),
@@ -193,27 +187,7 @@ def _generate(
 
 
 def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> object:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as e:
-        detail = _error_message(_json_or_text(e.read()))
-        raise SGLangError(f"SGLang {url} answered HTTP {e.code} {e.reason}: {detail}") from e
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, TimeoutError):
-            raise SGLangError(f"SGLang {url} did not answer within {timeout_s:g} s") from e
-        raise SGLangError(f"SGLang server at {url} is unreachable ({e.reason}); is it running?") from e
-    except TimeoutError as e:  # a read that times out after the connection was made
-        raise SGLangError(f"SGLang {url} did not answer within {timeout_s:g} s") from e
-    except OSError as e:  # e.g. the connection reset mid-response
-        raise SGLangError(f"SGLang {url} failed mid-request: {e}") from e
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise SGLangError(f"SGLang {url} answered something that is not JSON: {_clip(raw)}") from e
+    return http.request_json("POST", url, body, timeout_s, who="SGLang", error=SGLangError)
 
 
 def _check_arguments(
@@ -241,7 +215,7 @@ def _finish_type(meta: dict[str, Any]) -> str:
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
     if not isinstance(finish, dict) or not isinstance(kind, str):
-        raise SGLangError(f"SGLang response field meta_info.finish_reason has no type: {_clip(finish)}")
+        raise SGLangError(f"SGLang response field meta_info.finish_reason has no type: {http.clip(finish)}")
     if kind == "abort":  # its counts cover a partial answer and would bias AL and throughput
         raise SGLangError(f"SGLang aborted the request: {finish.get('message', '(no message)')}")
     return kind
@@ -265,7 +239,7 @@ def _verify_steps(meta: dict[str, Any], completion: int) -> int:
 def _int(meta: dict[str, Any], key: str) -> int:
     value = meta.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        what = "missing" if key not in meta else f"not a count: {_clip(value)}"
+        what = "missing" if key not in meta else f"not a count: {http.clip(value)}"
         raise SGLangError(f"SGLang response field meta_info.{key} is {what}")
     return value
 
@@ -273,7 +247,7 @@ def _int(meta: dict[str, Any], key: str) -> int:
 def _seconds(meta: dict[str, Any], key: str) -> float:
     value = meta.get(key)
     if not _is_number(value) or not math.isfinite(value) or value < 0:
-        what = "missing" if key not in meta else f"not a duration: {_clip(value)}"
+        what = "missing" if key not in meta else f"not a duration: {http.clip(value)}"
         raise SGLangError(f"SGLang response field meta_info.{key} is {what}")
     return float(value)
 
@@ -299,30 +273,3 @@ def _optional_histogram(meta: dict[str, Any]) -> tuple[int, ...] | None:
 
 def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _json_or_text(raw: bytes) -> object:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace").strip()
-
-
-def _error_message(body: object) -> str:
-    """The message of SGLang's error bodies: {"error": {"message": ...}} or {"object": "error", "message": ...}."""
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if isinstance(body.get("message"), str):
-            return str(body["message"])
-        if isinstance(body.get("detail"), str):  # FastAPI's HTTPException default
-            return str(body["detail"])
-    return _clip(body) if body else "(empty body)"
-
-
-def _clip(value: object, limit: int = 300) -> str:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -39,6 +39,7 @@ import httpx
 from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig
 from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
+from eagle3_core.engines import http
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.atomic import fsync_path, write_jsonl
 from eagle3_core.targets.regenerate import (
@@ -112,16 +113,9 @@ class ChatClient:
                     f"regenerate.server.api_key_env: the environment variable {server.api_key_env} is not set"
                 )
             headers["Authorization"] = f"Bearer {key}"
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(server.timeout_s),
-            limits=httpx.Limits(
-                max_connections=server.concurrency, max_keepalive_connections=server.concurrency
-            ),
-            # The server is the project's own (a cluster address or loopback): a proxy from the environment
-            # would only get in the way, as for the SGLang benchmark client.
-            trust_env=False,
-        )
+        # the server is the project's own (a cluster address or loopback): never through a proxy (engines/http.py)
+        self._client = http.async_client(server.timeout_s, server.concurrency)
+        self._client.headers.update(headers)
         self._slots = asyncio.Semaphore(server.concurrency)
         self.retried = 0  # attempts after the first, over every request
 

@@ -1,0 +1,114 @@
+"""The one HTTP client of eagle3's engine I/O (httpx): SGLang's native routes, the OpenAI-compatible server
+regeneration talks to, and the Dagster webserver's GraphQL.
+
+Never through a proxy, whatever *_proxy says: each of these servers is named directly (usually on this host),
+and a benchmark measures the server, not something in between. JSON goes in and comes out; every failure is
+one line naming the URL, raised as the caller's own error type:
+
+    {who} server at {url} is unreachable ({reason}); is it running?
+    {who} {url} did not answer within {timeout} s
+    {who} {url} failed mid-request: {reason}
+    {who} {url} answered HTTP {status} {reason}: {the server's message}
+    {who} {url} answered something that is not JSON: {the start of it}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from eagle3_core.errors import Eagle3Error
+
+
+class HttpError(Eagle3Error):
+    """A request that failed; `status` is the HTTP status of the answer, 0 when none came."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def client(timeout_s: float) -> httpx.Client:
+    return httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout_s))
+
+
+def async_client(timeout_s: float, connections: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        trust_env=False,
+        timeout=httpx.Timeout(timeout_s),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
+
+
+def request_json(
+    method: str,
+    url: str,
+    body: object | None,
+    timeout_s: float,
+    *,
+    who: str,
+    error: type[HttpError] = HttpError,
+    missing: bool = False,
+) -> Any:
+    """The JSON a `method` request to `url` answers; with `missing`, None for an HTTP 404 (a route the server
+    does not have). `body`, when given, is sent as JSON."""
+    try:
+        with client(timeout_s) as http:
+            response = http.request(method, url, json=body) if body is not None else http.request(method, url)
+    except httpx.ConnectTimeout as e:
+        raise error(f"{who} {url} did not answer within {timeout_s:g} s") from e
+    except httpx.ConnectError as e:
+        raise error(f"{who} server at {url} is unreachable ({e}); is it running?") from e
+    except httpx.TimeoutException as e:
+        raise error(f"{who} {url} did not answer within {timeout_s:g} s") from e
+    except httpx.HTTPError as e:  # the connection reset or cut off mid-response
+        raise error(f"{who} {url} failed mid-request: {e}") from e
+    if missing and response.status_code == 404:
+        return None
+    if response.status_code >= 400:
+        detail = error_message(json_or_text(response.content))
+        message = f"{who} {url} answered HTTP {response.status_code} {response.reason_phrase}: {detail}"
+        raise error(message, response.status_code)
+    try:
+        return json.loads(response.content)
+    except ValueError as e:
+        raise error(f"{who} {url} answered something that is not JSON: {clip(response.content)}") from e
+
+
+def answers(url: str, timeout_s: float) -> bool:
+    """Whether a GET of `url` answers 200 now (False while not listening, loading, or cut off)."""
+    try:
+        with client(timeout_s) as http:
+            return http.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def json_or_text(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()
+
+
+def error_message(body: object) -> str:
+    """The message of an error body: SGLang's {"error": {"message": ...}} or {"object": "error", "message": ...},
+    FastAPI's {"detail": ...}; else the body itself, clipped."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+        if isinstance(body.get("detail"), str):
+            return str(body["detail"])
+    return clip(body) if body else "(empty body)"
+
+
+def clip(value: object, limit: int = 300) -> str:
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
