@@ -1,7 +1,7 @@
 """Forward hooks that make SGLang return the EAGLE-3 aux states beside the final state, in one row per token.
 
 SGLang returns hidden states only through `meta_info.hidden_states` (`return_hidden_states`), and only the
-final state, post norm (REFERENCE.md "Hidden states from SGLang"). Its own EAGLE-3 capture,
+final state, post norm (docs/reference.md, "Hidden states from SGLang"). Its own EAGLE-3 capture,
 `set_eagle3_layers_to_capture`, is switched on only when a drafter is loaded, and then the logits processor
 stores `torch.cat(aux_hidden_states)` *instead of* the final state (`srt/layers/logits_processor.py`): never
 both. These hooks keep SGLang's capture (the same tensors a drafter reads when SGLang serves it) and return

@@ -10,7 +10,7 @@ Every verify step commits the drafts it accepted plus one bonus token (the targe
 
     AL = completion_tokens / spec_verify_ct = (sum over rounds of (accepted + 1)) / rounds = 1 + accepted / rounds
 
-which is DESIGN's AL (`acceptance.py`). Like SGLang's own benchmarks, AL is pooled over requests,
+which is docs/design.md's AL (section 6, `acceptance.py`). Like SGLang's own benchmarks, AL is pooled over requests,
 sum(completion_tokens) / sum(spec_verify_ct), not a mean of per-request ratios: a long answer weighs as
 many rounds as it ran. completion_tokens also counts the token that the prefill forward produces, which
 needs no verify step, so a measured AL can exceed a drafter-only count by at most requests / verify steps.

@@ -1,7 +1,8 @@
 """The SGLang server eagle3 manages: its launch command (extraction or serving), and its lifecycle.
 
-Why a lifecycle of our own (DESIGN.md section 6): an extraction server held 92 GB per GPU and had to be stopped
-by hand before training could start, and Dagster runs a resource's teardown, but not after SIGKILL. So:
+Why a lifecycle of our own (docs/orchestration.md, the GPU hand-off): an extraction server held 92 GB per GPU
+and had to be stopped by hand before training could start, and Dagster runs a resource's teardown, but not
+after SIGKILL. So:
 
 - the server runs in its own process group (`start_new_session`): SGLang's scheduler and detokenizer are
   child processes of the launcher, and one signal to the group reaches them all; a Ctrl-C meant for the run
@@ -10,7 +11,7 @@ by hand before training could start, and Dagster runs a resource's teardown, but
   reused PID is never taken for the server) and the run process that started it; the next setup on this
   host reaps a server whose owner is gone (a crashed run), and refuses to touch one whose owner is alive;
 - `stop` sends SIGTERM to the group, SIGKILL after `shutdown_grace_s`, waits until no process of the group is
-  left, then waits until the GPU driver stops reporting memory held by those processes (REFERENCE.md: a
+  left, then waits until the GPU driver stops reporting memory held by those processes (docs/reference.md, "The managed server's GPU memory": a
   killed server's memory is not free the instant it dies), or fails the run saying how much is still held.
 
 SGLang itself is never imported: it is started as `python -m sglang.launch_server ...` in the environment
@@ -53,7 +54,7 @@ HEALTH_PATH = (
 )
 KILL_WAIT_S = 30.0  # after SIGKILL only a process stuck in the kernel survives; waiting longer would not help
 
-# Extraction reads hidden states off the forward pass (REFERENCE.md "Hidden states from SGLang"):
+# Extraction reads hidden states off the forward pass (docs/reference.md, "Hidden states from SGLang"):
 EXTRACT_FLAGS = (
     # a prefix-cache hit skips the forward pass over the cached tokens, so their rows would go missing (sglang #4997)
     "--disable-radix-cache",

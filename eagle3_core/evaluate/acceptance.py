@@ -1,4 +1,4 @@
-"""Acceptance length from what a speculative decoder did, round by round (DESIGN.md section 3).
+"""Acceptance length from what a speculative decoder did, round by round (docs/design.md, section 6).
 
 Each verification round drafts K tokens and accepts the longest agreeing prefix, `accepted` in 0..K, and
 then commits accepted + 1 tokens (the target's own next token comes free). So:

@@ -1,6 +1,6 @@
 """Chain speculative decoding: the target verifies K drafts per forward, and its output distribution is unchanged.
 
-The drafter runs as the engines run it (REFERENCE.md, "How the engines run a drafter"), with its own KV cache:
+The drafter runs as the engines run it (docs/reference.md, "How a drafter runs in both engines"), with its own KV cache:
 
     extend  entry p pairs fc(aux(p)) with the next token seq[p+1], at RoPE position p
     decode  draft j feeds (embed(d_j), h = previous output, pre-norm unless norm_output) at position n-1+j

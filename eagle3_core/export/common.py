@@ -3,8 +3,8 @@ variant flags, strict validation, an atomic directory write, and loading a draft
 
 A format (sglang.py, speculators.py) says only what differs: how it names the decoder layer's weights, whether it
 carries the embedding, how it numbers the aux layers, how it writes and reads its config.json, and which variants
-its engine can run. A missing or unexpected key is an error, never a warning (DESIGN.md section 3): the engines
-skip unknown keys silently and run random weights in place of missing ones (REFERENCE.md failure mode 2).
+its engine can run. A missing or unexpected key is an error, never a warning (docs/design.md, section 6): the engines
+skip unknown keys silently and run random weights in place of missing ones (docs/design.md, section 5).
 
 Two kinds of directory are read:
 - our own exports (config.json carries the `eagle3_export` provenance block): every field must be written

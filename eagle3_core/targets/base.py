@@ -1,6 +1,6 @@
 """The one seam every target backend plugs into: hidden states for a batch of token sequences.
 
-Layer convention (DESIGN.md section 3): aux layer `k` is the residual stream entering decoder layer `k`
+Layer convention (docs/design.md, section 6): aux layer `k` is the residual stream entering decoder layer `k`
 (0-based), which is `output_hidden_states[k]` in transformers. The final state is recorded with its
 convention: `post_norm` (after the model's final norm, what enters `lm_head`) or `pre_norm`.
 """

@@ -22,7 +22,7 @@ What SGLang returns, as read in the released SGLang 0.5.23 (and earlier releases
   earlier releases went through FastAPI's JSON encoder, which refuses them, and the whole request failed with
   HTTP 500 (`srt/entrypoints/http_server.py`); the engine hands Python floats. All three are handled: a batch
   answered 5xx is sent again sample by sample, and null, NaN and inf are refused per sample.
-- Aux layers are not returned by the stock server (REFERENCE.md). `sglang_capture.py` adds them through
+- Aux layers are not returned by the stock server (docs/reference.md). `sglang_capture.py` adds them through
   SGLang's `forward_hooks`, with SGLang's own `set_eagle3_layers_to_capture`: each row is then
   [aux0 | aux1 | aux2 | final], 4H wide.
 
@@ -86,7 +86,7 @@ SAMPLING: dict[str, float | int] = {"max_new_tokens": 1, "temperature": 0.0}
 INSTALL_HINT = "pip install 'eagle3[sglang]' on a GPU host (its torch and transformers pins must match it)"
 AUX_UNAVAILABLE = (
     "this SGLang server returns only the final hidden state (the stock `--enable-return-hidden-states`); the "
-    "three aux layers EAGLE-3 trains on are not reachable through it (REFERENCE.md). Launch the server with "
+    "three aux layers EAGLE-3 trains on are not reachable through it (docs/reference.md). Launch the server with "
     "eagle3's capture hooks (`{flags}`), or set target.backend: sglang_engine. No aux states are invented"
 )
 
@@ -549,7 +549,7 @@ class SGLangHttpBackend:
 class SGLangEngineBackend:
     """Hidden states from `sglang.Engine` started in this process (its scheduler runs in child processes).
 
-    GPU only. The engine runs the flags extraction needs (REFERENCE.md, "Hidden states from SGLang"): hidden
+    GPU only. The engine runs the flags extraction needs (docs/reference.md, "Hidden states from SGLang"): hidden
     states on, radix cache off, no CUDA graphs, no chunked prefill; plus eagle3's capture hooks
     (`sglang_capture.py`), which turn on SGLang's own `set_eagle3_layers_to_capture` in the engine's process.
     """

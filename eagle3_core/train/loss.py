@@ -139,7 +139,7 @@ class TTTStats:
         return self._ratio(2)
 
     def tau(self, k: int) -> float:
-        """Estimated acceptance length at k drafts: 1 + sum_j prod_{i<=j} acc_i (DESIGN section 3)."""
+        """Estimated acceptance length at k drafts: 1 + sum_j prod_{i<=j} acc_i (docs/design.md, section 6)."""
         total, running = 1.0, 1.0
         for a in self.acc[:k]:
             running *= a

@@ -4,7 +4,7 @@ Deselected by default (the `sglang` marker, pyproject.toml): SGLang does not ins
 developed on, so nothing here has run in CI. What it checks, against TransformersTarget on the same GPU:
 
 - the engine backend's aux and final states match transformers' within bf16 error, and each aux layer is
-  nearest to `output_hidden_states[k]`, not k-1 or k+1 (failure mode 1 of REFERENCE.md: a drafter trained
+  nearest to `output_hidden_states[k]`, not k-1 or k+1 (docs/design.md, section 2: a drafter trained
   on off-by-one layers loses most of its acceptance);
 - every sample gets all its rows, with a shared prefix and in any batch (radix cache off; sglang #4997);
 - an HTTP server launched with the extraction flags and eagle3's capture hooks passes the backend's

@@ -116,7 +116,7 @@ def test_the_engine_fields_are_written(pristine: dict[FormatName, Path]) -> None
     }
     layer |= {f"{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")}
     top = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
-    assert keys["sglang"] == top | {f"midlayer.{k}" for k in layer}  # DESIGN.md section 3, exactly
+    assert keys["sglang"] == top | {f"midlayer.{k}" for k in layer}  # docs/design.md, section 5, exactly
     assert keys["speculators"] == top | {f"layers.0.{k}" for k in layer} | {"embed_tokens.weight"}
 
 
