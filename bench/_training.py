@@ -23,9 +23,9 @@ import torch
 
 from bench._common import extract_to_shard, random_sequences, save_random_target
 from eagle3_core.config import TargetConfig, TrainConfig
+from eagle3_core.conventions import AUX_LAYER_CONVENTION
 from eagle3_core.draft.vocab import VocabMapping, build_vocab_mapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.pipeline import length_batches
-from eagle3_core.targets.base import AUX_LAYER_CONVENTION
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.data import Batch, Prefetcher, Rows, SampleRef, TrainingData
 from eagle3_core.train.schedule import packs, resolve_batching, row_width, schedule

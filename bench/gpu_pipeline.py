@@ -24,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eagle3_core.cli import main as eagle3  # noqa: E402
+from eagle3_cli.steps import main as eagle3  # noqa: E402
 from eagle3_core.config import load_config  # noqa: E402
 from eagle3_core.evaluation import read_report  # noqa: E402
 

@@ -20,13 +20,13 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
-from eagle3_core.evaluate.measure import _attention_without_cudnn
+from eagle3_core.evaluate.measure import attention_without_cudnn
 from eagle3_core.evaluate.specdec import (
     DraftDecoder,
-    _crop,
-    _target_forward,
     cached_forward,
+    crop_cache,
     speculative_generate,
+    target_forward,
     target_generate,
 )
 from eagle3_core.evaluate.specdec import Sampling as SpecSampling
@@ -105,16 +105,16 @@ def main() -> None:
 
     def target_one() -> None:
         cached_forward(target, one, kv)
-        _crop(kv, args.prefix)
+        crop_cache(kv, args.prefix)
 
     def target_verify() -> None:
-        _target_forward(target, block, kv, aux_ids)
-        _crop(kv, args.prefix)
+        target_forward(target, block, kv, aux_ids)
+        crop_cache(kv, args.prefix)
 
     def crop_only() -> None:
-        _crop(kv, args.prefix)
+        crop_cache(kv, args.prefix)
 
-    with _attention_without_cudnn():
+    with attention_without_cudnn():
         rows["target forward, 1 token (+crop)"] = timed(target_one, args.reps)
         rows[f"target verify, {k + 1} tokens + aux (+crop)"] = timed(target_verify, args.reps)
         rows["crop alone"] = timed(crop_only, args.reps)

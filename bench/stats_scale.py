@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3_core.cli import main as cli_main
+from eagle3_cli.steps import main as cli_main
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.stats import store_stats
 
@@ -75,7 +75,7 @@ def main() -> None:
         t_cli = time.perf_counter() - t0
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(root / "eagle3.yaml"), "stats"],
+            [sys.executable, "-m", "eagle3_cli.main", "--config", str(root / "eagle3.yaml"), "stats"],
             check=True,
             capture_output=True,
         )

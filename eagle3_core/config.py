@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from eagle3_core.conventions import REJECT_REASONS, check_aux_layer_ids
 from eagle3_core.errors import ConfigError
 
 __all__ = ["ConfigError", "Eagle3Config", "load_config"]
@@ -116,18 +117,7 @@ class TargetConfig(_Model):
     @field_validator("aux_layer_ids")
     @classmethod
     def _distinct_layers(cls, ids: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-        if ids is not None and len(set(ids)) != 3:
-            raise ValueError(f"aux layer ids must be three distinct layers, got {list(ids)}")
-        if ids is not None and min(ids) < 0:
-            raise ValueError(f"aux layer ids must be >= 0, got {list(ids)}")
-        if ids is not None and list(ids) != sorted(ids):
-            # training concatenates the aux states in this order, SGLang and vLLM in layer order: fc would
-            # read its inputs permuted at serving
-            raise ValueError(
-                f"aux layer ids must be in ascending layer order (the engines concatenate them so), got "
-                f"{list(ids)}; write {sorted(ids)}"
-            )
-        return ids
+        return None if ids is None else check_aux_layer_ids(ids)
 
 
 class RegenerateServerConfig(_Model):
@@ -477,8 +467,6 @@ class ChecksConfig(_Model):
     @field_validator("reject_rate_ignores")
     @classmethod
     def _known_reasons(cls, reasons: list[str]) -> list[str]:
-        from eagle3_core.data.conversation import REJECT_REASONS
-
         unknown = [r for r in reasons if r not in REJECT_REASONS]
         if unknown:
             raise ValueError(f"unknown reject reason(s) {unknown}; the reasons are {list(REJECT_REASONS)}")

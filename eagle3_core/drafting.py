@@ -25,7 +25,7 @@ from eagle3_core.draft.vocab import (
     save_vocab_mapping,
 )
 from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
-from eagle3_core.pipeline import Log, StepResult, _quiet
+from eagle3_core.pipeline import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import decode_metadata, read_header
@@ -50,7 +50,7 @@ def _intact_shards(layout: StoreLayout, log: Log) -> list[Path]:
     a rank that refuses stops them all, before any of them gets past the process group."""
     shards = _shards(layout)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    require_intact(shards[rank::world], log if rank == 0 else _quiet)
+    require_intact(shards[rank::world], log if rank == 0 else quiet)
     return shards
 
 
@@ -72,7 +72,7 @@ def _previous(layout: StoreLayout) -> VocabMapping | None:
         return None  # a torn or foreign mapping is simply rebuilt
 
 
-def vocab_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+def vocab_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Build the draft vocabulary over all shards, unless the saved one already has their fingerprint.
 
     When shards were added since the saved mapping, its coverage on the new shards is reported first: how
@@ -137,8 +137,21 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     return _training_result(cfg, result.final_dir, result.resumed_from)
 
 
+def train(config_path: Path, log: Log = print, processes: int | None = None) -> StepResult:
+    """The training step as configured: in this process, or once per process under torchrun when
+    `processes` (default train.processes) is more than one and this is not already a torchrun worker. The
+    one place that decides, for the CLI and the Dagster asset alike."""
+    cfg = load_config(config_path)
+    processes = processes or cfg.train.processes
+    if processes > 1 and "WORLD_SIZE" not in os.environ:
+        return train_distributed(config_path, processes, log)
+    return train_step(cfg, log)
+
+
 def train_distributed(config_path: Path, processes: int, log: Log = print) -> StepResult:
-    """`eagle3 train` once per process under torchrun (standalone rendezvous on this host), then its result."""
+    """`train_step` once per process under torchrun (standalone rendezvous on this host), then its result.
+
+    Each worker runs this module (`python -m eagle3_core.drafting CONFIG`), which trains in its process."""
     command = [
         sys.executable,
         "-m",
@@ -146,11 +159,8 @@ def train_distributed(config_path: Path, processes: int, log: Log = print) -> St
         "--standalone",
         f"--nproc-per-node={processes}",
         "-m",
-        "eagle3_core.cli",
-        "--config",
+        "eagle3_core.drafting",
         str(config_path),
-        "train",
-        "--no-vocab",
     ]
     log(" ".join(command))
     code = subprocess.call(command)
@@ -215,7 +225,7 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
     from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.export import ExportTarget, export_sglang, export_speculators
@@ -250,3 +260,7 @@ def export_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
             "final_state_convention": summary["final_state_convention"],
         },
     )
+
+
+if __name__ == "__main__":  # one torchrun worker of train_distributed
+    train_step(load_config(Path(sys.argv[1])))

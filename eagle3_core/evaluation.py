@@ -39,7 +39,7 @@ from eagle3_core.evaluate.measure import (
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.export.common import FormatName
-from eagle3_core.pipeline import Log, StepResult, _quiet
+from eagle3_core.pipeline import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_write_json, fsync_path
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.resolve import target_dir
@@ -286,7 +286,7 @@ def _current_on_same_prompts(
     return Incumbent(current["run"], _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
 
 
-def eval_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Measure the newest export on the held-out prompts and prompt files; write report-<format>.json and PNGs."""
     ev = cfg.evaluate
     layout = StoreLayout(cfg.store_root)
@@ -398,7 +398,7 @@ def eval_drafter_dir_step(
     drafter_dir: Path,
     fmt: FormatName | Literal["auto"] = "auto",
     prompts_file: Path | None = None,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> StepResult:
     """Measure any EAGLE-3 drafter directory (SGLang or speculators/vLLM format, from any trainer) against the
     configured target, on the held-out prompts and prompt files, or on one prompt file.
@@ -521,7 +521,7 @@ def gate_of(report: dict[str, Any]) -> GateDecision:
     return GateDecision(**report["gate"])
 
 
-def promote_step(cfg: Eagle3Config, log: Log = _quiet) -> StepResult:
+def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Point `current` at the newest evaluated run, if its gate passed; PromotionRefused otherwise."""
     layout = StoreLayout(cfg.store_root)
     report = read_report(cfg)
@@ -564,7 +564,7 @@ def _point(link: Path, target: Path) -> None:
     fsync_path(link.parent)
 
 
-def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = _quiet) -> StepResult:
+def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = quiet) -> StepResult:
     """The held-out prompts (and prompt files) sent to a running SGLang server; AL and throughput it reports.
 
     The prompts are the ones `eval_step` decodes, tokenized here with the target's chat template and sent as

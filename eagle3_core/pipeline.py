@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from eagle3_core.config import Eagle3Config
+from eagle3_core.conventions import AUX_LAYER_CONVENTION
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
@@ -27,7 +28,7 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
-from eagle3_core.targets.base import AUX_LAYER_CONVENTION, HiddenStates, SampleFailure
+from eagle3_core.targets.base import HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
 from eagle3_core.targets.resolve import ExtractionTarget
@@ -42,7 +43,7 @@ class StepResult:
     metadata: dict[str, Any]
 
 
-def _quiet(_: str) -> None:
+def quiet(_: str) -> None:
     pass
 
 
@@ -71,7 +72,7 @@ def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
 
 # ---- regenerated -------------------------------------------------------------------------------------------
 def regenerate_step(
-    cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log = _quiet
+    cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log = quiet
 ) -> StepResult:
     """The shard's training conversations with every assistant turn the target's: in process with `target`,
     or through `cfg.regenerate.server` (then `target` is not used and may be None).
@@ -239,7 +240,7 @@ class WriteBehind:
             self.pool.shutdown(wait=True)
 
 
-def extract_step(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log = _quiet) -> StepResult:
+def extract_step(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log = quiet) -> StepResult:
     """Hidden states of the shard's conversations into its safetensors shard and manifest.
 
     Under the shard's writer lock: a second extraction of it is refused (StoreBusyError) before it touches

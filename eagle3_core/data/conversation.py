@@ -15,6 +15,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3_core.conventions import REJECT_REASONS
+
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user",
@@ -26,17 +28,6 @@ ROLE_ALIASES: dict[str, str] = {
     "model": "assistant",
     "chatgpt": "assistant",
 }
-
-# Why a row was rejected; every reason is counted and the row kept with its location.
-REJECT_REASONS = (
-    "invalid_utf8",
-    "malformed_json",
-    "wrong_shape",
-    "unknown_role",
-    "empty_content",
-    "no_assistant_turn",
-    "duplicate",
-)
 
 
 class RowRejected(ValueError):

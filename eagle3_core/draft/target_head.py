@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import rms_norm
-from eagle3_core.targets.base import FinalStateConvention
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from safetensors.torch import load, save
 
 from eagle3_core.errors import StaleVocabMappingError
 from eagle3_core.store.atomic import atomic_open, atomic_write_json
+from eagle3_core.store.layout import VOCAB_INFO_FILE
 from eagle3_core.store.shards import ShardReader, decode_metadata, read_header
 
 SCHEMA = "eagle3.vocab_mapping/1"
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
 TENSORS_FILE = "vocab_mapping.safetensors"
-INFO_FILE = "vocab_mapping.json"
 
 
 @dataclass
@@ -251,7 +251,7 @@ def save_vocab_mapping(mapping: VocabMapping, directory: Path) -> Path:
     metadata = {"schema": SCHEMA, "fingerprint": mapping.fingerprint, "info": json.dumps(mapping.info())}
     with atomic_open(directory / TENSORS_FILE, "wb") as f:
         f.write(save({n: t.contiguous() for n, t in tensors.items()}, metadata=metadata))
-    atomic_write_json(directory / INFO_FILE, mapping.info())
+    atomic_write_json(directory / VOCAB_INFO_FILE, mapping.info())
     return directory
 
 
@@ -265,10 +265,10 @@ def _read_files(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
             f"{directory / TENSORS_FILE}: not a vocab mapping (schema {metadata.get('schema')!r})"
         )
     info: dict[str, Any] = json.loads(metadata["info"])
-    side = json.loads((directory / INFO_FILE).read_text())
+    side = json.loads((directory / VOCAB_INFO_FILE).read_text())
     if side.get("fingerprint") != info["fingerprint"]:
         raise StaleVocabMappingError(
-            f"{directory}: {INFO_FILE} and {TENSORS_FILE} carry different fingerprints (an interrupted save?); "
+            f"{directory}: {VOCAB_INFO_FILE} and {TENSORS_FILE} carry different fingerprints (an interrupted save?); "
             "rebuild the vocab mapping"
         )
     return tensors, info

@@ -43,10 +43,10 @@ from eagle3_core.engines import http
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.atomic import fsync_path, write_jsonl
 from eagle3_core.targets.regenerate import (
+    Dialogue,
     RegenerationResult,
-    _Dialogue,
-    _dialogue,
     append_reply,
+    dialogue_of,
     finish_row,
 )
 
@@ -329,10 +329,10 @@ class ServerRegenerator:
             log(f"{journal.path.name}: discarded ({journal.discarded})")
         result = ServerRegenerationResult(rows=[], resumed=len(entries))
         todo = [s for s in samples if s["id"] not in entries]
-        dialogues = [_dialogue(s, self.cfg.max_turns) for s in todo]
+        dialogues = [dialogue_of(s, self.cfg.max_turns) for s in todo]
         total_turns = sum(len(d.pending_users) for d in dialogues)
         allowed = math.floor(self.server.max_failed_fraction * len(samples))
-        queue: asyncio.Queue[_Dialogue] = asyncio.Queue()
+        queue: asyncio.Queue[Dialogue] = asyncio.Queue()
         for d in dialogues:
             queue.put_nowait(d)
         aborted = asyncio.Event()
@@ -379,7 +379,7 @@ class ServerRegenerator:
         return result
 
     async def _conversation(
-        self, client: ChatClient, d: _Dialogue, aborted: asyncio.Event, turn_done: Callable[[], None]
+        self, client: ChatClient, d: Dialogue, aborted: asyncio.Event, turn_done: Callable[[], None]
     ) -> dict[str, Any]:
         counts: Counter[str] = Counter()
         new_tokens = 0

@@ -251,11 +251,11 @@ def measure(
             model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling, decoder
         )
 
-    with _attention_without_cudnn():
+    with attention_without_cudnn():
         return _measure(target, spec, device, prompts, settings, progress)
 
 
-def _attention_without_cudnn() -> Any:
+def attention_without_cudnn() -> Any:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

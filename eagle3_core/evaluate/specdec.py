@@ -262,7 +262,7 @@ def cached_forward(model: Any, ids: torch.Tensor, kv: Any, **kwargs: Any) -> Any
     return out
 
 
-def _target_forward(
+def target_forward(
     model: Any, ids: torch.Tensor, kv: Any, aux_layer_ids: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits [n, V] and aux states [n, 3H] of `ids` appended to the KV cache."""
@@ -297,7 +297,7 @@ def speculative_generate(
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)  # draft id -> target id
     kv = DynamicCache()
     seq = torch.tensor(prompt, device=device)
-    logits, aux = _target_forward(model, seq, kv, aux_layer_ids)
+    logits, aux = target_forward(model, seq, kv, aux_layer_ids)
     out = [int(sampling.choose(logits[-1]))]
     result = SpecResult(out)
     # the first extend covers the prompt: entry p pairs aux(p) with the next token
@@ -305,7 +305,7 @@ def speculative_generate(
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
         drafts, qs = decoder.draft(committed, committed_aux, start, k, to_target, sampling)
-        vlogits, vaux = _target_forward(
+        vlogits, vaux = target_forward(
             model, torch.cat([seq.new_tensor(out[-1:]), drafts]), kv, aux_layer_ids
         )
         if sampling.greedy:
@@ -317,7 +317,7 @@ def speculative_generate(
                 sampling.probs(vlogits),
                 sampling.generator,
             )
-        _crop(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
+        crop_cache(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
         # the next extend writes entries n..n+a: the target's aux states paired with the next committed token
         committed, committed_aux, start = seq.new_tensor(accepted), vaux[: a + 1], n
         emitted = _until_stop(accepted, eos_ids, max_new_tokens - len(out))
@@ -334,7 +334,7 @@ def _on_target_ids(draft_probs: torch.Tensor | None, to_target: torch.Tensor, vo
     return full.index_copy_(1, to_target, draft_probs)
 
 
-def _crop(kv: Any, keep: int) -> None:
+def crop_cache(kv: Any, keep: int) -> None:
     """Cut a transformers cache to `keep` entries (its crop takes the count to drop, as a negative number)."""
     drop = kv.get_seq_length() - keep
     if drop > 0:

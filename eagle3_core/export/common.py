@@ -33,16 +33,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
-from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import ExportError
-from eagle3_core.store.atomic import fsync_path
-from eagle3_core.targets.base import (
+from eagle3_core.conventions import (
     AUX_LAYER_CONVENTION,
     FinalStateConvention,
     check_aux_layer_ids,
     default_aux_layer_ids,
 )
+from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.vocab import VocabMapping
+from eagle3_core.errors import ExportError
+from eagle3_core.store.atomic import fsync_path
 
 FormatName = Literal["sglang", "speculators"]
 SCHEMA = "eagle3.export/2"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.store.atomic import TEMP_MARK, read_jsonl
-from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.layout import VOCAB_INFO_FILE, StoreLayout
 from eagle3_core.store.stats import shard_errors, verify_shard
 
 Figure = int | float | str
@@ -162,9 +162,7 @@ def reject_rate(root: Path, key: str, max_rate: float, ignored: Collection[str] 
 # ---- vocabulary ------------------------------------------------------------------------------------------
 def vocab_coverage(root: Path, min_coverage: float) -> CheckVerdict:
     """The share of counted loss tokens whose id is in the draft vocabulary, at least `min_coverage`."""
-    from eagle3_core.draft.vocab import INFO_FILE  # torch, which a manifest check does not need otherwise
-
-    path = StoreLayout(root).vocab_mapping / INFO_FILE
+    path = StoreLayout(root).vocab_mapping / VOCAB_INFO_FILE
     info = _read_json(path)
     if info is None:
         return CheckVerdict(False, f"no vocab mapping at {path} (materialize vocab_mapping)")

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SHARD_KEY = re.compile(r"^(?P<dataset>[a-z0-9][a-z0-9_]*)-(?P<index>\d{5,})$")
+VOCAB_INFO_FILE = (
+    "vocab_mapping.json"  # the vocab mapping's JSON half (draft/vocab.py writes it, store checks read it)
+)
 
 
 def shard_key(dataset: str, index: int) -> str:

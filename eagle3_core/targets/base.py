@@ -9,50 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from eagle3_core.errors import ConfigError
+from eagle3_core.conventions import FinalStateConvention
 
 if TYPE_CHECKING:  # annotations only: the target directory is checked (targets/resolve.py) without torch
     import torch
-
-AUX_LAYER_CONVENTION = "input_of_layer"  # aux k = output_hidden_states[k] = the output of layer k-1
-FinalStateConvention = Literal["pre_norm", "post_norm"]
-
-
-def default_aux_layer_ids(num_layers: int, where: str = "") -> tuple[int, int, int]:
-    """(2, L//2, L-3): the layers EAGLE, SGLang and vLLM all default to.
-
-    `where`: what says the target has `num_layers` layers (its config.json), for the message.
-    """
-    ids = (2, num_layers // 2, num_layers - 3)
-    if len(set(ids)) != 3 or min(ids) < 0:
-        raise ConfigError(
-            f"a target with {num_layers} layers{_of(where)} has no three distinct default aux layers "
-            f"{list(ids)}; set target.aux_layer_ids to three distinct layers in [0, {num_layers - 1}]"
-        )
-    return ids
-
-
-def check_aux_layer_ids(ids: Sequence[int], num_layers: int, where: str = "") -> tuple[int, int, int]:
-    """`ids` as a triple, once they are three distinct layers of a target with `num_layers` layers.
-
-    ConfigError is a ValueError: callers that report another error kind (an export's) catch ValueError.
-    """
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise ConfigError(f"target.aux_layer_ids must be three distinct layers, got {list(ids)}")
-    if list(ids) != sorted(ids):  # the engines concatenate the aux states in layer order
-        raise ConfigError(f"target.aux_layer_ids must be in ascending layer order, got {list(ids)}")
-    if not all(0 <= k < num_layers for k in ids):
-        raise ConfigError(
-            f"target.aux_layer_ids {list(ids)} must lie in [0, {num_layers - 1}]: "
-            f"the target has {num_layers} layers{_of(where)}"
-        )
-    return (ids[0], ids[1], ids[2])
-
-
-def _of(where: str) -> str:
-    return f" ({where})" if where else ""
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,9 @@ import torch
 from torch import nn
 
 from eagle3_core.config import TargetConfig
+from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.errors import ConfigError
-from eagle3_core.targets.base import (
-    HiddenStates,
-    SampleFailure,
-    TargetInfo,
-    check_aux_layer_ids,
-    default_aux_layer_ids,
-)
+from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 from eagle3_core.targets.gpu_memory import release_gpu_memory
 from eagle3_core.targets.resolve import safetensors_weights
 

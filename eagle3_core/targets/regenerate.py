@@ -24,7 +24,7 @@ from eagle3_core.data.tokenize import generation_prompt_ids
 
 
 @dataclass
-class _Dialogue:
+class Dialogue:
     """One conversation being regenerated: the turns kept so far and the user turns still to answer."""
 
     sample: dict[str, Any]
@@ -41,11 +41,11 @@ class RegenerationResult:
     new_tokens: int = 0
 
 
-def _dialogue(sample: dict[str, Any], max_turns: int | None) -> _Dialogue:
+def dialogue_of(sample: dict[str, Any], max_turns: int | None) -> Dialogue:
     messages = sample["messages"]
     system = [m for m in messages if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
-    return _Dialogue(sample, list(system), users[:max_turns] if max_turns else users)
+    return Dialogue(sample, list(system), users[:max_turns] if max_turns else users)
 
 
 class Regenerator:
@@ -64,7 +64,7 @@ class Regenerator:
         self, samples: list[dict[str, Any]], progress: Callable[[int, int], None] = lambda _d, _t: None
     ) -> RegenerationResult:
         torch.manual_seed(self.cfg.seed)
-        dialogues = [_dialogue(s, self.cfg.max_turns) for s in samples]
+        dialogues = [dialogue_of(s, self.cfg.max_turns) for s in samples]
         result = RegenerationResult(rows=[])
         total_turns = sum(len(d.pending_users) for d in dialogues)
         done_turns = 0
@@ -87,7 +87,7 @@ class Regenerator:
             result.rows.append(finish_row(d, result.counts))
         return result
 
-    def _prompt_ids(self, d: _Dialogue) -> list[int]:
+    def _prompt_ids(self, d: Dialogue) -> list[int]:
         return generation_prompt_ids(
             self.tokenizer, [*d.done, {"role": "user", "content": d.pending_users[0]}]
         )
@@ -130,7 +130,7 @@ def conversation_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:
 
 
 def append_reply(
-    d: _Dialogue, reply: str, hit_limit: bool, counts: Counter[str], tokenizer: Any, max_seq_len: int
+    d: Dialogue, reply: str, hit_limit: bool, counts: Counter[str], tokenizer: Any, max_seq_len: int
 ) -> None:
     """Keep the reply as the next assistant turn, unless the conversation with it no longer fits max_seq_len.
 
@@ -155,7 +155,7 @@ def append_reply(
         counts["replies_cut_at_max_new_tokens"] += 1
 
 
-def finish_row(d: _Dialogue, counts: Counter[str]) -> dict[str, Any]:
+def finish_row(d: Dialogue, counts: Counter[str]) -> dict[str, Any]:
     """The regenerated row of a dialogue (an error row when no turn was regenerated); counts its stop."""
     if d.stop:
         counts[f"stopped_{d.stop}"] += 1

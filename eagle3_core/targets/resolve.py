@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from eagle3_core.config import Eagle3Config, TargetConfig
+from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.data.tokenize import check_chat_template
 from eagle3_core.errors import TargetError
 from eagle3_core.store.atomic import read_json_object
-from eagle3_core.targets.base import check_aux_layer_ids, default_aux_layer_ids
 
 if TYPE_CHECKING:  # resolving a directory must not import torch (`eagle3 stats` never does)
     import torch

@@ -54,18 +54,13 @@ from typing import Any
 import torch
 
 from eagle3_core.config import TargetConfig
+from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.engines import http
 from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
 from eagle3_core.engines.sglang_client import SGLangError
 from eagle3_core.engines.sglang_models import SGLangModel, serving_dtype, sglang_model
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.targets.base import (
-    HiddenStates,
-    SampleFailure,
-    TargetInfo,
-    check_aux_layer_ids,
-    default_aux_layer_ids,
-)
+from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 
 __all__ = [
     "SGLangEngineBackend",

@@ -10,7 +10,7 @@ from tests.conftest import write_config
 
 def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(config), *args],
+        [sys.executable, "-m", "eagle3_cli.main", "--config", str(config), *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -26,7 +26,7 @@ def test_sigkill_mid_extraction_then_resume(tmp_path: Path, toy_target_dir: Path
         [
             sys.executable,
             "-m",
-            "eagle3_dagster.cli",
+            "eagle3_cli.main",
             "--config",
             str(config),
             "extract",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_dagster.cli import DEMO_CONFIG
+from eagle3_cli.main import DEMO_CONFIG
 from tests.conftest import CACHE
 
 pytestmark = pytest.mark.slow

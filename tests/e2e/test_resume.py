@@ -24,12 +24,12 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from eagle3_cli.ops import OperationError, Webserver
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import ShardReader
 from eagle3_core.store.stats import verify_shard
-from eagle3_dagster.ops_cli import OperationError, Webserver
 from tests.conftest import REPO, write_config
 from tests.dagster_dev import DagsterDev, dagster_dev_factory, dagster_home  # noqa: F401 (a fixture)
 
@@ -63,7 +63,7 @@ def _eagle3(
     env: dict[str, str], config: Path, *args: str, timeout: float
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(config), *args],
+        [sys.executable, "-m", "eagle3_cli.main", "--config", str(config), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -78,7 +78,7 @@ def _kill_mid_extraction(
     """Start `eagle3 materialize --missing --in-process`; SIGKILL it once `done_before_kill` shards are whole
     and the next one's temporary file is being written."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_dagster.cli", "--config", str(config), *MATERIALIZE_HERE],
+        [sys.executable, "-m", "eagle3_cli.main", "--config", str(config), *MATERIALIZE_HERE],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,

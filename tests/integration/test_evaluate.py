@@ -124,7 +124,7 @@ def test_each_export_format_is_measured_into_its_own_report(project: Path, evalu
 
 
 def _eagle3(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "eagle3_core.cli", "--config", str(project / "eagle3.yaml"), *args]
+    command = [sys.executable, "-m", "eagle3_cli.steps", "--config", str(project / "eagle3.yaml"), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_core.cli import main
+from eagle3_cli.steps import main
 from eagle3_core.config import Eagle3Config, TargetConfig, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.errors import DiskSpaceError

@@ -13,10 +13,10 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
+from eagle3_cli.main import main
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.store.stats import store_stats
-from eagle3_dagster.cli import main
 from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions
 from tests.conftest import write_config
 

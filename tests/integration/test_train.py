@@ -63,7 +63,7 @@ def _copy(shard_store: tuple[Path, Path], dest: Path, train: str = TRAIN) -> Pat
 
 def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "eagle3_core.cli", "--config", str(config), *args],
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -121,7 +121,7 @@ def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(
 
     crashed = _copy(shard_store, tmp_path / "crashed")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_core.cli", "--config", str(crashed), "train"],
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(crashed), "train"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

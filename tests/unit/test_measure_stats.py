@@ -68,7 +68,7 @@ def test_a_measurement_reports_its_interval_speedup_and_per_prompt_results() -> 
 
 
 def test_a_speedup_below_one_on_a_cpu_is_explained_not_printed_bare() -> None:
-    from eagle3_core.cli import speedup_text
+    from eagle3_cli.steps import speedup_text
 
     assert speedup_text(1.58, "cuda") == "speedup 1.58x (median over prompts)"
     assert speedup_text(1.2, "cpu") == "speedup 1.20x (median over prompts)"

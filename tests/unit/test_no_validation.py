@@ -6,7 +6,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_core import cli, drafting
+from eagle3_cli import steps as cli
+from eagle3_core import drafting
 from eagle3_core.pipeline import StepResult
 from tests.conftest import write_config
 

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from eagle3_core.cli import ProgressLog
+from eagle3_cli.steps import ProgressLog
 
 
 def test_a_terminal_gets_one_bar_per_task_closed_when_all_are_done() -> None:

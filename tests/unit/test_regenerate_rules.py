@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from eagle3_core.targets.regenerate import _dialogue, append_reply, conversation_length, finish_row
+from eagle3_core.targets.regenerate import append_reply, conversation_length, dialogue_of, finish_row
 from eagle3_core.toy.tokenizer import train_tokenizer
 
 CORPUS = ["hello there, how are you doing today?", "great thanks, and you? I went for a run."] * 20
@@ -26,7 +26,7 @@ def _sample() -> dict[str, object]:
 
 
 def test_a_reply_that_fits_is_kept(tok: PreTrainedTokenizerFast) -> None:
-    d, counts = _dialogue(_sample(), None), Counter[str]()
+    d, counts = dialogue_of(_sample(), None), Counter[str]()
     append_reply(d, "great thanks", True, counts, tok, max_seq_len=10_000)
     assert d.done[-1] == {"role": "assistant", "content": "great thanks"} and d.turns_regenerated == 1
     assert counts == Counter(replies=1, replies_cut_at_max_new_tokens=1)
@@ -38,7 +38,7 @@ def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_repl
 ) -> None:
     """The prompt fitted, but the reply within the template (its end-of-turn tokens included) does not: kept,
     it would be truncated at training. The conversation keeps the turns before it."""
-    first = _dialogue(_sample(), None)
+    first = dialogue_of(_sample(), None)
     append_reply(first, "great thanks", False, Counter(), tok, max_seq_len=10_000)
     kept = conversation_length(tok, first.done)
     reply = "great thanks, and you? I went for a run."
@@ -46,12 +46,12 @@ def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_repl
     exact = conversation_length(tok, with_reply)
     assert kept < exact
 
-    fits, counts = _dialogue(_sample(), None), Counter[str]()
+    fits, counts = dialogue_of(_sample(), None), Counter[str]()
     append_reply(fits, "great thanks", False, counts, tok, max_seq_len=exact)
     append_reply(fits, reply, False, counts, tok, max_seq_len=exact)  # exactly max_seq_len: kept
     assert fits.turns_regenerated == 2 and not fits.stop
 
-    short, counts = _dialogue(_sample(), None), Counter[str]()
+    short, counts = dialogue_of(_sample(), None), Counter[str]()
     append_reply(short, "great thanks", False, counts, tok, max_seq_len=exact - 1)
     append_reply(short, reply, False, counts, tok, max_seq_len=exact - 1)
     assert short.stop == "context_limit" and short.turns_regenerated == 1
@@ -62,7 +62,7 @@ def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_repl
 
 
 def test_no_room_for_the_first_reply_is_an_error_row(tok: PreTrainedTokenizerFast) -> None:
-    d, counts = _dialogue(_sample(), None), Counter[str]()
+    d, counts = dialogue_of(_sample(), None), Counter[str]()
     append_reply(d, "great thanks", False, counts, tok, max_seq_len=3)
     row = finish_row(d, counts)
     assert row["error"] == "context_limit" and row["messages"] == [] and counts["errors"] == 1

@@ -198,7 +198,7 @@ def test_the_target_comes_from_the_export_else_the_verifier_else_the_config(tmp_
 
 
 def test_eagle3_serve_command_prints_both_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from eagle3_core.cli import main
+    from eagle3_cli.steps import main
 
     config = tmp_path / "eagle3.yaml"
     config.write_text("store: store\nevaluate: {ks: [3, 7], gate_k: 7}\n")

@@ -20,11 +20,8 @@ from graphql import parse, validate
 from graphql.execution.values import get_variable_values
 from rich.console import Console
 
-from eagle3_core.config import Eagle3Config, load_config
-from eagle3_dagster import ops_cli
-from eagle3_dagster.defs.partitions import shards
-from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions, runner_alive, runner_tag
-from eagle3_dagster.ops_cli import (
+from eagle3_cli import ops as ops_cli
+from eagle3_cli.ops import (
     BACKFILL,
     LAUNCH_BACKFILL,
     OperationError,
@@ -39,6 +36,9 @@ from eagle3_dagster.ops_cli import (
     totals,
     ui_command,
 )
+from eagle3_core.config import Eagle3Config, load_config
+from eagle3_dagster.defs.partitions import shards
+from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions, runner_alive, runner_tag
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:Specifying a partitions_def:dagster.PreviewWarning")

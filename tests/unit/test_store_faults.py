@@ -14,8 +14,8 @@ from typing import Any, cast
 import pytest
 import torch
 
+from eagle3_cli.steps import main
 from eagle3_core import drafting, pipeline
-from eagle3_core.cli import main
 from eagle3_core.config import load_config
 from eagle3_core.errors import DiskSpaceError, ShardCorruptError, StoreBusyError
 from eagle3_core.store import shards as shards_module

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_cli.main import main
 from eagle3_core.config import TargetConfig
 from eagle3_core.errors import TargetError
 from eagle3_core.targets.resolve import check_target_dir, safetensors_weights
-from eagle3_dagster.cli import main
 from tests.conftest import write_config
 
 Break = Callable[[Path], None]

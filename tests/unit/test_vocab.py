@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_core.draft.vocab import (
-    INFO_FILE,
     TENSORS_FILE,
     build_vocab_mapping,
     count_loss_tokens,
@@ -18,6 +17,7 @@ from eagle3_core.draft.vocab import (
     save_vocab_mapping,
 )
 from eagle3_core.errors import ShardCorruptError, StaleVocabMappingError
+from eagle3_core.store.layout import VOCAB_INFO_FILE
 from eagle3_core.store.shards import ShardReader, ShardWriter, read_header
 
 H = 4
@@ -191,10 +191,10 @@ def test_save_load_round_trip_and_stale_refusal(tmp_path: Path) -> None:
         [_write(tmp_path / "a-00000.safetensors", HAND)], 12, 3, tokenizer_fingerprint=TOK
     )
     out = save_vocab_mapping(m, tmp_path / "mapping")
-    assert sorted(p.name for p in out.iterdir()) == [INFO_FILE, TENSORS_FILE]  # no temporaries left
+    assert sorted(p.name for p in out.iterdir()) == [VOCAB_INFO_FILE, TENSORS_FILE]  # no temporaries left
     tensors = load_file(str(out / TENSORS_FILE))  # the plain safetensors reader sees the serving tensors
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    assert json.loads((out / INFO_FILE).read_text())["fingerprint"] == m.fingerprint
+    assert json.loads((out / VOCAB_INFO_FILE).read_text())["fingerprint"] == m.fingerprint
     back = load_vocab_mapping(out, m.fingerprint)
     assert torch.equal(back.d2t, m.d2t) and torch.equal(back.t2d, m.t2d)
     assert torch.equal(back.draft_to_target, m.draft_to_target)
@@ -208,8 +208,8 @@ def test_load_refuses_torn_or_inconsistent_files(tmp_path: Path) -> None:
     path = _write(tmp_path / "a-00000.safetensors", HAND)
     m = build_vocab_mapping([path], 12, 3, tokenizer_fingerprint=TOK)
     out = save_vocab_mapping(m, tmp_path / "mapping")
-    info = json.loads((out / INFO_FILE).read_text())
-    (out / INFO_FILE).write_text(json.dumps({**info, "fingerprint": "f" * 64}))
+    info = json.loads((out / VOCAB_INFO_FILE).read_text())
+    (out / VOCAB_INFO_FILE).write_text(json.dumps({**info, "fingerprint": "f" * 64}))
     with pytest.raises(StaleVocabMappingError, match="different fingerprints"):
         load_vocab_mapping(out)
     m.d2t = m.d2t + 1  # offsets that no longer give draft_to_target

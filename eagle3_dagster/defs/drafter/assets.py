@@ -36,11 +36,7 @@ def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
-    cfg = eagle3.config()
-    if cfg.train.processes > 1:
-        result = drafting.train_distributed(eagle3.resolved_path(), cfg.train.processes, context.log.info)
-    else:
-        result = drafting.train_step(cfg, context.log.info)
+    result = drafting.train(eagle3.resolved_path(), context.log.info)
     acc = json.loads(result.metadata["acc_per_position"])
     rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
     table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"

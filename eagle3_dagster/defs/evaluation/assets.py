@@ -27,25 +27,24 @@ def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> d
     cfg = eagle3.config()
     result = evaluation.eval_step(cfg, context.log.info)
     report = json.loads(evaluation.report_file(result.path, cfg.evaluate.export_format).read_text())
+    return dg.MaterializeResult(metadata={**step_metadata(result), **report_metadata(report)})
+
+
+def report_metadata(report: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation report as the asset page shows it: tables, the acceptance plot, training curves, the gate."""
     pictures = {name: Path(p) for name, p in report["pictures"].items()}
-    return dg.MaterializeResult(
-        metadata={
-            **step_metadata(result),
-            "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
-            "acceptance_plot": dg.MetadataValue.md(
-                markdown_image(pictures["acceptance"], "per-position acceptance")
-            ),
-            "training_curves": dg.MetadataValue.md(
-                markdown_image(pictures["training_curves"], "training curves")
-            ),
-            "gate": dg.MetadataValue.md(gate_table(report["gate"])),
-            **(
-                {"acceptance_by_category": dg.MetadataValue.md(category_table(report))}
-                if any("by_category" in s for s in report["sets"].values())
-                else {}
-            ),
-        }
-    )
+    by_category = any("by_category" in s for s in report["sets"].values())
+    return {
+        "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
+        "acceptance_plot": dg.MetadataValue.md(
+            markdown_image(pictures["acceptance"], "per-position acceptance")
+        ),
+        "training_curves": dg.MetadataValue.md(
+            markdown_image(pictures["training_curves"], "training curves")
+        ),
+        "gate": dg.MetadataValue.md(gate_table(report["gate"])),
+        **({"acceptance_by_category": dg.MetadataValue.md(category_table(report))} if by_category else {}),
+    }
 
 
 def gate_table(gate: dict[str, Any]) -> str:
@@ -113,25 +112,31 @@ def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
         passed=gate.passed,
         severity=dg.AssetCheckSeverity.ERROR,
         description=gate.reason,
-        metadata={
-            "k": gate.k,
-            "candidate_run": gate.candidate_run,
-            "candidate_al": round(gate.candidate_al, 4),
-            "current_run": gate.current_run or "",
-            "current_al": -1.0 if gate.current_al is None else round(gate.current_al, 4),
-            "tolerance": gate.tolerance,
-            "prompts": gate.prompts,
-            **(
-                {
-                    "difference": gate.difference,
-                    "difference_ci95_low": gate.difference_ci95[0],
-                    "difference_ci95_high": gate.difference_ci95[1],
-                }
-                if gate.difference is not None and gate.difference_ci95 is not None
-                else {}
-            ),
-        },
+        metadata=gate_metadata(gate),
     )
+
+
+def gate_metadata(gate: evaluation.GateDecision) -> dict[str, Any]:
+    """The promotion gate's figures as check metadata (the difference only where it was measured)."""
+    difference = (
+        {
+            "difference": gate.difference,
+            "difference_ci95_low": gate.difference_ci95[0],
+            "difference_ci95_high": gate.difference_ci95[1],
+        }
+        if gate.difference is not None and gate.difference_ci95 is not None
+        else {}
+    )
+    return {
+        "k": gate.k,
+        "candidate_run": gate.candidate_run,
+        "candidate_al": round(gate.candidate_al, 4),
+        "current_run": gate.current_run or "",
+        "current_al": -1.0 if gate.current_al is None else round(gate.current_al, 4),
+        "tolerance": gate.tolerance,
+        "prompts": gate.prompts,
+        **difference,
+    }
 
 
 @dg.asset(

@@ -24,7 +24,7 @@ import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eagle3_core.cli import console
+from eagle3_cli.steps import console
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error

@@ -10,9 +10,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_core.cli import _log, build_parser, console, print_evaluation, print_training, run
+from eagle3_cli.ops import add_ops_commands, dagster_home
+from eagle3_cli.steps import build_parser, console, print_evaluation, print_training, progress_log, run
 from eagle3_core.config import load_config
-from eagle3_dagster.ops_cli import add_ops_commands, dagster_home
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,13 +80,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import dagster as dg
 
+    from eagle3_cli.ops import shard_statuses, status_table
     from eagle3_core.data.ingest import ingest
     from eagle3_core.targets.resolve import target_dir
     from eagle3_dagster.materialize import materialize_drafter, materialize_shards
-    from eagle3_dagster.ops_cli import shard_statuses, status_table
 
     console.rule("1. toy target")
-    target = target_dir(cfg, log=_log)
+    target = target_dir(cfg, log=progress_log)
     report_path = target / "toy_target.json"
     if report_path.exists():
         toy = json.loads(report_path.read_text())
@@ -97,13 +97,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         console.print(f"target: {target}")
     console.rule("2. ingest")
-    report = ingest(cfg, log=_log)
+    report = ingest(cfg, log=progress_log)
     console.print(
         f"{len(report.all_shards)} shards ({len(report.new_shards)} new); "
         f"rows read {report.rows_read}, rejected {sum(report.rejected.values())} {report.rejected or ''}"
     )
     console.rule("3. conversations -> regenerated -> hidden_states (Dagster runs, one per shard)")
-    materialize_shards(report.all_shards, log=_log)
+    materialize_shards(report.all_shards, log=progress_log)
     console.rule(
         "4. vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current"
     )

@@ -1,6 +1,6 @@
-"""The `eagle3` command's library half: every command that needs no Dagster instance.
+"""The `eagle3` command's steps: every command that needs no Dagster instance.
 
-`eagle3_dagster.cli` adds the commands that run through Dagster (demo, status, materialize, ui) and
+`eagle3_cli.main` adds the commands that run through Dagster (demo, status, materialize, ui) and
 is the console script; these commands work the same from either.
 """
 
@@ -67,14 +67,14 @@ class ProgressLog:
             self.bars, self.tasks = None, {}
 
 
-_log = ProgressLog(console)
+progress_log = ProgressLog(console)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from eagle3_core.data.ingest import ingest
 
     cfg = _config(args)
-    report = ingest(cfg, log=_log)
+    report = ingest(cfg, log=progress_log)
     console.print(
         f"ingest: {report.rows_read} new rows -> {len(report.new_shards)} new shards "
         f"({sum(s.samples for s in report.new_shards)} samples); {len(report.all_shards)} shards in the store; "
@@ -87,11 +87,11 @@ def cmd_toy_target(args: argparse.Namespace) -> int:
     from eagle3_core.toy.build import build_toy_target, ensure_toy_target
 
     if args.out:
-        report = build_toy_target(Path(args.out), args.size, args.seed, log=_log)
+        report = build_toy_target(Path(args.out), args.size, args.seed, log=progress_log)
         console.print(f"toy target {args.size} -> {args.out}: held-out loss {report.heldout_loss:.3f}")
         return 0
     cfg = _config(args) if Path(args.config).exists() else Eagle3Config()
-    path = ensure_toy_target(cfg.cache_root, args.size, args.seed, log=_log)
+    path = ensure_toy_target(cfg.cache_root, args.size, args.seed, log=progress_log)
     info = json.loads((path / "toy_target.json").read_text())
     console.print(f"toy target {args.size}: {path} (held-out loss {info['heldout_loss']:.3f})")
     return 0
@@ -138,13 +138,13 @@ def _run_shards(args: argparse.Namespace, step_name: str) -> int:
         return 0
     through_server = step_name == "regenerate" and cfg.regenerate.server is not None
     # regenerating through a server needs only the tokenizer, which the server path loads itself
-    target = None if through_server else TransformersTarget(target_dir(cfg, log=_log), cfg.target)
+    target = None if through_server else TransformersTarget(target_dir(cfg, log=progress_log), cfg.target)
     for key in keys:
         if step_name == "regenerate":
-            result = pipeline.regenerate_step(cfg, key, target, _log)
+            result = pipeline.regenerate_step(cfg, key, target, progress_log)
         else:
             assert target is not None
-            result = pipeline.extract_step(cfg, key, target, _log)
+            result = pipeline.extract_step(cfg, key, target, progress_log)
         console.print(
             f"{step_name} {key}: "
             + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
@@ -170,10 +170,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if not keys:
         console.print("extract: nothing to do (every shard is done; --force to redo)")
         return 0
-    target = open_extraction_target(cfg, log=_log)
+    target = open_extraction_target(cfg, log=progress_log)
     try:
         for key in keys:
-            result = pipeline.extract_step(cfg, key, target, _log)
+            result = pipeline.extract_step(cfg, key, target, progress_log)
             console.print(
                 f"extract {key}: "
                 + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
@@ -269,7 +269,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_vocab(args: argparse.Namespace) -> int:
     from eagle3_core.drafting import vocab_step
 
-    result = vocab_step(_config(args), _log)
+    result = vocab_step(_config(args), progress_log)
     console.print("vocab mapping: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
     return 0
 
@@ -300,17 +300,12 @@ def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from eagle3_core.drafting import train_distributed, train_step, vocab_step
+    from eagle3_core.drafting import train, vocab_step
 
     cfg = _config(args)
-    under_torchrun = "WORLD_SIZE" in os.environ
-    if not args.no_vocab and not under_torchrun:
-        vocab_step(cfg, _log)  # once, before any rank starts: ranks only read the mapping
-    processes = args.nproc or cfg.train.processes
-    if processes > 1 and not under_torchrun:
-        result = train_distributed(Path(args.config), processes, _log)
-    else:
-        result = train_step(cfg, _log)
+    if not args.no_vocab and "WORLD_SIZE" not in os.environ:
+        vocab_step(cfg, progress_log)  # once, before any rank starts: ranks only read the mapping
+    result = train(Path(args.config), progress_log, args.nproc)
     if int(os.environ.get("RANK", "0")) == 0:
         print_training(result.metadata, cfg.train.ttt_steps)
     return 0
@@ -319,7 +314,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_core.drafting import export_step
 
-    result = export_step(_config(args), _log)
+    result = export_step(_config(args), progress_log)
     console.print(f"exported: {result.metadata['sglang_dir']}  {result.metadata['speculators_dir']}")
     return 0
 
@@ -363,7 +358,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--promote takes the pipeline's own export; a --drafter directory is only measured"
             )
-        result = eval_drafter_dir_step(cfg, Path(args.drafter), args.format, prompts, _log)
+        result = eval_drafter_dir_step(cfg, Path(args.drafter), args.format, prompts, progress_log)
         print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
         console.print(f"report: {result.path}")
         return 0
@@ -371,10 +366,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--prompts goes with --drafter; for the pipeline's drafter set evaluate.prompt_files"
         )
-    result = eval_step(cfg, _log)
+    result = eval_step(cfg, progress_log)
     print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
     if args.promote:
-        promoted = promote_step(cfg, _log)
+        promoted = promote_step(cfg, progress_log)
         console.print(f"promoted: {promoted.metadata['serve_sglang']}")
     return 0
 
@@ -382,7 +377,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_bench_sglang(args: argparse.Namespace) -> int:
     from eagle3_core.evaluation import sglang_bench_step
 
-    result = sglang_bench_step(_config(args), args.url, args.concurrency, _log)
+    result = sglang_bench_step(_config(args), args.url, args.concurrency, progress_log)
     console.print("sglang: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
     return 0
 
