@@ -8,6 +8,19 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.export import ExportTarget
 
+# An 8-layer target; aux layers 2, 4, 5 in the project convention (the inputs of those decoder layers).
+LLAMA_8L = ExportTarget(
+    name_or_path="org/target-8l",
+    num_layers=8,
+    aux_layer_ids=(2, 4, 5),
+    final_state_convention="post_norm",
+    vocab_size=64,
+    hidden_size=16,
+    max_position_embeddings=512,
+    architectures=("LlamaForCausalLM",),
+    model_type="llama",
+)
+
 
 def hand_mapping(target_vocab_size: int, draft_vocab_size: int, seed: int = 0) -> VocabMapping:
     """K target ids picked at random (so d2t is not all zeros), in ascending order, with d2t and t2d."""

@@ -6,22 +6,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from eagle3_core.export import ExportTarget, export_sglang
+from eagle3_core.export import export_sglang
 from tests.conformance.conftest import Probe
-from tests.exports import drafter_config, hand_mapping, random_drafter
+from tests.exports import LLAMA_8L, drafter_config, hand_mapping, random_drafter
 from tests.helpers import FLAG_VARIANTS
 
-TARGET = ExportTarget(
-    name_or_path="org/target-8l",
-    num_layers=8,
-    aux_layer_ids=(2, 4, 5),
-    final_state_convention="post_norm",
-    vocab_size=64,
-    hidden_size=16,
-    max_position_embeddings=512,
-    architectures=("LlamaForCausalLM",),
-    model_type="llama",
-)
+TARGET = LLAMA_8L
 SGLANG_VARIANTS = {name: flags for name, flags in FLAG_VARIANTS.items() if name != "norm_before_residual"}
 
 

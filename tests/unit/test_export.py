@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.errors import ExportError
 from eagle3_core.export import (
-    ExportTarget,
     FormatName,
     detect_format,
     export_sglang,
@@ -26,21 +25,10 @@ from eagle3_core.export import (
     validate_export,
 )
 from eagle3_core.export.common import drafter_shapes
-from tests.exports import drafter_config, hand_mapping, random_drafter
+from tests.exports import LLAMA_8L, drafter_config, hand_mapping, random_drafter
 from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
 
-# An 8-layer target; aux layers 2, 4, 5 in the project convention (the inputs of those decoder layers).
-TARGET = ExportTarget(
-    name_or_path="org/target-8l",
-    num_layers=8,
-    aux_layer_ids=(2, 4, 5),
-    final_state_convention="post_norm",
-    vocab_size=64,
-    hidden_size=16,
-    max_position_embeddings=512,
-    architectures=("LlamaForCausalLM",),
-    model_type="llama",
-)
+TARGET = LLAMA_8L
 K = 24
 LLAMA, DEEPSEEK = ("LlamaForCausalLM",), ("DeepseekV3ForCausalLM",)
 MAPPING = hand_mapping(TARGET.vocab_size, K)

@@ -6,18 +6,11 @@ marks exactly the blocks the mask needs."""
 import pytest
 import torch
 
-from eagle3_core.draft.model import FLEX_BLOCK, DrafterConfig, Eagle3Drafter, Packing, packed_block_masks
+from eagle3_core.draft.model import FLEX_BLOCK, Eagle3Drafter, Packing, packed_block_masks
 from eagle3_core.train.loss import chunked_ttt_targets, lean_ttt_loss
+from tests.helpers import TINY_DRAFTER
 
-CFG = DrafterConfig(
-    target_hidden_size=24,
-    hidden_size=16,
-    intermediate_size=40,
-    num_heads=4,
-    num_kv_heads=2,
-    target_vocab_size=50,
-    draft_vocab_size=30,
-)
+CFG = TINY_DRAFTER
 LENGTHS = [100, 90, 40]  # 230 of a 256-entry row, then padding
 WIDTH = 2 * FLEX_BLOCK
 STEPS = 4

@@ -4,18 +4,10 @@ variant the engines read (written out here as SGLang's and vLLM's llama_eagle3.p
 import pytest
 import torch
 
-from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter, rope, ttt_mask
-from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
+from eagle3_core.draft.model import Eagle3Drafter, rope, ttt_mask
+from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS, TINY_DRAFTER
 
-CFG = DrafterConfig(
-    target_hidden_size=24,
-    hidden_size=16,
-    intermediate_size=40,
-    num_heads=4,
-    num_kv_heads=2,
-    target_vocab_size=50,
-    draft_vocab_size=30,
-)
+CFG = TINY_DRAFTER
 
 
 VARIANTS: dict[str, dict[str, object]] = {
