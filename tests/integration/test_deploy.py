@@ -289,6 +289,15 @@ def test_deployment_files_agree_with_each_other_and_the_project() -> None:
     assert re.findall(r'"dagster-postgres==([0-9.]+)"', pyproject) == [libs]
     assert _arg(dockerfile, "BASE") == "python:3.11-slim"
 
+    # The image copies every package the project installs (a room left out breaks `eagle3` in the container)
+    # and the build context lets each of them through.
+    [include] = re.findall(r"include = \[([^\]]*)\]", pyproject)
+    packages = [p.strip(' "*') for p in include.split(",")]
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    assert "eagle3_cli" in packages
+    for package in packages:
+        assert f"COPY {package} {package}" in dockerfile and f"!{package}" in ignore, package
+
     # The stack's default eagle3.yaml is valid and keeps everything it writes on the store volume.
     cfg = load_config(DOCKER / "config" / "eagle3.yaml")
     assert cfg.store_root == Path("/store")
