@@ -107,7 +107,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_the_padded_batch_of_its_sa
         )
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return float(loss), [float(c) for c in stats.sums[3]], grads
+        return float(loss.detach()), [float(c) for c in stats.sums[3]], grads
 
     # padded: a sample per row, right-padded; packed: all four back to back in one row of 256
     longest = max(lengths)
