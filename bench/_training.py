@@ -195,6 +195,19 @@ class Plan:
         """The first n batches, the epoch cycled if it is shorter."""
         return [self.batches[i % len(self.batches)] for i in range(n)]
 
+    def prefetcher(self, data: TrainingData, refs: list[SampleRef], pin: bool) -> Prefetcher:
+        """A Prefetcher of this plan's batches, with the config's loader settings, as the trainer builds one."""
+        cfg = self.cfg
+        return Prefetcher(
+            data,
+            refs,
+            cfg.max_len,
+            threads=cfg.loader_threads,
+            depth=cfg.prefetch_batches,
+            pin=pin,
+            width=self.width,
+        )
+
     def lengths(self, refs: list[SampleRef], batches: list[Rows]) -> list[int]:
         """The lengths (cut to max_len) of the samples in `batches`."""
         return [min(refs[i].length, self.cfg.max_len) for rows in batches for row in rows for i in row]
@@ -210,16 +223,8 @@ def training_plan(refs: list[SampleRef], cfg: TrainConfig, attention: Literal["s
 
 def load_batches(data: TrainingData, refs: list[SampleRef], plan: Plan, n: int, pin: bool) -> list[Batch]:
     """The first n batches of the plan (cycled if the epoch is shorter), held in memory for the training timer."""
-    chosen, cfg = plan.first(n), plan.cfg
-    prefetch = Prefetcher(
-        data,
-        refs,
-        cfg.max_len,
-        threads=cfg.loader_threads,
-        depth=cfg.prefetch_batches,
-        pin=pin,
-        width=plan.width,
-    )
+    chosen = plan.first(n)
+    prefetch = plan.prefetcher(data, refs, pin)
     try:
         return list(prefetch(chosen))
     finally:

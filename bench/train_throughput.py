@@ -45,7 +45,7 @@ from bench._training import (
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.target_head import load_target_head
-from eagle3_core.train.data import Prefetcher, SampleRef, TrainingData
+from eagle3_core.train.data import SampleRef, TrainingData
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, train_step
 
@@ -122,24 +122,11 @@ def data_spec(args: argparse.Namespace, device: torch.device) -> DataSpec:
     )
 
 
-def prefetcher(data: TrainingData, refs: list[SampleRef], plan: Plan, pin: bool) -> Prefetcher:
-    cfg = plan.cfg
-    return Prefetcher(
-        data,
-        refs,
-        cfg.max_len,
-        threads=cfg.loader_threads,
-        depth=cfg.prefetch_batches,
-        pin=pin,
-        width=plan.width,
-    )
-
-
 def time_loader(data: TrainingData, refs: list[SampleRef], plan: Plan, pin: bool) -> dict[str, Any]:
     """One epoch through the Prefetcher, LOADER_ROUNDS times; the median round's rate."""
     seconds, tokens, padded = [], 0, 0
     cfg = plan.cfg
-    prefetch = prefetcher(data, refs, plan, pin)
+    prefetch = plan.prefetcher(data, refs, pin)
     try:
         for _ in range(LOADER_ROUNDS):
             tokens, padded = 0, 0
@@ -169,7 +156,7 @@ def time_fed_training(
     """train_step fed by a Prefetcher as `trainer._train` feeds it: tokens/s and the time spent waiting for a batch
     (loader threads and the training loop share the GIL and the host's cores)."""
     cfg, device = s.cfg, s.world.device
-    prefetch = prefetcher(data, refs, plan, pin)
+    prefetch = plan.prefetcher(data, refs, pin)
     batches = iter(prefetch(plan.first(steps)))
     tokens, waited = 0, 0.0
     try:

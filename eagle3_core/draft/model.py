@@ -420,8 +420,9 @@ class Eagle3Drafter(nn.Module):
         packing: Packing | None = None,
     ) -> list[torch.Tensor]:
         """What DDP wraps: each TTT step's draft logits, or its normed states (what lm_head reads)."""
-        states = self.ttt_states(aux, input_ids, steps, attention, packing)
-        return states if output == "states" else [self.lm_head(s) for s in states]
+        if output == "states":
+            return self.ttt_states(aux, input_ids, steps, attention, packing)
+        return self.ttt_forward(aux, input_ids, steps, attention, packing)
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux states [.., 3H_t] -> the first step's h [.., H] (with the variant's norms)."""

@@ -398,8 +398,7 @@ class SGLangHttpBackend:
         # the capture hooks' module paths depend on the architecture: known, or refused (a stock server that
         # gives final states only needs neither)
         self.architectures, self.where = architectures, str(model_dir / "config.json")
-        if aux_from_response:
-            sglang_model(architectures, self.where)
+        self.capture_model = sglang_model(architectures, self.where) if aux_from_response else None
         if preflight:
             self.check_server(max_seq_len)
             if aux_from_response:
@@ -432,8 +431,7 @@ class SGLangHttpBackend:
         if not isinstance(info, dict):
             return None
         wanted = list(self.info.aux_layer_ids) if self.aux_from_response else None
-        model = sglang_model(self.architectures, self.where) if self.aux_from_response else None
-        problems = server_problems(info, max_seq_len, wanted, model)
+        problems = server_problems(info, max_seq_len, wanted, self.capture_model)
         if problems:
             raise SGLangError(
                 f"the SGLang server at {self.url} cannot serve extraction: " + "; ".join(problems)

@@ -125,20 +125,23 @@ class TrainingData:
         loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
         aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)
         last = torch.empty(b, t, hidden, dtype=dtype, pin_memory=pin)
-        doc = torch.empty(b, t, dtype=torch.int32)
-        positions = torch.empty(b, t, dtype=torch.int64)
+        packing = None
+        if width is not None:  # where each sample lies; a padded batch's rows need no such map
+            packing = Packing(torch.empty(b, t, dtype=torch.int32), torch.empty(b, t, dtype=torch.int64))
         places = []  # (row, offset, ref, length) of every sample
         for i, (row, row_lengths) in enumerate(zip(rows, lengths, strict=True)):
             offset = 0
             for j, (ref, n) in enumerate(zip(row, row_lengths, strict=True)):
                 places.append((i, offset, ref, n))
-                doc[i, offset : offset + n] = j
-                positions[i, offset : offset + n] = torch.arange(n)
+                if packing is not None:
+                    packing.doc[i, offset : offset + n] = j
+                    packing.positions[i, offset : offset + n] = torch.arange(n)
                 offset += n
             if offset > t:
                 raise ValueError(f"a row of {offset} tokens does not fit a packed width of {t}")
-            doc[i, offset:] = len(row)  # the padding after a row's samples counts as one more sample
-            positions[i, offset:] = torch.arange(t - offset)
+            if packing is not None:
+                packing.doc[i, offset:] = len(row)  # the padding after a row's samples counts as one more
+                packing.positions[i, offset:] = torch.arange(t - offset)
             aux[i, offset:].zero_()
             last[i, offset:].zero_()
 
@@ -153,7 +156,6 @@ class TrainingData:
             self.readers[ref.shard].copy_sample_into(ref.index, rows_of)
 
         list(pool.map(fill, places) if pool is not None else map(fill, places))  # list(): raise any error
-        packing = Packing(doc, positions) if width is not None else None
         return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(map(sum, lengths)), packing=packing)
 
     def close(self) -> None:
