@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,7 @@ import torch
 
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.atomic import atomic_write_json
+from eagle3_core.store.atomic import atomic_directory, atomic_write_json
 from eagle3_core.train.data import SampleRef, TrainingData
 
 Log = Callable[[str], None]
@@ -186,14 +185,8 @@ def write_offline_dataset(
                 "this conversion turns post_norm states into pre_norm ones"
             )
         refs, n_train = ordered_refs(data, val_fraction, max_val)
-        temp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(temp, ignore_errors=True)
-        try:
+        with atomic_directory(out, replace=True) as temp:
             dataset = _write(data, refs, n_train, final_norm, temp, states_dtype, key, log)
-            shutil.rmtree(out, ignore_errors=True)
-            temp.rename(out)
-        finally:
-            shutil.rmtree(temp, ignore_errors=True)
         return replace(dataset, root=out)
     finally:
         data.close()

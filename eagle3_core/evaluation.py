@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +39,7 @@ from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.export.common import FormatName
 from eagle3_core.pipeline import Log, StepResult, quiet
-from eagle3_core.store.atomic import atomic_write_json, fsync_path
+from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import read_metrics
@@ -536,7 +535,7 @@ def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "replaced": gate.current_run,
     }
-    _point(layout.drafter_current_link, layout.exports / report["run"])
+    atomic_symlink(layout.drafter_current_link, layout.exports / report["run"])
     atomic_write_json(layout.drafter_current, record)
     log(
         f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
@@ -552,16 +551,6 @@ def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
             "serve_sglang": str(layout.drafter_current_link / "sglang"),
         },
     )
-
-
-def _point(link: Path, target: Path) -> None:
-    """Replace a symlink atomically (a new link under a temporary name, renamed over the old one)."""
-    link.parent.mkdir(parents=True, exist_ok=True)
-    temp = link.with_name(f".{link.name}.tmp")
-    temp.unlink(missing_ok=True)
-    os.symlink(os.path.relpath(target, link.parent), temp)
-    os.replace(temp, link)
-    fsync_path(link.parent)
 
 
 def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = quiet) -> StepResult:

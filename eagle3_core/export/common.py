@@ -20,11 +20,8 @@ Two kinds of directory are read:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, cast
@@ -42,7 +39,7 @@ from eagle3_core.conventions import (
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
-from eagle3_core.store.atomic import fsync_path
+from eagle3_core.store.atomic import atomic_directory
 
 FormatName = Literal["sglang", "speculators"]
 SCHEMA = "eagle3.export/2"
@@ -587,37 +584,6 @@ def provenance(
     }
 
 
-@contextmanager
-def _staging_dir(out_dir: Path) -> Iterator[Path]:
-    """A fresh temporary directory beside `out_dir`, renamed over it once the body succeeds.
-
-    A directory cannot be swapped in one rename when the old one exists: the old one is first moved aside
-    (`.NAME.old-PID`) and deleted after the new one is in place. A crash leaves at most the hidden directories,
-    which the next export of the same name deletes; `out_dir` itself is always a whole export or absent.
-    """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [
-        *out_dir.parent.glob(f".{out_dir.name}.tmp-*"),
-        *out_dir.parent.glob(f".{out_dir.name}.old-*"),
-    ]:
-        shutil.rmtree(stale, ignore_errors=True)
-    temp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    temp.mkdir()
-    try:
-        yield temp
-        fsync_path(temp)
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(temp, out_dir)
-        fsync_path(out_dir.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
 def write_export(
     fmt: ExportFormat,
     drafter: Eagle3Drafter,
@@ -639,12 +605,11 @@ def write_export(
     tensors["d2t"] = mapping.d2t.to("cpu", torch.int64).contiguous()
     tensors["t2d"] = mapping.t2d.to("cpu", torch.bool).contiguous()
     config = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
-    with _staging_dir(out_dir) as temp:
+    # replace: exporting again swaps the whole directory; a failed export leaves the previous one
+    with atomic_directory(out_dir, replace=True) as temp:
         # transformers refuses a safetensors file whose metadata lacks format=pt
         save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt"})
-        fsync_path(temp / WEIGHTS_FILE)
         (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        fsync_path(temp / CONFIG_FILE)
         check_export(fmt, temp)
     return Path(out_dir)
 

@@ -1,33 +1,45 @@
-"""Atomic files: write to a temporary name in the same directory, fsync, rename, fsync the directory.
+"""Atomic files, directories and symlinks: write under a temporary name in the same directory, fsync,
+rename, fsync the directory.
 
-A file that exists under its final name is complete; a crash leaves at most a temporary file, which the
-next writer of the same name removes (`remove_stale_temps`). Where two processes may write the same name
-(a shard), the writer holds its lock first (eagle3_core/store/locks.py), so it never removes a live one's.
+A file (or directory) that exists under its final name is complete; a crash leaves at most a temporary,
+`.NAME.tmp-PID`, which the next writer of the same name removes (`remove_stale_temps`). Where two processes
+may write the same name (a shard, a toy target), the writer holds its lock first
+(eagle3_core/store/locks.py, eagle3_core/toy/build.py), so it never removes a live one's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 TEMP_MARK = ".tmp-"
+ASIDE_MARK = ".old-"  # a replaced directory, moved aside until the new one is in place
 
 
-def temp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+def temp_path_for(path: Path, mark: str = TEMP_MARK) -> Path:
+    return path.with_name(f".{path.name}{mark}{os.getpid()}")
 
 
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Remove temporaries that an earlier (crashed) writer of `path` left behind."""
+def remove_stale_temps(path: Path, marks: tuple[str, ...] = (TEMP_MARK,)) -> list[Path]:
+    """Remove temporaries (files or directories) that an earlier (crashed) writer of `path` left behind."""
     removed = []
-    for stale in path.parent.glob(f".{path.name}{TEMP_MARK}*"):
-        stale.unlink(missing_ok=True)
-        removed.append(stale)
+    for mark in marks:
+        for stale in path.parent.glob(f".{path.name}{mark}*"):
+            _remove(stale)
+            removed.append(stale)
     return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def fsync_path(path: Path) -> None:
@@ -72,6 +84,83 @@ def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> 
             f.flush()
             os.fsync(f.fileno())
         commit(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory under `directory`, the directory itself last."""
+    for root, dirs, files in os.walk(directory, topdown=False):
+        for name in [*files, *dirs]:
+            if not os.path.islink(path := os.path.join(root, name)):
+                fsync_path(Path(path))
+    fsync_path(directory)
+
+
+@contextmanager
+def atomic_directory(final: Path, *, replace: bool = False) -> Iterator[Path]:
+    """A fresh empty directory beside `final` for the body to fill; once the body returns, fsynced whole and
+    renamed to `final`. If the body raises, the temporary is removed and `final` is left as it was.
+
+    replace=False: `final` must not exist when the body is done; if another writer put it there meanwhile,
+    FileExistsError, and `final` stays as that writer made it.
+    replace=True: an existing `final` is moved aside (`.NAME.old-PID`), the new one renamed in, then the old
+    one deleted; a directory cannot be swapped in one rename, so `final` is always the old whole directory,
+    the new whole one, or (for the instant between the two renames, or after a crash there) absent.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final, (TEMP_MARK, ASIDE_MARK))
+    temp = temp_path_for(final)
+    temp.mkdir()
+    try:
+        yield temp
+        fsync_tree(temp)
+        (_swap_in if replace else _rename_new)(temp, final)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if replace:
+        shutil.rmtree(temp_path_for(final, ASIDE_MARK), ignore_errors=True)
+
+
+def _swap_in(temp: Path, final: Path) -> None:
+    old = temp_path_for(final, ASIDE_MARK)
+    if final.exists():
+        os.replace(final, old)
+    try:
+        os.replace(temp, final)
+    except BaseException:
+        if old.exists():  # the old one back: a failed write leaves `final` as it was
+            os.replace(old, final)
+        raise
+
+
+def _rename_new(temp: Path, final: Path) -> None:
+    # rename(2) replaces an empty directory silently, so `final` is looked for first; one that another
+    # writer renamed in after the look holds its files and makes the rename fail
+    if not final.exists():
+        try:
+            os.rename(temp, final)
+            return
+        except OSError:
+            if not final.exists():
+                raise
+    raise FileExistsError(f"{final}: already exists (written by another writer meanwhile)")
+
+
+def atomic_symlink(link: Path, target: Path) -> None:
+    """Point `link` at `target` (stored relative to the link's directory) atomically: a new link under a
+    temporary name, renamed over the old one."""
+    link = Path(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(link)
+    temp = temp_path_for(link)
+    try:
+        os.symlink(os.path.relpath(target, link.parent), temp)
+        commit(temp, link)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,8 +25,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
 from eagle3_core.data.sources import chitchat_turns
-from eagle3_core.procs import pid_alive
-from eagle3_core.store.atomic import atomic_write_json, fsync_path
+from eagle3_core.store.atomic import atomic_directory, atomic_write_json
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
 from eagle3_core.toy.tokenizer import train_tokenizer
@@ -370,22 +368,6 @@ def cache_key(preset: ToyPreset, seed: int, steps: int | None = None) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _remove_dead_builds(cache_root: Path, name: str) -> None:
-    """Remove temporary directories that crashed builds of `name` left (their process is gone)."""
-    for temp in cache_root.glob(f".{name}.tmp-*"):
-        pid = temp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not pid_alive(int(pid)):
-            shutil.rmtree(temp, ignore_errors=True)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_path(directory)
-
-
 def ensure_toy_target(
     cache_root: Path, size: str = "xs", seed: int = 0, log: Log = print, *, steps: int | None = None
 ) -> Path:
@@ -422,20 +404,11 @@ def _build_lock(cache_root: Path, log: Log) -> Iterator[None]:
 
 
 def _build_into(final: Path, preset: ToyPreset, seed: int, steps: int | None, log: Log) -> Path:
-    cache_root = final.parent
-    _remove_dead_builds(cache_root, final.name)
-    temp = cache_root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
     try:
-        build_toy_target(temp, preset, seed, steps=steps, log=log)
-        _fsync_tree(temp)
-        try:
-            os.rename(temp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            log(f"toy: {final.name} was built concurrently; keeping that one")
-        fsync_path(cache_root)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        with atomic_directory(final) as temp:  # under the build lock: no live build's temporary is removed
+            build_toy_target(temp, preset, seed, steps=steps, log=log)
+    except FileExistsError:
+        if not final.is_dir():
+            raise
+        log(f"toy: {final.name} was built concurrently; keeping that one")
     return final

@@ -12,7 +12,6 @@ leaves only a temporary directory, removed on the next save. Everything is safet
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.store.atomic import TEMP_MARK, fsync_path
+from eagle3_core.store.atomic import atomic_directory
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "drafter.safetensors"
@@ -79,24 +78,13 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int,
 ) -> Path:
-    root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"*{TEMP_MARK}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step-{step:08d}"
-    temp = root / f"{final.name}{TEMP_MARK}{os.getpid()}"
-    temp.mkdir()
+    final = checkpoints_dir(run_dir) / f"step-{step:08d}"
     opt_tensors, groups = _flatten_optimizer(optimizer_state)
-    save_file({n: t.detach().cpu().contiguous() for n, t in weights.items()}, str(temp / WEIGHTS))
-    save_file(opt_tensors, str(temp / OPTIMIZER))
-    (temp / STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=1))
-    for name in (WEIGHTS, OPTIMIZER, STATE):
-        fsync_path(temp / name)
-    fsync_path(temp)
-    if final.exists():  # the same step saved again (a resumed run re-reaching it): replace it whole
-        shutil.rmtree(final)
-    temp.rename(final)
-    fsync_path(root)
+    # replace: the same step saved again (a resumed run re-reaching it) replaces it whole
+    with atomic_directory(final, replace=True) as temp:
+        save_file({n: t.detach().cpu().contiguous() for n, t in weights.items()}, str(temp / WEIGHTS))
+        save_file(opt_tensors, str(temp / OPTIMIZER))
+        (temp / STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=1))
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

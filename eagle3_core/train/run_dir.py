@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.atomic import TEMP_MARK, atomic_write_json, fsync_path
+from eagle3_core.store.atomic import atomic_directory, atomic_write_json
 
 FINAL = "final"
 
@@ -138,19 +137,14 @@ def write_final(
     from safetensors.torch import save_file
 
     final = run_dir / FINAL
-    temp = run_dir / f"{FINAL}{TEMP_MARK}{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
-    save_file(
-        {n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()},
-        str(temp / "drafter.safetensors"),
-    )
-    atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
-    save_vocab_mapping(mapping, temp / "vocab_mapping")
-    atomic_write_json(temp / "summary.json", summary)
-    fsync_path(temp)
-    temp.rename(final)
-    fsync_path(run_dir)
+    with atomic_directory(final) as temp:
+        save_file(
+            {n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()},
+            str(temp / "drafter.safetensors"),
+        )
+        atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
+        save_vocab_mapping(mapping, temp / "vocab_mapping")
+        atomic_write_json(temp / "summary.json", summary)
     return final
 
 

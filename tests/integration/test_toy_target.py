@@ -157,7 +157,7 @@ def test_ensure_builds_once(cached: tuple[Path, Path], monkeypatch: pytest.Monke
 
 def test_crashed_build_leaves_no_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(out_dir: Path, *args: object, **kwargs: object) -> ToyTargetReport:
-        out_dir.mkdir(parents=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-build")
 
@@ -176,7 +176,7 @@ def test_a_second_build_waits_for_the_first_and_reuses_its_target(
 
     def fake_build(out_dir: Path, *args: object, **kwargs: object) -> None:
         builds.append(out_dir)
-        out_dir.mkdir(parents=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text("{}")
 
     monkeypatch.setattr(build, "build_toy_target", fake_build)

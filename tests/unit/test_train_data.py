@@ -166,7 +166,7 @@ def test_checkpoints_are_whole_or_absent_and_pruned(tmp_path: Path) -> None:
     for step in (10, 20, 30):
         save_checkpoint(tmp_path, step, w, opt, {"tokens": step}, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
-    (tmp_path / "checkpoints" / f"step-00000040{TEMP_MARK}999").mkdir()  # a save that died half-way
+    (tmp_path / "checkpoints" / f".step-00000040{TEMP_MARK}999").mkdir()  # a save that died half-way
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.step == 30 and ckpt.state["tokens"] == 30
     assert torch.equal(ckpt.weights["fc.weight"], w["fc.weight"])
