@@ -4,7 +4,7 @@ rename, fsync the directory.
 A file (or directory) that exists under its final name is complete; a crash leaves at most a temporary,
 `.NAME.tmp-PID`, which the next writer of the same name removes (`remove_stale_temps`). Where two processes
 may write the same name (a shard, a toy target), the writer holds its lock first
-(eagle3_core/store/locks.py, eagle3_core/toy/build.py), so it never removes a live one's.
+(eagle3_core/store/locks.py; the toy build's lock), so it never removes a live one's.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> 
         raise
 
 
-def fsync_tree(directory: Path) -> None:
+def _fsync_tree(directory: Path) -> None:
     """fsync every file and directory under `directory`, the directory itself last."""
     for root, dirs, files in os.walk(directory, topdown=False):
         for name in [*files, *dirs]:
@@ -116,7 +116,7 @@ def atomic_directory(final: Path, *, replace: bool = False) -> Iterator[Path]:
     temp.mkdir()
     try:
         yield temp
-        fsync_tree(temp)
+        _fsync_tree(temp)
         (_swap_in if replace else _rename_new)(temp, final)
         fsync_path(final.parent)
     except BaseException:
