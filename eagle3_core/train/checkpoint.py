@@ -1,7 +1,8 @@
 """Training checkpoints: one directory per step, written under a temporary name, fsynced and renamed.
 
 A checkpoint directory that exists is complete, so resuming means taking the newest one; a crash mid-write
-leaves only a temporary directory, removed when the resumed run saves that step again. Everything is safetensors or JSON:
+leaves only a temporary directory, removed when the resumed run saves that step again. Everything is
+safetensors or JSON:
 
     step-00000200/
       drafter.safetensors     trainable weights (the frozen target embedding is not repeated)
