@@ -614,10 +614,17 @@ def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
 
 
 def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Mappings merge key by key; anything else (lists included) is replaced."""
+    """Mappings merge key by key, unless they name different kinds (another union member: its settings are
+    not the other's); anything else (lists included) is replaced."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = (
-            _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
+        below = out.get(key)
+        if (
+            isinstance(value, dict)
+            and isinstance(below, dict)
+            and value.get("kind", below.get("kind")) == below.get("kind")
+        ):
+            out[key] = _merged(below, value)
+        else:
+            out[key] = value
     return out

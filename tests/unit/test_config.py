@@ -144,3 +144,12 @@ def test_every_backend_kind_has_an_opener() -> None:
     from eagle3_core.targets.resolve import OPENERS
 
     assert tuple(member.model_fields["kind"].default for member in OPENERS) == BACKEND_KINDS
+
+
+def test_an_override_of_another_backend_kind_replaces_the_file_s(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "target: {backend: {kind: sglang_http, url: 'http://h:1'}}\n")
+    assert load_config(path, "target: {backend: {kind: sglang_engine}}").target.backend == (
+        SGLangEngineBackendConfig()
+    )
+    moved = load_config(path, "target: {backend: {url: 'http://h:2'}}").target.backend
+    assert moved == SGLangHttpBackendConfig(url="http://h:2")  # same kind: merged field by field
