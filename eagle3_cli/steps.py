@@ -160,7 +160,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    if cfg.target.backend == "transformers":
+    if cfg.target.backend.kind == "transformers":
         return _run_shards(args, "extract")
     # target.backend sglang_*: the states come from SGLang (eagle3_core/targets/sglang.py)
     from eagle3_core import pipeline

@@ -81,6 +81,47 @@ class ToyTargetConfig(_Model):
     seed: int = 0
 
 
+class TransformersBackendConfig(_Model):
+    """The target loaded with transformers in this process (the default)."""
+
+    kind: Literal["transformers"] = "transformers"
+
+
+class SGLangHttpBackendConfig(_Model):
+    """A running SGLang server launched with eagle3's capture hooks (eagle3_core/targets/sglang.py)."""
+
+    kind: Literal["sglang_http"] = "sglang_http"
+    url: str = Field(
+        pattern=r"^https?://\S+$",
+        description="The server's base URL, e.g. http://127.0.0.1:30000.",
+    )
+
+
+# tp_size and mem_fraction_static stay in the `sglang` section: the server eagle3 launches (whose states
+# sglang_http reads) takes the same two, and one host's GPU layout is then written once for both
+class SGLangEngineBackendConfig(_Model):
+    """sglang.Engine in this process (GPU only, eagle3[sglang]), sized by sglang.tp_size and mem_fraction_static."""
+
+    kind: Literal["sglang_engine"] = "sglang_engine"
+
+
+BACKEND_KINDS = ("transformers", "sglang_http", "sglang_engine")
+
+
+def _backend_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("kind")
+    return getattr(value, "kind", None)
+
+
+Backend = Annotated[
+    Annotated[TransformersBackendConfig, Tag("transformers")]
+    | Annotated[SGLangHttpBackendConfig, Tag("sglang_http")]
+    | Annotated[SGLangEngineBackendConfig, Tag("sglang_engine")],
+    Discriminator(_backend_kind),
+]
+
+
 class TargetConfig(_Model):
     path: str = Field(
         default="toy",
@@ -95,24 +136,39 @@ class TargetConfig(_Model):
         description="Residual stream entering these decoder layers (0-based); default (2, L//2, L-3).",
     )
     toy: ToyTargetConfig = ToyTargetConfig()
-    backend: Literal["transformers", "sglang_http", "sglang_engine"] = Field(
-        default="transformers",
-        description="What computes the hidden states at extraction: transformers in this process; "
-        "sglang_http, a running SGLang server at sglang_url launched with eagle3's capture hooks "
-        "(eagle3_core/targets/sglang.py); sglang_engine, sglang.Engine in this process (GPU only, "
-        "eagle3[sglang], tensor-parallel over sglang.tp_size GPUs). Regeneration is not affected.",
-    )
-    sglang_url: str | None = Field(
-        default=None,
-        pattern=r"^https?://\S+$",
-        description="Base URL of the SGLang server backend sglang_http reads, e.g. http://127.0.0.1:30000.",
+    backend: Backend = Field(
+        default_factory=TransformersBackendConfig,
+        description="What computes the hidden states at extraction, by `kind` (sections below); a kind "
+        "without settings may be written alone, e.g. `backend: sglang_engine`. Regeneration is not affected.",
     )
 
-    @model_validator(mode="after")
-    def _sglang_url_given(self) -> TargetConfig:
-        if self.backend == "sglang_http" and self.sglang_url is None:
-            raise ValueError("target.backend 'sglang_http' needs target.sglang_url (the server's base URL)")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sglang_url(cls, data: Any) -> Any:
+        # the old spelling is refused, not mapped: a config must not change meaning without its author knowing
+        if isinstance(data, dict) and "sglang_url" in data:
+            raise ValueError(
+                "target.sglang_url is no longer read: the URL of backend sglang_http is now written "
+                f"target.backend: {{kind: sglang_http, url: {data['sglang_url']!r}}}"
+            )
+        return data
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _kind_alone(cls, value: Any) -> Any:
+        if value == "sglang_http":
+            raise ValueError(
+                "backend sglang_http needs the server's URL: write target.backend: "
+                "{kind: sglang_http, url: 'http://HOST:PORT'}"
+            )
+        kind = _backend_kind(value) if not isinstance(value, str) else value
+        if kind not in BACKEND_KINDS:
+            # checked here so that the message names the kinds, where pydantic's names its discriminator
+            found = (
+                "" if isinstance(value, str) else " (no kind given)" if kind is None else f" (got {kind!r})"
+            )
+            raise ValueError(f"a backend's kind is one of {', '.join(BACKEND_KINDS)}{found}")
+        return {"kind": value} if isinstance(value, str) else value
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -512,10 +568,14 @@ class Eagle3Config(_Model):
         return self.resolve(self.cache)
 
 
+# the member tags pydantic puts in an error's location, left out so that it names the field as written
+UNION_TAGS = frozenset({"file", "chitchat", *BACKEND_KINDS})
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: {err.error_count()} invalid value(s)"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in {"file", "chitchat"}))
+        field = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in UNION_TAGS))
         got = e.get("input")
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"  {field or '<top level>'}: {e['msg']}{got_text}")
@@ -554,10 +614,17 @@ def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
 
 
 def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Mappings merge key by key; anything else (lists included) is replaced."""
+    """Mappings merge key by key, unless they name different kinds (another union member: its settings are
+    not the other's); anything else (lists included) is replaced."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = (
-            _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
+        below = out.get(key)
+        if (
+            isinstance(value, dict)
+            and isinstance(below, dict)
+            and value.get("kind", below.get("kind")) == below.get("kind")
+        ):
+            out[key] = _merged(below, value)
+        else:
+            out[key] = value
     return out

@@ -28,10 +28,9 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
-from eagle3_core.targets.base import HiddenStates, SampleFailure
+from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
-from eagle3_core.targets.resolve import ExtractionTarget
 
 Log = Callable[[str], None]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from eagle3_core.conventions import FinalStateConvention
 
@@ -53,8 +53,14 @@ class SampleFailure:
     reason: str
 
 
-class TargetBackend(Protocol):
+class ExtractionTarget(Protocol):
+    """What extraction needs of a target, whichever backend (`target.backend`) computes the states: its info,
+    the tokenizer the chat template and loss mask come from (always the target directory's) and its
+    fingerprint, the states, and a way to let go of what it holds."""
+
     info: TargetInfo
+    tokenizer: Any
+    tokenizer_fingerprint: str
 
     def hidden_states(
         self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
@@ -63,4 +69,8 @@ class TargetBackend(Protocol):
 
         `dtype`: the dtype to return (the shard's storage dtype), so the cast happens once, where it is cheapest.
         """
+        ...
+
+    def close(self, timeout_s: float = 60.0) -> float:
+        """Release what the target holds (GPU memory, an engine); the seconds waited for the memory to return."""
         ...

@@ -3,20 +3,22 @@ backend computes its hidden states at extraction (`target.backend`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from eagle3_core.config import Eagle3Config, TargetConfig
+from eagle3_core.config import (
+    Eagle3Config,
+    SGLangEngineBackendConfig,
+    SGLangHttpBackendConfig,
+    TargetConfig,
+    TransformersBackendConfig,
+)
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.data.tokenize import check_chat_template
 from eagle3_core.errors import TargetError
 from eagle3_core.store.atomic import read_json_object
-
-if TYPE_CHECKING:  # resolving a directory must not import torch (`eagle3 stats` never does)
-    import torch
-
-    from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
+from eagle3_core.targets.base import ExtractionTarget
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -115,44 +117,46 @@ def _positive_int(config: dict[str, Any], key: str, config_path: Path) -> int:
     return value
 
 
-class ExtractionTarget(Protocol):
-    """What extraction needs of a target, whichever backend computes the states: `TargetBackend` (its info
-    and `hidden_states`), the tokenizer the chat template and loss mask come from (always the target
-    directory's), its fingerprint, and a way to let go of what it holds."""
+Opener = Callable[[Any, Path, Eagle3Config, Callable[[str], None]], ExtractionTarget]
 
-    info: TargetInfo
-    tokenizer: Any
-    tokenizer_fingerprint: str
 
-    def hidden_states(
-        self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
-    ) -> list[HiddenStates | SampleFailure]: ...
+def _open_transformers(
+    backend: TransformersBackendConfig, model_dir: Path, cfg: Eagle3Config, log: Callable[[str], None]
+) -> ExtractionTarget:
+    from eagle3_core.targets.hf import TransformersTarget
 
-    def close(self, timeout_s: float = 60.0) -> float: ...
+    return TransformersTarget(model_dir, cfg.target)
+
+
+def _open_sglang_http(
+    backend: SGLangHttpBackendConfig, model_dir: Path, cfg: Eagle3Config, log: Callable[[str], None]
+) -> ExtractionTarget:
+    from eagle3_core.targets.sglang import SGLangHttpBackend
+
+    log(f"hidden states from the SGLang server at {backend.url}")
+    return SGLangHttpBackend(backend.url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len)
+
+
+def _open_sglang_engine(
+    backend: SGLangEngineBackendConfig, model_dir: Path, cfg: Eagle3Config, log: Callable[[str], None]
+) -> ExtractionTarget:
+    from eagle3_core.targets.sglang import SGLangEngineBackend
+
+    log(f"starting sglang.Engine over {model_dir} (tp {cfg.sglang.tp_size})")
+    return SGLangEngineBackend(
+        model_dir, cfg.target, tp_size=cfg.sglang.tp_size, mem_fraction_static=cfg.sglang.mem_fraction_static
+    )
+
+
+# one opener per member of config.Backend; each imports its backend's module (SGLang's lazily) only when used
+OPENERS: dict[type[Any], Opener] = {
+    TransformersBackendConfig: _open_transformers,
+    SGLangHttpBackendConfig: _open_sglang_http,
+    SGLangEngineBackendConfig: _open_sglang_engine,
+}
 
 
 def open_extraction_target(cfg: Eagle3Config, log: Callable[[str], None] = print) -> ExtractionTarget:
     """The hidden-state backend `target.backend` names (transformers unless set otherwise)."""
     model_dir = target_dir(cfg, log=log)
-    backend = cfg.target.backend
-    if backend == "sglang_http":
-        from eagle3_core.targets.sglang import SGLangHttpBackend
-
-        assert cfg.target.sglang_url is not None  # the config refuses sglang_http without it
-        log(f"hidden states from the SGLang server at {cfg.target.sglang_url}")
-        return SGLangHttpBackend(
-            cfg.target.sglang_url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len
-        )
-    if backend == "sglang_engine":
-        from eagle3_core.targets.sglang import SGLangEngineBackend
-
-        log(f"starting sglang.Engine over {model_dir} (tp {cfg.sglang.tp_size})")
-        return SGLangEngineBackend(
-            model_dir,
-            cfg.target,
-            tp_size=cfg.sglang.tp_size,
-            mem_fraction_static=cfg.sglang.mem_fraction_static,
-        )
-    from eagle3_core.targets.hf import TransformersTarget
-
-    return TransformersTarget(model_dir, cfg.target)
+    return OPENERS[type(cfg.target.backend)](cfg.target.backend, model_dir, cfg, log)

@@ -1,4 +1,4 @@
-"""Hidden states from SGLang, behind the same seam as the transformers target (`TargetBackend`).
+"""Hidden states from SGLang, behind the same seam as the transformers target (`ExtractionTarget`).
 
 Two backends, and the checks every response passes before a row can reach a shard.
 

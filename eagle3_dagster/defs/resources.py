@@ -14,8 +14,9 @@ from pydantic import Field, PrivateAttr
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.engines.sglang_server import Purpose, SGLangServer, launch_command
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.base import ExtractionTarget
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.targets.resolve import ExtractionTarget, open_extraction_target, target_dir
+from eagle3_core.targets.resolve import open_extraction_target, target_dir
 
 DEFAULT_CONFIG = "eagle3.yaml"
 
@@ -54,7 +55,7 @@ class TargetResource(dg.ConfigurableResource):
     def extraction_target(self, log: Any = None) -> ExtractionTarget:
         """What computes the hidden states: the in-process target, or SGLang when `target.backend` says so."""
         cfg = self.eagle3.config()
-        if cfg.target.backend == "transformers":
+        if cfg.target.backend.kind == "transformers":
             return self.get(log)
         if self._extractor is None:
             self._extractor = open_extraction_target(cfg, log=log.info if log is not None else print)

@@ -155,7 +155,7 @@ def _setup(tmp_path: Path, target_dir: Path, url: str, n: int = 12) -> tuple[Eag
         write_config(
             tmp_path,
             "store: store\ndata: {dataset: t, holdout_fraction: 0.0, sources: [{path: c.jsonl}]}\n"
-            f"target: {{path: {target_dir}, aux_layer_ids: {list(AUX)}, backend: sglang_http, sglang_url: '{url}'}}\n"
+            f"target: {{path: {target_dir}, aux_layer_ids: {list(AUX)}, backend: {{kind: sglang_http, url: '{url}'}}}}\n"
             "regenerate: {enabled: false}\nextract: {store_dtype: float32, max_batch_tokens: 160}\n",
         )
     )

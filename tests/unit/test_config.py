@@ -2,7 +2,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_core.config import ConfigError, load_config
+from eagle3_core.config import (
+    BACKEND_KINDS,
+    ConfigError,
+    SGLangEngineBackendConfig,
+    SGLangHttpBackendConfig,
+    TransformersBackendConfig,
+    load_config,
+)
 from tests.conftest import write_config
 
 
@@ -65,3 +72,84 @@ def test_launchpad_overrides_merge_field_by_field_and_are_validated_like_the_fil
         load_config(path, "train: {epochs: 0}")
     with pytest.raises(ConfigError, match=r"\(overrides\): the top level must be a mapping"):
         load_config(path, "- 1")
+
+
+# ---- target.backend: a union on `kind` ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("store: s\n", TransformersBackendConfig()),
+        ("target: {backend: {kind: transformers}}\n", TransformersBackendConfig()),
+        ("target: {backend: transformers}\n", TransformersBackendConfig()),
+        ("target: {backend: {kind: sglang_engine}}\n", SGLangEngineBackendConfig()),
+        ("target: {backend: sglang_engine}\n", SGLangEngineBackendConfig()),
+        (
+            "target: {backend: {kind: sglang_http, url: 'http://127.0.0.1:30000'}}\n",
+            SGLangHttpBackendConfig(url="http://127.0.0.1:30000"),
+        ),
+    ],
+)
+def test_each_backend_kind_parses_and_a_kind_alone_is_its_shorthand(
+    tmp_path: Path, text: str, expected: object
+) -> None:
+    assert load_config(write_config(tmp_path, text)).target.backend == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        (
+            "target: {backend: sglang_http, sglang_url: 'http://h:1'}\n",
+            "  target: Value error, target.sglang_url is no longer read: the URL of backend sglang_http is now "
+            "written target.backend: {kind: sglang_http, url: 'http://h:1'}",
+        ),
+        (
+            "target: {backend: sglang_http}\n",
+            "  target.backend: Value error, backend sglang_http needs the server's URL: write target.backend: "
+            "{kind: sglang_http, url: 'http://HOST:PORT'} (got 'sglang_http')",
+        ),
+        ("target: {backend: {kind: sglang_http}}\n", "  target.backend.url: Field required"),
+        (
+            "target: {backend: {kind: sglang_http, url: 'localhost:30000'}}\n",
+            "  target.backend.url: String should match pattern '^https?://\\S+$' (got 'localhost:30000')",
+        ),
+        (
+            "target: {backend: vllm}\n",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
+            "(got 'vllm')",
+        ),
+        (
+            "target: {backend: {kind: vllm}}\n",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
+            "(got 'vllm')",
+        ),
+        (
+            "target: {backend: {url: 'http://h:1'}}\n",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
+            "(no kind given)",
+        ),
+        (
+            "target: {backend: {kind: transformers, url: 'http://h:1'}}\n",
+            "  target.backend.url: Extra inputs are not permitted (got 'http://h:1')",
+        ),
+    ],
+)
+def test_a_bad_backend_is_refused_in_one_line_naming_the_field(tmp_path: Path, text: str, line: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, text))
+    assert str(err.value).splitlines()[1:] == [line]
+
+
+def test_every_backend_kind_has_an_opener() -> None:
+    from eagle3_core.targets.resolve import OPENERS
+
+    assert tuple(member.model_fields["kind"].default for member in OPENERS) == BACKEND_KINDS
+
+
+def test_an_override_of_another_backend_kind_replaces_the_file_s(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "target: {backend: {kind: sglang_http, url: 'http://h:1'}}\n")
+    assert load_config(path, "target: {backend: {kind: sglang_engine}}").target.backend == (
+        SGLangEngineBackendConfig()
+    )
+    moved = load_config(path, "target: {backend: {url: 'http://h:2'}}").target.backend
+    assert moved == SGLangHttpBackendConfig(url="http://h:2")  # same kind: merged field by field

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3_core.config import ConfigError, load_config
 from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
 from eagle3_core.engines.sglang_client import SGLangError
 from eagle3_core.engines.sglang_models import MODELS
@@ -29,7 +28,7 @@ from eagle3_core.targets.sglang import (
     states_from_response,
     width_problem,
 )
-from tests.conftest import FIXTURES, write_config
+from tests.conftest import FIXTURES
 
 LLAMA = MODELS["LlamaForCausalLM"]
 
@@ -334,26 +333,6 @@ def test_launch_args_and_what_a_server_reports() -> None:
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
-def test_transformers_stays_the_default_backend(tmp_path: Path) -> None:
-    cfg = load_config(write_config(tmp_path, "store: s\n"))
-    assert cfg.target.backend == "transformers" and cfg.target.sglang_url is None
-
-
-def test_sglang_http_needs_a_url(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"target: .*target.backend 'sglang_http' needs target.sglang_url"):
-        load_config(write_config(tmp_path, "target: {backend: sglang_http}\n"))
-    with pytest.raises(ConfigError, match=r"target.sglang_url: .*pattern"):
-        load_config(write_config(tmp_path, "target: {backend: sglang_http, sglang_url: 'localhost:30000'}\n"))
-    with pytest.raises(
-        ConfigError, match=r"target.backend: .*'transformers', 'sglang_http' or 'sglang_engine'"
-    ):
-        load_config(write_config(tmp_path, "target: {backend: vllm}\n"))
-    cfg = load_config(
-        write_config(tmp_path, "target: {backend: sglang_http, sglang_url: 'http://127.0.0.1:30000'}\n")
-    )
-    assert cfg.target.sglang_url == "http://127.0.0.1:30000"
-
-
 def test_the_engine_backend_says_how_to_get_sglang(tmp_path: Path) -> None:
     from eagle3_core.config import TargetConfig
     from eagle3_core.errors import Eagle3Error

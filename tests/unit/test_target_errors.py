@@ -209,8 +209,8 @@ def test_sglang_extraction_checks_the_target_before_reaching_the_server(
     target = toy_target_dir
     config = write_config(
         tmp_path / "project",
-        f"store: {store}\n{DATA}target: {{path: {target}, aux_layer_ids: [2, 3, 99], backend: sglang_http, "
-        "sglang_url: 'http://127.0.0.1:9'}\n",
+        f"store: {store}\n{DATA}target: {{path: {target}, aux_layer_ids: [2, 3, 99], "
+        "backend: {kind: sglang_http, url: 'http://127.0.0.1:9'}}\n",
     )
     capsys.readouterr()
     line = _one_error_line(main(["--config", str(config), "extract"]), capsys.readouterr().out)
