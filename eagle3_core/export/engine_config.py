@@ -28,7 +28,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from eagle3_core.errors import ExportError
 
 FormatName = Literal["sglang", "speculators"]
-DtypeName = Literal["float32", "bfloat16", "float16"]  # the dtypes a drafter is exported in (common.DTYPES)
+DtypeName = Literal["float32", "bfloat16", "float16"]  # the dtypes a drafter is exported in
 CONFIG_FILE = "config.json"
 SCHEMA = "eagle3.export/2"
 # exports written before the variant flags: their drafter had none (all false, no window), and their SGLang

@@ -108,7 +108,7 @@ def _no_residual_norm(flag: bool | None) -> bool | None:
 class EagleConfig(EngineModel):
     """`eagle_config`: where SGLang (and vLLM, for this architecture) look first."""
 
-    # absent: SGLang captures the inputs of layers (2, L//2, L-3); SGLang's numbers (engines/sglang_models.py)
+    # in SGLang's numbering (the module docstring); absent: SGLang captures the inputs of layers (2, L//2, L-3)
     eagle_aux_hidden_state_layer_ids: Annotated[LayerIds | None, NOT_NULL] = None
     use_aux_hidden_state: Annotated[bool | None, NOT_NULL, AfterValidator(_aux_states_used)] = None
     norm_before_fc: Annotated[bool | None, NOT_NULL] = None  # read before the top-level one
