@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -39,14 +39,16 @@ from eagle3_core.conventions import (
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
+from eagle3_core.export.engine_config import (
+    CONFIG_FILE,
+    LEGACY_SCHEMA,
+    SCHEMA,
+    EngineModel,
+    FormatName,
+    Provenance,
+)
 from eagle3_core.store.atomic import atomic_directory
 
-FormatName = Literal["sglang", "speculators"]
-SCHEMA = "eagle3.export/2"
-# exports written before the variant flags: their drafter had none (all false, no window), and their SGLang
-# config names no flag, so they are read as the engine reads them and checked against that all-false variant
-LEGACY_SCHEMA = "eagle3.export/1"
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 PROVENANCE_KEY = "eagle3_export"  # our own block inside config.json; the engines ignore unknown fields
@@ -172,90 +174,6 @@ class LoadedExport(NamedTuple):
 
 
 # ---- config.json reading ---------------------------------------------------------------------------------
-_MISSING = object()
-
-
-def field(
-    config: dict[str, Any], path: str, kind: type | tuple[type, ...], where: str, within: str = ""
-) -> Any:
-    """config["a"]["b"] for path "a.b", of the given JSON type; anything else is an ExportError naming it.
-
-    `within`: where `config` itself sits in the file (e.g. "transformer_layer_config"), for the message.
-    """
-    full = f"{within}.{path}" if within else path
-    value: Any = config
-    for part in path.split("."):
-        value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
-        if value is _MISSING:
-            raise ExportError(f"{where}: config field {full!r} is missing")
-    # bool is an int in Python: never let true/false pass as a size, nor 1/0 as a flag
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise ExportError(f"{where}: config field {full!r} is {value!r}, not {_names(kind)}")
-    return value
-
-
-def optional_field(
-    config: dict[str, Any],
-    path: str,
-    kind: type | tuple[type, ...],
-    default: Any,
-    where: str,
-    within: str = "",
-) -> Any:
-    """`field`, or `default` where the config lacks it (what an engine does for an absent field)."""
-    value: Any = config
-    for part in path.split("."):
-        value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
-        if value is _MISSING:
-            return default
-    return field(config, path, kind, where, within)
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _names(kind: type | tuple[type, ...]) -> str:
-    return " or ".join("null" if k is type(None) else k.__name__ for k in _as_tuple(kind))
-
-
-def expect(condition: bool, where: str, message: str) -> None:
-    if not condition:
-        raise ExportError(f"{where}: {message}")
-
-
-def layer_ids(value: Any, path: str, where: str) -> tuple[int, int, int]:
-    ok = (
-        isinstance(value, list)
-        and len(value) == 3
-        and all(type(v) is int for v in value)
-        and len(set(value)) == 3
-    )
-    expect(ok, where, f"{path} must be three distinct integers, got {value!r}")
-    return (value[0], value[1], value[2])
-
-
-def config_dtype(config: dict[str, Any], where: str) -> torch.dtype:
-    """The dtype a config declares (`torch_dtype` for transformers 4 readers, `dtype` for 5); both must agree."""
-    names = {config[k] for k in ("torch_dtype", "dtype") if config.get(k) is not None}
-    expect(
-        len(names) == 1, where, f"torch_dtype/dtype must be given and agree, got {sorted(map(str, names))}"
-    )
-    name = next(iter(names))
-    expect(name in DTYPES, where, f"unsupported dtype {name!r}")
-    return DTYPES[name][0]
-
-
-def read_flag(
-    config: dict[str, Any], key: str, where: str, *, ours: bool, default: bool = False, within: str = ""
-) -> bool:
-    """A variant flag: required in our exports (every flag is written), else the engine's default when absent."""
-    if ours:
-        return bool(field(config, key, bool, where, within))
-    value = optional_field(config, key, (bool, type(None)), None, where, within)
-    return default if value is None else bool(value)  # the engines read a null flag as unset
-
-
 @dataclass(frozen=True)
 class ConfigFacts:
     """What a format's config.json says, in our terms."""
@@ -265,14 +183,11 @@ class ConfigFacts:
     engine_aux_layer_ids: tuple[int, int, int] | None
     # None: a drafter made elsewhere, whose dtype is its weights' own (the engines cast to theirs anyway)
     dtype: torch.dtype | None
+    provenance: Provenance | None  # None: a drafter made elsewhere
 
 
 def llama_layer_config(cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype) -> dict[str, Any]:
-    """The Llama decoder-layer fields both engines build the drafter's one layer from.
-
-    RoPE is written both ways: `rope_theta` for transformers 4 readers (SGLang, older vLLM), `rope_parameters`
-    for transformers 5; no scaling, because our drafter runs plain RoPE whatever the target uses.
-    """
+    """The fields of the Llama decoder layer (engine_config.LlamaLayer) that `cfg` is built from."""
     name = dtype_name(dtype)
     return {
         "model_type": "llama",
@@ -296,70 +211,6 @@ def llama_layer_config(cfg: DrafterConfig, target: ExportTarget, dtype: torch.dt
     }
 
 
-def read_llama_layer(
-    layer: dict[str, Any], where: str, prefix: str, *, require_rope_theta: bool
-) -> tuple[dict[str, Any], torch.dtype]:
-    """The inverse of `llama_layer_config` for our own exports, every field required and checked: the sizes
-    as DrafterConfig fields, and the dtype. `prefix` names the fields' place in the file.
-
-    `require_rope_theta`: the reader knows only the transformers 4 field (SGLang), not `rope_parameters`.
-    """
-
-    def get(key: str, kind: type | tuple[type, ...]) -> Any:
-        return field(layer, key, kind, where, prefix)
-
-    expect(get("model_type", str) == "llama", where, f"{prefix or 'config'} model_type must be 'llama'")
-    expect(
-        get("num_hidden_layers", int) == 1, where, "num_hidden_layers must be 1 (one EAGLE-3 decoder layer)"
-    )
-    expect(
-        get("tie_word_embeddings", bool) is False,
-        where,
-        "tie_word_embeddings must be false (lm_head is the drafter's own)",
-    )
-    act = layer.get("hidden_act", "silu")
-    expect(act == "silu", where, f"hidden_act must be silu, got {act!r}")
-    biases = [k for k in ("attention_bias", "mlp_bias") if layer.get(k)]
-    expect(not biases, where, f"{biases} set: our drafter has no biases")
-    thetas = set()
-    if "rope_theta" in layer or require_rope_theta:
-        thetas.add(float(get("rope_theta", (int, float))))
-    rope = layer.get("rope_parameters")
-    if rope is not None:
-        expect(
-            isinstance(rope, dict) and rope.get("rope_type", "default") == "default",
-            where,
-            f"rope_parameters {rope!r}: only plain RoPE is supported",
-        )
-        thetas.add(float(get("rope_parameters.rope_theta", (int, float))))
-    expect(
-        len(thetas) == 1,
-        where,
-        f"rope_theta must be given (rope_theta or rope_parameters.rope_theta) and agree, got {sorted(thetas)}",
-    )
-    expect(
-        layer.get("rope_scaling") is None,
-        where,
-        f"rope_scaling {layer.get('rope_scaling')!r}: our drafter runs plain RoPE",
-    )
-    get("max_position_embeddings", int)
-    hidden = get("hidden_size", int)
-    heads = get("num_attention_heads", int)
-    head_dim = get("head_dim", int)
-    sizes = {
-        "hidden_size": hidden,
-        "intermediate_size": get("intermediate_size", int),
-        "num_heads": heads,
-        "num_kv_heads": get("num_key_value_heads", int),
-        # None when it is the derived value, so a reloaded config equals the one that was exported
-        "head_dim": None if head_dim * heads == hidden else head_dim,
-        "rms_norm_eps": float(get("rms_norm_eps", (int, float))),
-        "rope_theta": thetas.pop(),
-        "target_vocab_size": get("vocab_size", int),
-    }
-    return sizes, config_dtype(layer, where)
-
-
 def read_external_layer(layer: dict[str, Any], where: str, prefix: str) -> dict[str, Any]:
     """The decoder layer of a drafter made elsewhere, as the engines build it: through transformers'
     LlamaConfig, so an absent field takes the value the engines' readers give it. Sizes as DrafterConfig fields.
@@ -368,38 +219,38 @@ def read_external_layer(layer: dict[str, Any], where: str, prefix: str) -> dict[
 
     place = prefix or "config"
     kind = layer.get("model_type")
-    expect(
-        kind == "llama",
-        where,
-        f"{place} model_type is {kind!r}: only a Llama decoder layer is supported (eagle3's drafter)",
-    )
+    if kind != "llama":
+        raise ExportError(
+            f"{where}: {place} model_type is {kind!r}: only a Llama decoder layer is supported (eagle3's drafter)"
+        )
     try:
         llama = LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"})
     except Exception as e:  # transformers' own validation: say which file, not a library traceback
         message = " ".join(str(e).split())  # one line: transformers' messages span several
         raise ExportError(f"{where}: {place} is not a valid LlamaConfig ({message})") from e
     layers = llama.num_hidden_layers
-    expect(
-        layers == 1, where, f"{place} num_hidden_layers is {layers}: eagle3's drafter has one decoder layer"
-    )
-    expect(
-        llama.tie_word_embeddings is False,
-        where,
-        f"{place} tie_word_embeddings is true: the engine would use the embedding as lm_head",
-    )
-    expect(llama.hidden_act == "silu", where, f"{place} hidden_act must be silu, got {llama.hidden_act!r}")
+    if layers != 1:
+        raise ExportError(
+            f"{where}: {place} num_hidden_layers is {layers}: eagle3's drafter has one decoder layer"
+        )
+    if llama.tie_word_embeddings is not False:
+        raise ExportError(
+            f"{where}: {place} tie_word_embeddings is true: the engine would use the embedding as lm_head"
+        )
+    if llama.hidden_act != "silu":
+        raise ExportError(f"{where}: {place} hidden_act must be silu, got {llama.hidden_act!r}")
     biases = [k for k in ("attention_bias", "mlp_bias") if getattr(llama, k, False)]
-    expect(not biases, where, f"{place} {biases} set: eagle3's drafter has no biases")
+    if biases:
+        raise ExportError(f"{where}: {place} {biases} set: eagle3's drafter has no biases")
     rope = dict(llama.rope_parameters or {})
     theta = rope.pop("rope_theta", None)
     rope_type = rope.pop("rope_type", "default")
     partial = rope.pop("partial_rotary_factor", 1.0)
-    expect(
-        rope_type == "default" and not rope and partial == 1.0 and isinstance(theta, int | float),
-        where,
-        f"{place} rope_parameters {llama.rope_parameters!r}: eagle3's drafter runs plain full-head RoPE only",
-    )
-    assert isinstance(theta, int | float)  # for mypy; expect() raised otherwise
+    if not (rope_type == "default" and not rope and partial == 1.0 and isinstance(theta, int | float)):
+        raise ExportError(
+            f"{where}: {place} rope_parameters {llama.rope_parameters!r}: eagle3's drafter runs plain full-head RoPE only"
+        )
+    assert isinstance(theta, int | float)  # for mypy; refused above otherwise
     head_dim = int(llama.head_dim or llama.hidden_size // llama.num_attention_heads)
     return {
         "hidden_size": llama.hidden_size,
@@ -446,8 +297,8 @@ class ExportFormat(ABC):
     @abstractmethod
     def build_config(
         self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The whole config.json of an export."""
+    ) -> EngineModel:
+        """The whole config.json of an export, validated as this format's own exports are read."""
 
     @abstractmethod
     def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
@@ -604,7 +455,8 @@ def write_export(
     }
     tensors["d2t"] = mapping.d2t.to("cpu", torch.int64).contiguous()
     tensors["t2d"] = mapping.t2d.to("cpu", torch.bool).contiguous()
-    config = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
+    written = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
+    config = written.model_dump(mode="json", by_alias=True)
     # replace: exporting again swaps the whole directory; a failed export leaves the previous one
     with atomic_directory(out_dir, replace=True) as temp:
         # transformers refuses a safetensors file whose metadata lacks format=pt
@@ -619,19 +471,21 @@ def write_export(
 class CheckedExport:
     config: dict[str, Any]
     facts: ConfigFacts
-    provenance: dict[str, Any] | None  # None: a drafter made elsewhere
+    provenance: Provenance | None  # None: a drafter made elsewhere
     dtype: torch.dtype  # of its float tensors
     tensors: dict[str, tuple[Path, str]]  # this format's name -> (the file holding it, the name there)
 
 
 def read_config_file(directory: Path, where: str) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
-    expect(path.is_file(), where, f"no {CONFIG_FILE}")
+    if not path.is_file():
+        raise ExportError(f"{where}: no {CONFIG_FILE}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ExportError(f"{path}: not JSON ({e})") from e
-    expect(isinstance(config, dict), where, f"{CONFIG_FILE} is not a JSON object")
+    if not isinstance(config, dict):
+        raise ExportError(f"{where}: {CONFIG_FILE} is not a JSON object")
     return cast(dict[str, Any], config)
 
 
@@ -639,45 +493,44 @@ def _weight_files(out_dir: Path, ours: bool, where: str) -> list[Path]:
     """The safetensors files an engine loads from `out_dir`; any other weight file there is an error."""
     present = sorted(p.name for p in out_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     if ours:
-        expect(WEIGHTS_FILE in present, where, f"no {WEIGHTS_FILE}")
+        if WEIGHTS_FILE not in present:
+            raise ExportError(f"{where}: no {WEIGHTS_FILE}")
         # another weights file would be loaded too (or instead) by an engine: only ours may be there
         others = [n for n in present if n != WEIGHTS_FILE] + sorted(
             p.name for p in out_dir.glob("*.index.json")
         )
-        expect(not others, where, f"unexpected weight files {others}")
+        if others:
+            raise ExportError(f"{where}: unexpected weight files {others}")
         return [out_dir / WEIGHTS_FILE]
     index = out_dir / SHARD_INDEX_FILE
     if index.is_file():
-        expect(
-            WEIGHTS_FILE not in present, where, f"both {WEIGHTS_FILE} and {SHARD_INDEX_FILE}: which is it?"
-        )
+        if WEIGHTS_FILE in present:
+            raise ExportError(f"{where}: both {WEIGHTS_FILE} and {SHARD_INDEX_FILE}: which is it?")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ExportError(f"{index}: not a safetensors index with a weight_map ({e})") from e
-        expect(
-            all(isinstance(s, str) and "/" not in s for s in shards),
-            where,
-            f"{SHARD_INDEX_FILE} names {shards}",
-        )
+        if not all(isinstance(s, str) and "/" not in s for s in shards):
+            raise ExportError(f"{where}: {SHARD_INDEX_FILE} names {shards}")
         missing = [s for s in shards if not (out_dir / s).is_file()]
-        expect(not missing, where, f"{SHARD_INDEX_FILE} names missing shards {missing}")
+        if missing:
+            raise ExportError(f"{where}: {SHARD_INDEX_FILE} names missing shards {missing}")
         files = shards
     elif WEIGHTS_FILE in present:
         files = [WEIGHTS_FILE]
     else:
         pickled = [n for n in present if not n.endswith(".safetensors")]
-        expect(
-            not pickled,
-            where,
-            f"weights {pickled} are pickled: eagle3 never unpickles; convert them to {WEIGHTS_FILE}",
-        )
+        if pickled:
+            raise ExportError(
+                f"{where}: weights {pickled} are pickled: eagle3 never unpickles; convert them to {WEIGHTS_FILE}"
+            )
         raise ExportError(f"{where}: no {WEIGHTS_FILE}")
     # SGLang's and vLLM's loaders take the safetensors when there are any and skip pickled files (speculators'
     # optimizer/scheduler state, a repository's older .bin); a stray .safetensors they would load as well
     stray = [n for n in present if n.endswith(".safetensors") and n not in files]
-    expect(not stray, where, f"unexpected weight files {stray} beside {files}")
+    if stray:
+        raise ExportError(f"{where}: unexpected weight files {stray} beside {files}")
     return [out_dir / f for f in files]
 
 
@@ -691,60 +544,41 @@ def _weights_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise ExportError(f"{path}: unreadable safetensors file ({e})") from e
 
 
-def _check_provenance(
-    fmt: ExportFormat, config: dict[str, Any], facts: ConfigFacts, block: Any, where: str
-) -> dict[str, Any]:
-    expect(isinstance(block, dict), where, f"{PROVENANCE_KEY} must be an object")
-    schema = block.get("schema")
-    expect(
-        schema in (SCHEMA, LEGACY_SCHEMA),
-        where,
-        f"{PROVENANCE_KEY}.schema is {schema!r}, not {SCHEMA!r}",
-    )
-    expect(
-        block.get("format") == fmt.name,
-        where,
-        f"{PROVENANCE_KEY} says format {block.get('format')!r}, not {fmt.name!r}",
-    )
-    ours = layer_ids(block.get("aux_layer_ids"), f"{PROVENANCE_KEY}.aux_layer_ids", where)
+def _check_provenance(fmt: ExportFormat, facts: ConfigFacts, where: str) -> Provenance:
+    block = facts.provenance
+    if block is None:  # the reader validated the block that check_export found
+        raise ExportError(f"{where}: {CONFIG_FILE}: {PROVENANCE_KEY}: missing")
+    if block.format != fmt.name:
+        raise ExportError(
+            f"{where}: {CONFIG_FILE}: {PROVENANCE_KEY}.format: {block.format!r}, not {fmt.name!r}"
+        )
+    ours = cast(tuple[int, int, int], tuple(block.aux_layer_ids))
     written = fmt.engine_layer_ids(ours, provenance_layers(block))
-    expect(
-        written == facts.engine_aux_layer_ids,
-        where,
-        f"aux layers {list(ours)} (project convention) should be written {list(written)} for "
-        f"{fmt.name}, but the config has {list(facts.engine_aux_layer_ids or [])}",
-    )
-    expect(
-        block.get("final_state_convention") in ("pre_norm", "post_norm"),
-        where,
-        f"{PROVENANCE_KEY}.final_state_convention is {block.get('final_state_convention')!r}",
-    )
+    if written != facts.engine_aux_layer_ids:
+        raise ExportError(
+            f"{where}: aux layers {list(ours)} (project convention) should be written {list(written)} for "
+            f"{fmt.name}, but the config has {list(facts.engine_aux_layer_ids or [])}"
+        )
     trained = (
-        field(config, f"{PROVENANCE_KEY}.{VARIANT_KEY}", dict, where)
-        if schema == SCHEMA
+        block.drafter_variant.model_dump()
+        if block.drafter_variant is not None
         else {**dict.fromkeys(FLAGS, False), "sliding_window": None}
     )
     served = variant_of(facts.drafter)
-    off = [
-        f"{k} {served[k]!r} (trained {trained.get(k, 'unsaid')!r})"
-        for k in served
-        if trained.get(k, _MISSING) != served[k]
-    ]
-    expect(
-        not off,
-        where,
-        f"the engine fields give another drafter than the one trained: {'; '.join(off)}",
-    )
+    off = [f"{k} {served[k]!r} (trained {trained[k]!r})" for k in served if trained[k] != served[k]]
+    if off:
+        raise ExportError(
+            f"{where}: the engine fields give another drafter than the one trained: {'; '.join(off)}"
+        )
     return block
 
 
-def provenance_layers(block: dict[str, Any]) -> LayerTarget:
+def provenance_layers(block: Provenance) -> LayerTarget:
     """The target an export of ours was written for, as far as its aux layer numbers go."""
-    target = block.get("target") or {}
-    num_layers = target.get("num_layers")
-    return LayerTarget(
-        tuple(target.get("architectures") or ()), num_layers if isinstance(num_layers, int) else None
-    )
+    target = block.target
+    if target is None:
+        return LayerTarget((), None)
+    return LayerTarget(tuple(target.architectures or ()), target.num_layers)
 
 
 def check_export(fmt: ExportFormat, out_dir: Path) -> CheckedExport:
@@ -760,7 +594,7 @@ def check_export(fmt: ExportFormat, out_dir: Path) -> CheckedExport:
     files = _weight_files(out_dir, ours, where)
     legacy = isinstance(block, dict) and block.get("schema") == LEGACY_SCHEMA
     facts = fmt.read_config(config, where, ours=ours and not legacy)
-    provenance_block = _check_provenance(fmt, config, facts, block, where) if ours else None
+    provenance_block = _check_provenance(fmt, facts, where) if ours else None
 
     header: dict[str, tuple[str, tuple[int, ...]]] = {}
     tensors: dict[str, tuple[Path, str]] = {}
@@ -790,7 +624,8 @@ def check_export(fmt: ExportFormat, out_dir: Path) -> CheckedExport:
 
     d2t, t2d = _read_pair(tensors, facts.drafter, where)
     problem = vocab_problem(d2t, t2d, facts.drafter.draft_vocab_size, facts.drafter.target_vocab_size)
-    expect(problem is None, where, f"inconsistent d2t/t2d: {problem}")
+    if problem is not None:
+        raise ExportError(f"{where}: inconsistent d2t/t2d: {problem}")
     return CheckedExport(config, facts, provenance_block, dtype, tensors)
 
 
@@ -809,14 +644,12 @@ def _float_dtype(
             )
         return declared
     wrong = [f"{k} {header[k][0]} (expected {v})" for k, v in kinds.items() if v and header[k][0] != v]
-    expect(not wrong, where, f"vocab mapping dtypes: {'; '.join(wrong)}")
+    if wrong:
+        raise ExportError(f"{where}: vocab mapping dtypes: {'; '.join(wrong)}")
     floats = {header[k][0] for k, v in kinds.items() if v is None}
     by_header = {st: name for name, (_, st) in DTYPES.items()}
-    expect(
-        len(floats) == 1 and next(iter(floats)) in by_header,
-        where,
-        f"the weights must share one of {', '.join(DTYPES)}, got {sorted(floats)}",
-    )
+    if not (len(floats) == 1 and next(iter(floats)) in by_header):
+        raise ExportError(f"{where}: the weights must share one of {', '.join(DTYPES)}, got {sorted(floats)}")
     return DTYPES[by_header[next(iter(floats))]][0]
 
 
@@ -830,7 +663,8 @@ def _read_pair(
         return torch.zeros(cfg.draft_vocab_size, dtype=torch.int64), torch.ones(
             cfg.target_vocab_size, dtype=torch.bool
         )
-    expect(len(present) == 2, where, f"{present[0]} without its pair: give both d2t and t2d, or neither")
+    if len(present) != 2:
+        raise ExportError(f"{where}: {present[0]} without its pair: give both d2t and t2d, or neither")
     pair = []
     for key in ("d2t", "t2d"):
         path, name = tensors[key]
@@ -875,39 +709,39 @@ def load(
             same = embed_weight.shape == state[EMBED_KEY].shape and torch.equal(
                 embed_weight.to("cpu", dtype), state[EMBED_KEY]
             )
-            expect(
-                same, where, "its embed_tokens differ from the embedding given: exported for another target?"
-            )
+            if not same:
+                raise ExportError(
+                    f"{where}: its embed_tokens differ from the embedding given: exported for another target?"
+                )
     else:
-        expect(embed_weight is not None, where, "no embed_tokens in the export: pass the target's embedding")
-        assert embed_weight is not None  # for mypy; expect() raised otherwise
+        if embed_weight is None:
+            raise ExportError(f"{where}: no embed_tokens in the export: pass the target's embedding")
         expected = (facts.drafter.target_vocab_size, facts.drafter.hidden_size)
-        expect(
-            tuple(embed_weight.shape) == expected,
-            where,
-            f"embedding given is {list(embed_weight.shape)}, expected {list(expected)}",
-        )
+        if tuple(embed_weight.shape) != expected:
+            raise ExportError(
+                f"{where}: embedding given is {list(embed_weight.shape)}, expected {list(expected)}"
+            )
         state[EMBED_KEY] = embed_weight.to("cpu", dtype)
     drafter = Eagle3Drafter(facts.drafter).to(dtype)
     # check_export made the key sets equal; strict all the same, so a drift in our own model cannot pass
     drafter.load_state_dict(state, strict=True)
     engine_ids = facts.engine_aux_layer_ids
     if engine_ids is None:
-        expect(
-            target_num_layers is not None,
-            where,
-            "config.json names no aux layers, so the engine uses its default (2, L//2, L-3) for the target: "
-            "pass target_num_layers",
-        )
-        assert target_num_layers is not None  # for mypy
+        if target_num_layers is None:
+            raise ExportError(
+                f"{where}: config.json names no aux layers, so the engine uses its default (2, L//2, L-3) for the target: "
+                "pass target_num_layers"
+            )
         try:
             project_ids = default_aux_layer_ids(target_num_layers, where)
         except ValueError as e:
             raise ExportError(str(e)) from e
-    block = checked.provenance or {}
+    block = checked.provenance
     # ours says what it was written for; a drafter from elsewhere is read for the target the caller names
     layers = (
-        provenance_layers(block) if block else LayerTarget(tuple(target_architectures), target_num_layers)
+        provenance_layers(block)
+        if block is not None
+        else LayerTarget(tuple(target_architectures), target_num_layers)
     )
     if engine_ids is None:
         engine_ids = fmt.engine_layer_ids(project_ids, layers)
@@ -916,9 +750,9 @@ def load(
         aux_layer_ids=fmt.project_layer_ids(engine_ids, layers),
         engine_aux_layer_ids=engine_ids,
         dtype=dtype,
-        final_state_convention=block.get("final_state_convention"),
-        vocab_mapping_fingerprint=block.get("vocab_mapping_fingerprint"),
-        target_name_or_path=(block.get("target") or {}).get("name_or_path"),
+        final_state_convention=block.final_state_convention if block else None,
+        vocab_mapping_fingerprint=block.vocab_mapping_fingerprint if block else None,
+        target_name_or_path=block.target.name_or_path if block and block.target else None,
         external=external,
     )
     return LoadedExport(drafter, d2t, t2d, info)

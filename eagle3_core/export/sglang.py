@@ -38,38 +38,43 @@ give: refused.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Self
 
 import torch
+from pydantic import AfterValidator, Field, model_validator
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 from eagle3_core.errors import ConfigError, ExportError
 from eagle3_core.export.common import (
+    CONFIG_FILE,
+    DTYPES,
     FLAGS,
     OUR_LAYER_PREFIX,
-    PROVENANCE_KEY,
-    VARIANT_KEY,
     ConfigFacts,
     ExportFormat,
     ExportTarget,
     FormatName,
     LayerTarget,
     drafter_config,
-    expect,
-    field,
-    layer_ids,
     llama_layer_config,
-    optional_field,
     read_external_layer,
-    read_flag,
-    read_llama_layer,
     write_export,
+)
+from eagle3_core.export.engine_config import (
+    NOT_NULL,
+    NOT_NULL_IN_OURS,
+    EngineModel,
+    Flag,
+    LayerIds,
+    LlamaLayer,
+    Provenance,
+    field_error,
+    validated,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-EAGLE_CONFIG = "eagle_config"
 # SGLang's legacy per-aux norm names (its load_weights renames them)
 LEGACY_FC_NORM = {
     "aux_norm_low.": "fc_norm.0.",
@@ -77,9 +82,69 @@ LEGACY_FC_NORM = {
     "aux_norm_high.": "fc_norm.2.",
 }
 NO_RESIDUAL_NORM = (
-    "norm_before_residual is true: SGLang has no such option (its residual is h, not hidden_norm(h)), so it "
+    "SGLang has no such option (its residual is h, not hidden_norm(h)), so it "
     "would serve another network than the trained one; serve it with vLLM (the speculators export)"
 )
+
+
+def _aux_states_used(used: bool | None) -> bool | None:
+    if used is False:
+        raise ValueError("must be true (an EAGLE-3 drafter reads the aux hidden states)")
+    return used
+
+
+def _only_eagle3(architectures: list[str]) -> list[str]:
+    if architectures != [ARCHITECTURE]:
+        raise ValueError(f"must be [{ARCHITECTURE!r}], got {architectures!r}")
+    return architectures
+
+
+def _no_residual_norm(flag: bool | None) -> bool | None:
+    if flag:
+        raise ValueError(f"true: {NO_RESIDUAL_NORM}")
+    return flag
+
+
+class EagleConfig(EngineModel):
+    """`eagle_config`: where SGLang (and vLLM, for this architecture) look first."""
+
+    # in SGLang's numbering (the module docstring); absent: SGLang captures the inputs of layers (2, L//2, L-3)
+    eagle_aux_hidden_state_layer_ids: Annotated[LayerIds | None, NOT_NULL] = None
+    use_aux_hidden_state: Annotated[bool | None, NOT_NULL, AfterValidator(_aux_states_used)] = None
+    norm_before_fc: Annotated[bool | None, NOT_NULL] = None  # read before the top-level one
+
+
+class SGLangFields(EngineModel):
+    """What SGLang reads of config.json beside the Llama layer, each with the default SGLang gives it. A
+    drafter made elsewhere is read with this alone (its layer goes through LlamaConfig, as in SGLang)."""
+
+    architectures: Annotated[list[str], AfterValidator(_only_eagle3)]
+    # absent: SGLang would use the target's lm_head, which no drafter directory holds (refused by the reader)
+    draft_vocab_size: Annotated[int | None, NOT_NULL] = None
+    target_hidden_size: Annotated[int | None, NOT_NULL] = None  # absent: the drafter's width
+    norm_before_fc: Flag = None
+    fc_norm: Flag = None
+    norm_output: Flag = None
+    # SGLang has no such option; written false so that vLLM, which defaults it false here, agrees
+    norm_before_residual: Annotated[Flag, AfterValidator(_no_residual_norm)] = None
+    # SGLang's older name for fc_norm (weights aux_norm_low/mid/high); read from others, never written
+    use_aux_norm: Annotated[bool | None, Field(exclude=True)] = None
+    eagle_config: Annotated[EagleConfig | None, NOT_NULL_IN_OURS] = None
+    eagle3_export: Annotated[Provenance | None, NOT_NULL_IN_OURS] = None
+
+
+class SGLangConfig(LlamaLayer, SGLangFields):
+    """The whole config.json of our SGLang export: the Llama layer's fields at the top level, as SGLang's
+    LlamaConfig-based reader wants them."""
+
+    @model_validator(mode="after")
+    def _norm_before_fc_once(self) -> Self:
+        nested = self.eagle_config.norm_before_fc if self.eagle_config else None
+        if nested != self.norm_before_fc:
+            raise field_error(
+                "eagle_config.norm_before_fc", f"{nested!r}, but norm_before_fc is {self.norm_before_fc!r}"
+            )
+        return self
 
 
 def draft_window_argument(sliding_window: int) -> int:
@@ -115,7 +180,7 @@ class SGLangFormat(ExportFormat):
 
     def check_expressible(self, cfg: DrafterConfig) -> None:
         if cfg.norm_before_residual:
-            raise ExportError(f"cannot export for SGLang: {NO_RESIDUAL_NORM}")
+            raise ExportError(f"cannot export for SGLang: norm_before_residual is true: {NO_RESIDUAL_NORM}")
         if cfg.sliding_window is not None and draft_window_argument(cfg.sliding_window) < 1:
             raise ExportError(
                 f"cannot export for SGLang: sliding_window {cfg.sliding_window} would be "
@@ -125,93 +190,61 @@ class SGLangFormat(ExportFormat):
 
     def build_config(
         self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
-    ) -> dict[str, Any]:
-        return {
+    ) -> SGLangConfig:
+        config = {
             **llama_layer_config(cfg, target, dtype),
             "architectures": [ARCHITECTURE],
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             **{flag: getattr(cfg, flag) for flag in FLAGS},
-            EAGLE_CONFIG: {
+            "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": list(
                     self.engine_layer_ids(target.aux_layer_ids, target.layers)
                 ),
                 "use_aux_hidden_state": True,
-                "norm_before_fc": cfg.norm_before_fc,  # where SGLang and vLLM look first
+                "norm_before_fc": cfg.norm_before_fc,
             },
-            PROVENANCE_KEY: provenance,
+            "eagle3_export": provenance,
         }
+        return SGLangConfig.model_validate(config, context={"ours": True})
 
     def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
-        architectures = field(config, "architectures", list, where)
-        expect(
-            architectures == [ARCHITECTURE],
-            where,
-            f"architectures must be [{ARCHITECTURE!r}], got {architectures!r}",
-        )
-        use_aux = (
-            field(config, f"{EAGLE_CONFIG}.use_aux_hidden_state", bool, where)
-            if ours
-            else optional_field(config, f"{EAGLE_CONFIG}.use_aux_hidden_state", bool, True, where)
-        )
-        expect(use_aux, where, f"{EAGLE_CONFIG}.use_aux_hidden_state must be true")
-        path = f"{EAGLE_CONFIG}.eagle_aux_hidden_state_layer_ids"
-        raw_ids = (
-            field(config, path, list, where) if ours else optional_field(config, path, list, None, where)
-        )
-        ids = None if raw_ids is None else layer_ids(raw_ids, path, where)
-        expect(ids is None or min(ids) >= 0, where, f"{path} {raw_ids}: SGLang ids are >= 0")
+        fields: SGLangFields
         if ours:
-            sizes, dtype = read_llama_layer(config, where, "", require_rope_theta=True)
-            target_hidden = field(config, "target_hidden_size", int, where)
+            fields = mine = validated(SGLangConfig, config, where, ours=True)
+            sizes, dtype = mine.drafter_sizes(), DTYPES[mine.dtype][0]
+            variant = mine.eagle3_export.drafter_variant if mine.eagle3_export else None
+            window = variant.sliding_window if variant else None  # SGLang's config has no window field
         else:
-            sizes, dtype = read_external_layer(config, where, ""), None
-            target_hidden = optional_field(config, "target_hidden_size", int, sizes["hidden_size"], where)
-        draft_vocab = optional_field(config, "draft_vocab_size", int, None, where)
-        expect(
-            draft_vocab is not None,
-            where,
-            "config field 'draft_vocab_size' is missing: SGLang would then use the target's lm_head, "
-            "which is not in a drafter directory",
-        )
-        flags = self._flags(config, where, ours=ours)
+            fields = validated(SGLangFields, config, where, ours=False)
+            sizes, dtype, window = read_external_layer(config, where, ""), None, None
+        if fields.draft_vocab_size is None:
+            raise ExportError(
+                f"{where}: {CONFIG_FILE}: draft_vocab_size: missing: SGLang would then use the target's "
+                "lm_head, which is not in a drafter directory"
+            )
+        eagle = fields.eagle_config or EagleConfig()
+        flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
+        if eagle.norm_before_fc is not None:
+            flags["norm_before_fc"] = eagle.norm_before_fc  # SGLang and vLLM read eagle_config's first
+        flags["fc_norm"] = flags["fc_norm"] or bool(fields.use_aux_norm)
+        ids = eagle.eagle_aux_hidden_state_layer_ids
+        target_hidden = fields.target_hidden_size
         return ConfigFacts(
             drafter=drafter_config(
                 {
                     **sizes,
-                    "target_hidden_size": target_hidden,
-                    "draft_vocab_size": draft_vocab,
+                    "target_hidden_size": sizes["hidden_size"] if target_hidden is None else target_hidden,
+                    "draft_vocab_size": fields.draft_vocab_size,
                     **flags,
-                    "sliding_window": self._window(config, where) if ours else None,
+                    "sliding_window": window,
                 },
                 where,
             ),
-            engine_aux_layer_ids=ids,
+            engine_aux_layer_ids=None if ids is None else (ids[0], ids[1], ids[2]),
             dtype=dtype,
+            provenance=fields.eagle3_export,
         )
-
-    def _flags(self, config: dict[str, Any], where: str, *, ours: bool) -> dict[str, bool]:
-        flags = {flag: read_flag(config, flag, where, ours=ours) for flag in FLAGS}
-        nested = optional_field(config, f"{EAGLE_CONFIG}.norm_before_fc", bool, None, where)
-        if ours:
-            expect(
-                nested == flags["norm_before_fc"],
-                where,
-                f"{EAGLE_CONFIG}.norm_before_fc {nested!r} must equal norm_before_fc {flags['norm_before_fc']!r}",
-            )
-        elif nested is not None:
-            flags["norm_before_fc"] = nested  # SGLang and vLLM read eagle_config's first
-        if not ours:
-            flags["fc_norm"] = flags["fc_norm"] or read_flag(config, "use_aux_norm", where, ours=False)
-        expect(not flags["norm_before_residual"], where, NO_RESIDUAL_NORM)
-        return flags
-
-    def _window(self, config: dict[str, Any], where: str) -> int | None:
-        # SGLang's config has no window field: ours records the trained one for the serve command
-        path = f"{PROVENANCE_KEY}.{VARIANT_KEY}.sliding_window"
-        window: int | None = field(config, path, (int, type(None)), where)
-        expect(window is None or window > 0, where, f"{path} must be positive, got {window}")
-        return window
 
     def canonical_key(self, theirs: str) -> str:
         # SGLang's load_weights accepts a "model." prefix, "layers.0." for "midlayer.", and the legacy norm names

@@ -31,31 +31,41 @@ hidden size equals the target's (vLLM reads `target_hidden_size`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import torch
+from annotated_types import MinLen
+from pydantic import AfterValidator, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
 from eagle3_core.export.common import (
+    CONFIG_FILE,
+    DTYPES,
     FLAGS,
-    PROVENANCE_KEY,
     ConfigFacts,
     ExportFormat,
     ExportTarget,
     FormatName,
     LayerTarget,
     drafter_config,
-    expect,
-    field,
-    layer_ids,
     llama_layer_config,
-    optional_field,
     read_external_layer,
-    read_flag,
-    read_llama_layer,
     write_export,
+)
+from eagle3_core.export.engine_config import (
+    NOT_NULL,
+    NOT_NULL_IN_OURS,
+    EngineModel,
+    Flag,
+    LayerIds,
+    LlamaLayer,
+    Provenance,
+    field_error,
+    is_ours,
+    validated,
 )
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes (and whose loader the tests run)
@@ -64,6 +74,104 @@ LAYER_CONFIG = "transformer_layer_config"
 SLIDING, FULL = "sliding_attention", "full_attention"
 # what speculators' Eagle3DraftModel holds beside the drafter, for its training loss; never part of the network
 VERIFIER_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def _at_least_one(tokens: int | None) -> int | None:
+    if tokens is not None and tokens < 1:
+        raise PydanticCustomError("eagle3", f"must be >= 1, got {tokens}")
+    return tokens
+
+
+class Proposal(EngineModel):
+    proposal_type: Annotated[str | None, NOT_NULL] = None
+    speculative_tokens: Annotated[int | None, NOT_NULL, AfterValidator(_at_least_one)] = None
+    verifier_accept_k: Annotated[int | None, NOT_NULL] = None
+    accept_tolerance: Annotated[float | None, NOT_NULL] = None
+
+
+class Verifier(EngineModel):
+    # required, as vLLM needs the field; speculators' trainer may save a verifier without a path (null)
+    name_or_path: Annotated[str | None, NOT_NULL_IN_OURS]
+    architectures: Annotated[list[str] | None, NOT_NULL_IN_OURS] = None
+
+
+class SpeculatorsBlock(EngineModel):
+    """`speculators_config`: what vLLM's speculators reader needs (`validate_speculators_config`)."""
+
+    algorithm: Literal["eagle3"]
+    default_proposal_method: str
+    proposal_methods: Annotated[list[Proposal], MinLen(1)]
+    verifier: Verifier
+
+    @model_validator(mode="after")
+    def _proposals(self) -> Self:
+        if self.proposal_methods[0].speculative_tokens is None:
+            raise field_error("proposal_methods[0].speculative_tokens", "missing")
+        if self.default_proposal_method not in [m.proposal_type for m in self.proposal_methods]:
+            raise field_error(
+                "default_proposal_method", f"{self.default_proposal_method!r} is not a listed proposal"
+            )
+        return self
+
+
+class LayerWindow(EngineModel):
+    """The decoder layer's attention as vLLM and speculators read it: `layer_types[0]` decides. A drafter made
+    elsewhere is read with this alone (its layer goes through LlamaConfig, as in the engines)."""
+
+    # absent: full attention whatever sliding_window says
+    layer_types: Annotated[list[str] | None, NOT_NULL] = None
+    sliding_window: int | None = None  # the W keys in (q - W, q]
+
+    @model_validator(mode="after")
+    def _one_layer(self, info: ValidationInfo) -> Self:
+        types, window = self.layer_types, self.sliding_window
+        if types is None:
+            return self
+        if len(types) != 1 or types[0] not in (SLIDING, FULL):
+            raise field_error(
+                "layer_types", f"must be [{SLIDING!r}] or [{FULL!r}] (one decoder layer), got {types!r}"
+            )
+        if types[0] == FULL and window is not None and is_ours(info):
+            raise field_error("sliding_window", f"{window} with full attention")
+        if types[0] == SLIDING and (window is None or window < 1):
+            raise field_error("sliding_window", f"{window!r}, but layer_types is [{SLIDING!r}]")
+        return self
+
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window if self.layer_types == [SLIDING] else None
+
+
+class SpeculatorsLayer(LlamaLayer, LayerWindow):
+    """`transformer_layer_config` of our export."""
+
+
+class SpeculatorsFields(EngineModel):
+    """An `Eagle3SpeculatorConfig` as vLLM and speculators read it, each field with their default."""
+
+    speculators_model_type: Literal["eagle3"]
+    # required of any directory: vLLM's default (true) and speculators' (false) differ
+    norm_before_residual: bool
+    norm_before_fc: Flag = None
+    fc_norm: Flag = None
+    norm_output: Flag = None
+    # absent: (2, L//2, L-3) for the target, in the project convention as vLLM numbers layers
+    eagle_aux_hidden_state_layer_ids: Annotated[LayerIds | None, NOT_NULL] = None
+    speculators_config: SpeculatorsBlock
+    transformer_layer_config: LayerWindow
+    target_hidden_size: int | None = None  # absent or null: the drafter's hidden size
+    # absent: vLLM would take the target's vocab, speculators 32000 (refused by the reader)
+    draft_vocab_size: Annotated[int | None, NOT_NULL] = None
+    architectures: Annotated[list[str] | None, NOT_NULL] = None
+    speculators_version: Annotated[str | None, NOT_NULL] = None
+    embed_requires_grad: Annotated[bool | None, NOT_NULL] = None
+    eagle3_export: Annotated[Provenance | None, NOT_NULL_IN_OURS] = None
+
+
+class SpeculatorsConfig(SpeculatorsFields):
+    """The whole config.json of our speculators export."""
+
+    transformer_layer_config: SpeculatorsLayer
 
 
 class SpeculatorsFormat(ExportFormat):
@@ -98,13 +206,13 @@ class SpeculatorsFormat(ExportFormat):
 
     def build_config(
         self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> SpeculatorsConfig:
         layer = {
             **llama_layer_config(cfg, target, dtype),
             "sliding_window": cfg.sliding_window,
             "layer_types": [FULL if cfg.sliding_window is None else SLIDING],
         }
-        return {
+        config = {
             "architectures": [ARCHITECTURE],
             "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
@@ -132,79 +240,42 @@ class SpeculatorsFormat(ExportFormat):
                     "architectures": list(target.architectures),
                 },
             },
-            PROVENANCE_KEY: provenance,
+            "eagle3_export": provenance,
         }
+        return SpeculatorsConfig.model_validate(config, context={"ours": True})
 
     def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
-        kind = field(config, "speculators_model_type", str, where)
-        expect(kind == "eagle3", where, f"speculators_model_type must be 'eagle3', got {kind!r}")
-        # required of any directory: vLLM's default (true) and speculators' (false) differ
-        flags = {"norm_before_residual": field(config, "norm_before_residual", bool, where)}
-        flags |= {flag: read_flag(config, flag, where, ours=ours) for flag in FLAGS if flag not in flags}
-        path = "eagle_aux_hidden_state_layer_ids"
-        raw_ids = (
-            field(config, path, list, where) if ours else optional_field(config, path, list, None, where)
-        )
-        ids = None if raw_ids is None else layer_ids(raw_ids, path, where)
-        expect(ids is None or min(ids) >= 0, where, f"{path} {raw_ids} must be >= 0")
-        self._check_speculators_config(config, where, ours=ours)
-        layer = field(config, LAYER_CONFIG, dict, where)
+        fields: SpeculatorsFields
         if ours:
-            sizes, dtype = read_llama_layer(layer, where, LAYER_CONFIG, require_rope_theta=False)
+            fields = mine = validated(SpeculatorsConfig, config, where, ours=True)
+            layer = mine.transformer_layer_config
+            sizes, dtype = layer.drafter_sizes(), DTYPES[layer.dtype][0]
         else:
-            sizes, dtype = read_external_layer(layer, where, LAYER_CONFIG), None
-        target_hidden = (
-            field(config, "target_hidden_size", (int, type(None)), where)
-            if ours
-            else optional_field(config, "target_hidden_size", (int, type(None)), None, where)
-        )
-        draft_vocab = optional_field(config, "draft_vocab_size", int, None, where)
-        expect(
-            draft_vocab is not None,
-            where,
-            "config field 'draft_vocab_size' is missing (vLLM would take the target's vocab, speculators 32000)",
-        )
+            fields = validated(SpeculatorsFields, config, where, ours=False)
+            sizes, dtype = read_external_layer(config[LAYER_CONFIG], where, LAYER_CONFIG), None
+        if fields.draft_vocab_size is None:
+            raise ExportError(
+                f"{where}: {CONFIG_FILE}: draft_vocab_size: missing (vLLM would take the target's vocab, "
+                "speculators 32000)"
+            )
+        flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
+        ids = fields.eagle_aux_hidden_state_layer_ids
+        target_hidden = fields.target_hidden_size
         return ConfigFacts(
             drafter=drafter_config(
                 {
                     **sizes,
                     "target_hidden_size": sizes["hidden_size"] if target_hidden is None else target_hidden,
-                    "draft_vocab_size": draft_vocab,
+                    "draft_vocab_size": fields.draft_vocab_size,
                     **flags,
-                    "sliding_window": _window(layer, where, ours=ours),
+                    "sliding_window": fields.transformer_layer_config.window,
                 },
                 where,
             ),
-            engine_aux_layer_ids=ids,
+            engine_aux_layer_ids=None if ids is None else (ids[0], ids[1], ids[2]),
             dtype=dtype,
+            provenance=fields.eagle3_export,
         )
-
-    def _check_speculators_config(self, config: dict[str, Any], where: str, *, ours: bool) -> None:
-        """What vLLM's speculators reader needs (`validate_speculators_config`), and ours always writes."""
-        spec = "speculators_config"
-        expect(
-            field(config, f"{spec}.algorithm", str, where) == "eagle3",
-            where,
-            f"{spec}.algorithm must be 'eagle3'",
-        )
-        methods = field(config, f"{spec}.proposal_methods", list, where)
-        expect(
-            bool(methods) and all(isinstance(m, dict) for m in methods),
-            where,
-            f"{spec}.proposal_methods must list proposals",
-        )
-        tokens = field(methods[0], "speculative_tokens", int, where, f"{spec}.proposal_methods[0]")
-        expect(tokens >= 1, where, f"speculative_tokens must be >= 1, got {tokens}")
-        default = field(config, f"{spec}.default_proposal_method", str, where)
-        expect(
-            default in [m.get("proposal_type") for m in methods],
-            where,
-            f"default_proposal_method {default!r} is not a listed proposal",
-        )
-        # speculators' trainer may save a verifier without a path (null); vLLM only needs the field there
-        field(config, f"{spec}.verifier.name_or_path", str if ours else (str, type(None)), where)
-        if ours:
-            field(config, f"{spec}.verifier.architectures", list, where)
 
     def external_optional(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         # the package drops its verifier copies on save; other versions or tools may keep them
@@ -213,38 +284,6 @@ class SpeculatorsFormat(ExportFormat):
             VERIFIER_KEYS[1]: (cfg.hidden_size,),
         }
         return super().external_optional(cfg) | verifier
-
-
-def _window(layer: dict[str, Any], where: str, *, ours: bool) -> int | None:
-    """The decoder layer's sliding window, as vLLM and speculators read it: `layer_types[0]` decides."""
-    types = (
-        field(layer, "layer_types", list, where, LAYER_CONFIG)
-        if ours
-        else optional_field(layer, "layer_types", list, None, where, LAYER_CONFIG)
-    )
-    if ours:
-        field(layer, "sliding_window", (int, type(None)), where, LAYER_CONFIG)  # written either way
-    if types is None:
-        return None
-    expect(
-        len(types) == 1 and types[0] in (SLIDING, FULL),
-        where,
-        f"{LAYER_CONFIG}.layer_types must be [{SLIDING!r}] or [{FULL!r}] (one decoder layer), got {types!r}",
-    )
-    window = optional_field(layer, "sliding_window", (int, type(None)), None, where, LAYER_CONFIG)
-    if types[0] == FULL:
-        expect(
-            not ours or window is None,
-            where,
-            f"{LAYER_CONFIG}.sliding_window {window} with full attention",
-        )
-        return None
-    expect(
-        window is not None and window > 0,
-        where,
-        f"{LAYER_CONFIG}.layer_types is [{SLIDING!r}] but sliding_window is {window!r}",
-    )
-    return int(window)
 
 
 SPECULATORS = SpeculatorsFormat()

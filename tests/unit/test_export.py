@@ -253,19 +253,23 @@ def _drop_rope(config: dict[str, Any]) -> None:
 
 
 CONFIG_CASES: list[tuple[FormatName, Callable[[dict[str, Any]], None], str]] = [
-    ("sglang", _drop("draft_vocab_size"), "'draft_vocab_size' is missing"),
-    ("sglang", _drop("target_hidden_size"), "'target_hidden_size' is missing"),
+    ("sglang", _drop("draft_vocab_size"), "config.json: draft_vocab_size: missing"),
+    ("sglang", _drop("target_hidden_size"), "config.json: target_hidden_size: missing"),
     (
         "sglang",
         _drop("eagle_config.eagle_aux_hidden_state_layer_ids"),
-        "'eagle_config.eagle_aux_hidden_state_layer_ids' is missing",
+        "config.json: eagle_config.eagle_aux_hidden_state_layer_ids: missing",
     ),
-    ("sglang", _drop("architectures"), "'architectures' is missing"),
-    ("sglang", _drop("head_dim"), "'head_dim' is missing"),
-    ("sglang", _drop("rope_theta"), "'rope_theta' is missing"),  # what SGLang reads (transformers 4 API)
+    ("sglang", _drop("architectures"), "config.json: architectures: missing"),
+    ("sglang", _drop("head_dim"), "config.json: head_dim: missing"),
+    (
+        "sglang",
+        _drop("rope_theta"),
+        "config.json: rope_theta: missing",
+    ),  # what SGLang reads (transformers 4 API)
     ("sglang", _set("architectures", ["LlamaForCausalLM"]), "LlamaForCausalLMEagle3"),
-    ("sglang", _set("num_hidden_layers", 2), "num_hidden_layers must be 1"),
-    ("sglang", _set("tie_word_embeddings", True), "tie_word_embeddings must be false"),
+    ("sglang", _set("num_hidden_layers", 2), "num_hidden_layers: must be 1, got 2"),
+    ("sglang", _set("tie_word_embeddings", True), "tie_word_embeddings: must be False, got True"),
     ("sglang", _set("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
     # the project ids written unconverted: SGLang would capture one layer too deep (vLLM PR #43671)
     (
@@ -275,25 +279,37 @@ CONFIG_CASES: list[tuple[FormatName, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("sglang", _set("draft_vocab_size", K + 1), "lm_head.weight"),
     # every flag is written: an engine would take an absent one as its default
-    ("sglang", _drop("norm_before_fc"), "'norm_before_fc' is missing"),
-    ("sglang", _drop("fc_norm"), "'fc_norm' is missing"),
-    ("sglang", _drop("norm_output"), "'norm_output' is missing"),
-    ("sglang", _drop("norm_before_residual"), "'norm_before_residual' is missing"),
+    ("sglang", _drop("norm_before_fc"), "config.json: norm_before_fc: missing"),
+    ("sglang", _drop("fc_norm"), "config.json: fc_norm: missing"),
+    ("sglang", _drop("norm_output"), "config.json: norm_output: missing"),
+    ("sglang", _drop("norm_before_residual"), "config.json: norm_before_residual: missing"),
     # SGLang and vLLM read eagle_config's norm_before_fc before the top-level one
-    ("sglang", _set("eagle_config.norm_before_fc", True), "eagle_config.norm_before_fc True must equal"),
+    (
+        "sglang",
+        _set("eagle_config.norm_before_fc", True),
+        "eagle_config.norm_before_fc: True, but norm_before_fc is False",
+    ),
     ("sglang", _set("norm_before_residual", True), "SGLang has no such option"),
     ("sglang", _set("norm_output", True), "another drafter than the one trained: norm_output True"),
     # SGLang's window lives in the provenance alone (a server argument, not a config field)
     (
         "sglang",
         _drop("eagle3_export.drafter_variant"),
-        "'eagle3_export.drafter_variant.sliding_window' is missing",
+        "config.json: eagle3_export.drafter_variant: missing",
     ),
-    ("sglang", _set("eagle3_export.drafter_variant.sliding_window", 0), "sliding_window must be positive"),
+    (
+        "sglang",
+        _set("eagle3_export.drafter_variant.sliding_window", 0),
+        "drafter_variant.sliding_window: must be positive, got 0",
+    ),
     # the engine fields must give the network that was trained (here: no such step, no window)
-    ("speculators", _drop("norm_before_residual"), "'norm_before_residual' is missing"),
-    ("speculators", _drop("eagle3_export.drafter_variant"), "'eagle3_export.drafter_variant' is missing"),
-    ("speculators", _drop("norm_output"), "'norm_output' is missing"),
+    ("speculators", _drop("norm_before_residual"), "config.json: norm_before_residual: missing"),
+    (
+        "speculators",
+        _drop("eagle3_export.drafter_variant"),
+        "config.json: eagle3_export.drafter_variant: missing",
+    ),
+    ("speculators", _drop("norm_output"), "config.json: norm_output: missing"),
     (
         "speculators",
         _set("norm_before_residual", True),
@@ -301,11 +317,15 @@ CONFIG_CASES: list[tuple[FormatName, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("speculators", _set("norm_output", True), "another drafter than the one trained: norm_output True"),
     ("speculators", _set("fc_norm", True), r"fc_norm True \(trained False\)"),
-    ("speculators", _drop("transformer_layer_config.layer_types"), "'transformer_layer_config.layer_types'"),
+    (
+        "speculators",
+        _drop("transformer_layer_config.layer_types"),
+        "config.json: transformer_layer_config.layer_types: missing",
+    ),
     (
         "speculators",
         _set("transformer_layer_config.layer_types", ["sliding_attention"]),
-        "layer_types is \\['sliding_attention'\\] but sliding_window is None",
+        r"transformer_layer_config.sliding_window: None, but layer_types is \['sliding_attention'\]",
     ),
     (
         "speculators",
@@ -315,30 +335,30 @@ CONFIG_CASES: list[tuple[FormatName, Callable[[dict[str, Any]], None], str]] = [
     (
         "speculators",
         _drop("eagle_aux_hidden_state_layer_ids"),
-        "'eagle_aux_hidden_state_layer_ids' is missing",
+        "config.json: eagle_aux_hidden_state_layer_ids: missing",
     ),
     ("speculators", _set("eagle_aux_hidden_state_layer_ids", [1, 3, 4]), r"should be written \[2, 4, 5\]"),
-    ("speculators", _drop("speculators_model_type"), "'speculators_model_type' is missing"),
+    ("speculators", _drop("speculators_model_type"), "config.json: speculators_model_type: missing"),
     (
         "speculators",
         _drop("transformer_layer_config.hidden_size"),
-        "'transformer_layer_config.hidden_size' is missing",
+        "config.json: transformer_layer_config.hidden_size: missing",
     ),
-    ("speculators", _drop_rope, "rope_theta must be given"),
+    ("speculators", _drop_rope, "config.json: transformer_layer_config.rope_theta: missing"),
     (
         "speculators",
         _drop("speculators_config.verifier.name_or_path"),
-        "'speculators_config.verifier.name_or_path' is missing",
+        "config.json: speculators_config.verifier.name_or_path: missing",
     ),
     (
         "speculators",
         _drop("speculators_config.proposal_methods"),
-        "'speculators_config.proposal_methods' is missing",
+        "config.json: speculators_config.proposal_methods: missing",
     ),
     (
         "speculators",
         _set("transformer_layer_config.torch_dtype", "bfloat16"),
-        "torch_dtype/dtype must be given and agree",
+        "transformer_layer_config.dtype: 'float32' disagrees with torch_dtype 'bfloat16'",
     ),
 ]
 
@@ -729,7 +749,7 @@ def _scaled_rope(config: dict[str, Any]) -> None:
 
 EXTERNAL_REFUSALS: list[tuple[FormatName, Callable[[dict[str, Any]], None] | None, Any, str]] = [
     # vLLM takes an absent norm_before_residual as true, speculators as false: ambiguous
-    ("speculators", _pop("norm_before_residual"), None, "'norm_before_residual' is missing"),
+    ("speculators", _pop("norm_before_residual"), None, "config.json: norm_before_residual: missing"),
     ("speculators", _pop("draft_vocab_size"), None, "vLLM would take the target's vocab, speculators 32000"),
     ("speculators", _set("transformer_layer_config.model_type", "qwen3"), None, "only a Llama decoder layer"),
     ("sglang", _set("num_hidden_layers", 2), None, "num_hidden_layers is 2: eagle3's drafter has one"),
