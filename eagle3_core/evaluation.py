@@ -41,8 +41,9 @@ from eagle3_core.export.common import FormatName
 from eagle3_core.pipeline import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import RunSummary
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.run_dir import read_metrics
+from eagle3_core.train.run_dir import SUMMARY, read_metrics
 
 
 class PromotionRefused(Eagle3Error):
@@ -197,11 +198,6 @@ def _measure_sets(
     return fitting, measured
 
 
-def _tau(summary: dict[str, Any], k: int) -> float | None:
-    value = summary["val"].get(f"tau_{k}")
-    return None if value is None else float(value)
-
-
 def read_current(layout: StoreLayout) -> dict[str, Any] | None:
     return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
 
@@ -290,8 +286,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     ev = cfg.evaluate
     layout = StoreLayout(cfg.store_root)
     final = latest_final(layout)
-    summary = json.loads((final / "summary.json").read_text())
-    run = summary["run"]
+    summary = RunSummary.read(final / SUMMARY)
+    run = summary.run
     export_root = layout.exports / run
     if not (export_root / ev.export_format).is_dir():
         raise Eagle3Error(
@@ -327,7 +323,7 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
             **asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)),
             "batch_size": 1,
         },
-        "tau": {str(k): _tau(summary, k) for k in ks},
+        "tau": {str(k): summary.tau(k) for k in ks},
         "primary": primary,
         "sets": set_reports(sets, fitting, measured),
         "gate": asdict(gate),
@@ -462,7 +458,7 @@ def _pictures(
     title: str,
     heldout: Measurement,
     run_dir: Path,
-    summary: dict[str, Any],
+    summary: RunSummary,
     steps: int,
 ) -> dict[str, Path]:
     bars = acceptance_bars(
@@ -472,7 +468,7 @@ def _pictures(
         f"drafter {title}",
     )
     curves = training_curves(
-        read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary['run']}: training"
+        read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary.run}: training"
     )
     return {"acceptance": bars, "training_curves": curves}
 
@@ -507,7 +503,7 @@ def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
 def read_report(cfg: Eagle3Config) -> dict[str, Any]:
     """The newest run's evaluation report (written by eval_step)."""
     layout = StoreLayout(cfg.store_root)
-    run = json.loads((latest_final(layout) / "summary.json").read_text())["run"]
+    run = RunSummary.read(latest_final(layout) / SUMMARY).run
     path = report_file(layout.export_eval(run), cfg.evaluate.export_format)
     if not path.exists():
         raise Eagle3Error(

@@ -14,14 +14,14 @@ from eagle3_core.evaluation import GateDecision, promote_step, read_current, rep
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from tests.conftest import write_config
+from tests.records import write_summary
 
 
 def _store_with_an_evaluated_run(project: Path) -> Path:
     config = write_config(project, "store: store\ntarget: {path: toy}\n")
     layout = StoreLayout(project / "store")
     final = layout.drafter_runs / "r1" / "final"
-    final.mkdir(parents=True)
-    (final / "summary.json").write_text(json.dumps({"run": "r1"}))
+    write_summary(final, "r1")
     # as train_step writes it
     atomic_write_json(layout.drafter_latest, {"run": "r1", "final": layout.pointer_path(final)})
     (layout.exports / "r1" / "sglang").mkdir(parents=True)

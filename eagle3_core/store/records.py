@@ -1,0 +1,79 @@
+"""The JSON files eagle3 writes and reads back, as typed records.
+
+Each record writes itself with `atomic_write_json` (the same keys, order and formatting as the dicts it
+replaced, so files written before and after read alike) and reads with one error naming the file and the
+field. `extra="forbid"` where only eagle3 ever wrote the file; a field added later has a default, so a file
+from an earlier version of eagle3 still reads.
+
+Records live in the store layer and hold only plain values: the drafter and training configs are kept as
+their dumped dicts (their models live in higher layers), and the caller builds the model from them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from eagle3_core.conventions import FinalStateConvention
+from eagle3_core.errors import RecordError
+from eagle3_core.store.atomic import atomic_write_json, read_json_object
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a reader writes it: `sets.heldout.by_k`, `aux_layer_ids[1]`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def validation_message(path: Path, err: ValidationError) -> str:
+    first = err.errors()[0]
+    more = err.error_count() - 1
+    return f"{path}: {field_path(first['loc'])}: {first['msg']}" + (f" (and {more} more)" if more else "")
+
+
+class Record(BaseModel):
+    """A frozen JSON record: `write(path)` atomically, `read(path)` validated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def write(self, path: Path) -> None:
+        # python mode, not json mode: json.dumps writes a NaN (an unmeasured AL) as today, not as null
+        atomic_write_json(path, self.model_dump())
+
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        try:
+            return cls.model_validate(read_json_object(path, RecordError))
+        except ValidationError as err:
+            raise RecordError(validation_message(path, err)) from None
+
+
+class RunSummary(Record):
+    """runs/<run>/final/summary.json: what a finished run was trained from and with, and its last validation."""
+
+    run: str
+    steps: int
+    tokens: int
+    seconds: float
+    val: dict[str, int | float]  # the last validation's metrics (train/loss.py `report`); {} without one
+    drafter_config: dict[str, Any]
+    vocab_mapping: str
+    target_fingerprint: str
+    aux_layer_ids: list[int]
+    aux_layer_convention: str
+    final_state_convention: FinalStateConvention
+    train_samples: int
+    val_samples: int
+    world_size: int
+    attention: str
+    bf16: bool
+    train_config: dict[str, Any]
+    warm_from: str | None = None  # absent from summaries written before train.init_from existed
+
+    def tau(self, k: int) -> float | None:
+        value = self.val.get(f"tau_{k}")
+        return None if value is None else float(value)
