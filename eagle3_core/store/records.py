@@ -77,3 +77,57 @@ class RunSummary(Record):
     def tau(self, k: int) -> float | None:
         value = self.val.get(f"tau_{k}")
         return None if value is None else float(value)
+
+
+class GateDecision(Record):
+    """The promotion gate's verdict on a candidate drafter (eagle3_core/evaluation.py `gate_decision`)."""
+
+    passed: bool
+    k: int
+    candidate_run: str
+    candidate_al: float  # NaN when no verification round was measured
+    current_run: str | None
+    current_al: float | None
+    tolerance: float
+    reason: str
+    candidate_ci95: list[float] | None = None
+    current_ci95: list[float] | None = None
+    difference: float | None = None  # AL(candidate) - AL(current) on the same prompts
+    difference_ci95: list[float] | None = None  # its paired-bootstrap interval
+    prompts: int = 0
+
+
+class EvalReport(Record):
+    """export/<run>/eval/report-<format>.json: an export measured by speculative decoding, and the gate.
+
+    `sets` holds each prompt set's measurement as evaluate/measure.py `as_dict` writes it, with the prompts
+    named and grouped by category (eagle3_core/evaluation.py `set_reports`).
+    """
+
+    run: str
+    export_dir: str
+    format: str
+    device: str
+    dtype: str
+    settings: dict[str, Any]
+    tau: dict[str, float | None]  # the training estimate per K, None where validation did not measure it
+    primary: str  # the set the gate compares and the page leads with
+    sets: dict[str, dict[str, Any]]
+    gate: GateDecision
+    pictures: dict[str, str]
+
+
+class DrafterDirReport(Record):
+    """store/eval/drafters/<dir>-<digest>/report-<format>.json: any drafter directory measured, no gate."""
+
+    run: str
+    drafter_dir: str
+    format: str
+    variant: dict[str, Any] | None = None  # absent from reports written before variants were recorded
+    aux_layer_ids: list[int]
+    device: str
+    dtype: str
+    settings: dict[str, Any]
+    tau: dict[str, float | None]
+    primary: str
+    sets: dict[str, dict[str, Any]]

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 from eagle3_core.config import load_config
 from eagle3_core.drafting import latest_final
-from eagle3_core.evaluation import GateDecision, promote_step, read_current, report_file
+from eagle3_core.evaluation import promote_step, read_current, report_file
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import EvalReport
 from tests.conftest import write_config
-from tests.records import write_summary
+from tests.records import report_dict, write_summary
 
 
 def _store_with_an_evaluated_run(project: Path) -> Path:
@@ -25,9 +25,8 @@ def _store_with_an_evaluated_run(project: Path) -> Path:
     # as train_step writes it
     atomic_write_json(layout.drafter_latest, {"run": "r1", "final": layout.pointer_path(final)})
     (layout.exports / "r1" / "sglang").mkdir(parents=True)
-    gate = GateDecision(True, 3, "r1", 2.5, None, None, 0.05, "no drafter is promoted yet")
-    report = {"run": "r1", "export_dir": layout.pointer_path(layout.exports / "r1"), "gate": asdict(gate)}
-    atomic_write_json(report_file(layout.export_eval("r1"), "sglang"), report)
+    report = EvalReport(**report_dict("r1", layout.pointer_path(layout.exports / "r1")))
+    report.write(report_file(layout.export_eval("r1"), "sglang"))
     return config
 
 
