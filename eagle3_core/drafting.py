@@ -26,9 +26,8 @@ from eagle3_core.draft.vocab import (
 )
 from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
 from eagle3_core.pipeline import Log, StepResult, quiet
-from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import DrafterCurrent, DrafterLatest, RunSummary
 from eagle3_core.store.shards import decode_metadata, read_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
@@ -133,8 +132,8 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
         init_from=promoted_final(layout) if cfg.train.init_from == "current" else None,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        pointer = {"run": result.run_dir.name, "final": layout.pointer_path(result.final_dir)}
-        atomic_write_json(layout.drafter_latest, pointer)
+        pointer = DrafterLatest(run=result.run_dir.name, final=layout.pointer_path(result.final_dir))
+        pointer.write(layout.drafter_latest)
     return _training_result(cfg, result.final_dir, result.resumed_from)
 
 
@@ -203,7 +202,7 @@ def promoted_final(layout: StoreLayout) -> Path:
     """The finished training run of the promoted drafter (what train.init_from: current starts from)."""
     if not layout.drafter_current.exists():
         raise Eagle3Error("train.init_from is 'current' but no drafter is promoted yet; set it to 'scratch'")
-    run = json.loads(layout.drafter_current.read_text())["run"]
+    run = DrafterCurrent.read(layout.drafter_current).run
     final = layout.drafter_runs / run / FINAL
     if not (final / SUMMARY).exists():
         raise Eagle3Error(
@@ -215,7 +214,7 @@ def promoted_final(layout: StoreLayout) -> Path:
 def latest_final(layout: StoreLayout) -> Path:
     if not layout.drafter_latest.exists():
         raise Eagle3Error("no trained drafter yet (materialize drafter_checkpoint, or run `eagle3 train`)")
-    final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
+    final = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final)
     if not (final / SUMMARY).exists():
         raise Eagle3Error(f"{final}: the latest training run has no finished drafter")
     return final

@@ -41,7 +41,13 @@ from eagle3_core.export.common import FormatName
 from eagle3_core.pipeline import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import DrafterDirReport, EvalReport, GateDecision, RunSummary
+from eagle3_core.store.records import (
+    DrafterCurrent,
+    DrafterDirReport,
+    EvalReport,
+    GateDecision,
+    RunSummary,
+)
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import SUMMARY, read_metrics
 
@@ -181,8 +187,8 @@ def _measure_sets(
     return fitting, measured
 
 
-def read_current(layout: StoreLayout) -> dict[str, Any] | None:
-    return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
+def read_current(layout: StoreLayout) -> DrafterCurrent | None:
+    return DrafterCurrent.read(layout.drafter_current) if layout.drafter_current.exists() else None
 
 
 def _rounded(interval: tuple[float, float]) -> list[float]:
@@ -251,17 +257,17 @@ def _current_on_same_prompts(
     current = read_current(layout)
     if current is None:
         return None
-    if current["run"] == run:
+    if current.run == run:
         return Incumbent(run, None, "this run is the promoted one")
-    export_dir = layout.from_pointer(current["export_dir"]) / cfg.evaluate.export_format
+    export_dir = layout.from_pointer(current.export_dir) / cfg.evaluate.export_format
     try:
         drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
     except (ExportError, FileNotFoundError, ValueError) as err:
         # a promoted drafter this target cannot run (deleted, or for another target) cannot hold a new one back
-        return Incumbent(current["run"], None, f"the promoted drafter cannot be measured: {err}")
-    log(f"measuring the promoted drafter {current['run']} on the same prompts")
+        return Incumbent(current.run, None, f"the promoted drafter cannot be measured: {err}")
+    log(f"measuring the promoted drafter {current.run} on the same prompts")
     k = cfg.evaluate.gate_k
-    return Incumbent(current["run"], _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
+    return Incumbent(current.run, _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
 
 
 def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
@@ -502,16 +508,16 @@ def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     gate = report.gate
     if not gate.passed:
         raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
-    record = {
-        "run": report.run,
-        "export_dir": layout.pointer_path(layout.exports / report.run),
-        "acceptance_length": gate.candidate_al,
-        "k": gate.k,
-        "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "replaced": gate.current_run,
-    }
+    record = DrafterCurrent(
+        run=report.run,
+        export_dir=layout.pointer_path(layout.exports / report.run),
+        acceptance_length=gate.candidate_al,
+        k=gate.k,
+        promoted_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        replaced=gate.current_run,
+    )
     atomic_symlink(layout.drafter_current_link, layout.exports / report.run)
-    atomic_write_json(layout.drafter_current, record)
+    record.write(layout.drafter_current)
     log(
         f"promoted drafter {report.run} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
     )

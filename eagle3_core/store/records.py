@@ -131,3 +131,21 @@ class DrafterDirReport(Record):
     tau: dict[str, float | None]
     primary: str
     sets: dict[str, dict[str, Any]]
+
+
+class DrafterLatest(Record):
+    """drafter/latest.json: the newest finished training run."""
+
+    run: str
+    final: str  # its final/ directory, relative to the store (StoreLayout.pointer_path; absolute in older stores)
+
+
+class DrafterCurrent(Record):
+    """drafter/current.json: the promoted drafter, the AL its gate measured, and the run it replaced."""
+
+    run: str
+    export_dir: str  # relative to the store, like DrafterLatest.final
+    acceptance_length: float
+    k: int
+    promoted_at: str  # ISO 8601, UTC, to the second
+    replaced: str | None

@@ -47,7 +47,7 @@ def test_a_moved_store_points_at_its_own_drafters(tmp_path: Path) -> None:
     assert latest_final(moved) == moved.drafter_runs / "r1" / "final"
     current = read_current(moved)
     assert current is not None
-    assert moved.from_pointer(current["export_dir"]) == moved.exports / "r1"
+    assert moved.from_pointer(current.export_dir) == moved.exports / "r1"
     assert (moved.drafter_current_link / "sglang").resolve() == (moved.exports / "r1" / "sglang").resolve()
     assert not (tmp_path / "a").exists()
 

@@ -13,7 +13,9 @@ import pytest
 from eagle3_core.errors import RecordError
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.records import (
+    DrafterCurrent,
     DrafterDirReport,
+    DrafterLatest,
     EvalReport,
     GateDecision,
     Record,
@@ -158,3 +160,26 @@ def test_the_eval_page_is_drawn_from_the_report_the_step_returned(tmp_path: Path
     assert "| heldout | chat | 3 | 2.500" in meta["acceptance_by_category"].md_str
     with pytest.raises(TypeError, match="returned no EvalReport"):
         eval_metadata(StepResult("drafter_eval", tmp_path, {}))
+
+
+def test_the_drafter_pointers_write_todays_bytes(tmp_path: Path) -> None:
+    latest = {"run": "r1", "final": "drafter/runs/r1/final"}
+    _same_bytes(tmp_path, DrafterLatest(**latest), latest)
+    assert DrafterLatest.read(tmp_path / "record.json") == DrafterLatest(**latest)
+    current = {
+        "run": "r2",
+        "export_dir": "drafter/export/r2",
+        "acceptance_length": 2.8125,
+        "k": 3,
+        "promoted_at": "2026-12-01T12:00:00+00:00",
+        "replaced": None,
+    }
+    _same_bytes(tmp_path, DrafterCurrent(**current), current)
+    assert DrafterCurrent.read(tmp_path / "record.json") == DrafterCurrent(**current)
+
+
+def test_a_pointer_missing_its_path_names_the_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "latest.json"
+    path.write_text('{"run": "r1"}')
+    with pytest.raises(RecordError, match="^" + re.escape(f"{path}: final: Field required")):
+        DrafterLatest.read(path)

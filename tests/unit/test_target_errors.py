@@ -34,7 +34,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     store = root / "store"
     final = store / "drafter" / "runs" / "fake" / "final"
     write_summary(final, "fake")
-    (store / "drafter" / "latest.json").write_text(json.dumps({"final": str(final)}))
+    (store / "drafter" / "latest.json").write_text(json.dumps({"run": "fake", "final": str(final)}))
     (store / "drafter" / "export" / "fake" / "sglang").mkdir(parents=True)
     return store
 
