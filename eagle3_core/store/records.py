@@ -12,7 +12,7 @@ their dumped dicts (their models live in higher layers), and the caller builds t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -41,8 +41,12 @@ class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def write(self, path: Path) -> None:
-        # python mode, not json mode: json.dumps writes a NaN (an unmeasured AL) as today, not as null
-        atomic_write_json(path, self.model_dump())
+        atomic_write_json(path, self.dump())
+
+    def dump(self) -> dict[str, Any]:
+        """What `write` puts in the file. Python mode, not json mode: json.dumps then writes a NaN (an
+        unmeasured AL) as it always did, not as null."""
+        return self.model_dump()
 
     @classmethod
     def read(cls, path: Path) -> Self:
@@ -149,3 +153,31 @@ class DrafterCurrent(Record):
     k: int
     promoted_at: str  # ISO 8601, UTC, to the second
     replaced: str | None
+
+
+InboxState = Literal["ingesting", "done", "refused"]
+
+
+class InboxFile(Record):
+    """One inbox file as inbox.json records it (eagle3_core/data/inbox.py). Which fields it has depends on
+    what became of it: a read file has its digest and stat, a duplicate `same_as`, a refusal its `reason`,
+    a refused link only `symlink` and `reason`. Absent fields are None and left out of the file."""
+
+    state: InboxState
+    symlink: bool | None = None
+    sha256: str | None = None
+    size: int | None = None
+    mtime_ns: int | None = None
+    same_as: str | None = None  # the ingested file whose content this one repeats
+    reason: str | None = None
+
+
+class InboxRecord(Record):
+    """store/inbox.json: every inbox file seen, by its source name."""
+
+    version: int
+    files: dict[str, InboxFile]
+
+    def dump(self) -> dict[str, Any]:
+        # a file's absent fields stay absent, as the dicts this record replaced wrote them
+        return self.model_dump(exclude_none=True)

@@ -18,6 +18,7 @@ from eagle3_core.store.records import (
     DrafterLatest,
     EvalReport,
     GateDecision,
+    InboxRecord,
     Record,
     RunSummary,
     field_path,
@@ -183,3 +184,32 @@ def test_a_pointer_missing_its_path_names_the_file_and_field(tmp_path: Path) -> 
     path.write_text('{"run": "r1"}')
     with pytest.raises(RecordError, match="^" + re.escape(f"{path}: final: Field required")):
         DrafterLatest.read(path)
+
+
+def test_the_inbox_record_writes_todays_bytes_each_entry_with_only_its_fields(tmp_path: Path) -> None:
+    stat = {"size": 120, "mtime_ns": 1_700_000_000_000_000_000}
+    today = {
+        "version": 1,
+        "files": {
+            "inbox/a.jsonl": {"state": "done", "sha256": "a" * 64, **stat},
+            "inbox/b.jsonl": {"state": "done", "sha256": "a" * 64, **stat, "same_as": "inbox/a.jsonl"},
+            "inbox/c.jsonl": {"state": "ingesting", "sha256": "c" * 64, **stat},
+            "inbox/d.jsonl": {"state": "refused", "sha256": "d" * 64, **stat, "reason": "rows changed"},
+            "inbox/e.jsonl": {"state": "refused", "symlink": True, "reason": "a symbolic link, not read"},
+        },
+    }
+    record = InboxRecord.model_validate(today)
+    _same_bytes(tmp_path, record, today)
+    assert InboxRecord.read(tmp_path / "record.json") == record
+    touched = record.files["inbox/a.jsonl"].model_copy(update={"mtime_ns": 5})
+    written = InboxRecord(version=1, files={"inbox/a.jsonl": touched}).dump()["files"]["inbox/a.jsonl"]
+    assert written == {"state": "done", "sha256": "a" * 64, "size": 120, "mtime_ns": 5}
+
+
+def test_an_inbox_entry_in_an_unknown_state_names_its_field(tmp_path: Path) -> None:
+    path = tmp_path / "inbox.json"
+    path.write_text(json.dumps({"version": 1, "files": {"inbox/a.jsonl": {"state": "lost"}}}))
+    with pytest.raises(
+        RecordError, match="^" + re.escape(f"{path}: files.inbox/a.jsonl.state: Input should be")
+    ):
+        InboxRecord.read(path)
