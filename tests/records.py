@@ -10,7 +10,7 @@ from eagle3_core.store.records import RunSummary
 
 
 def summary_dict(run: str = "r1") -> dict[str, Any]:
-    """final/summary.json as train/trainer.py `_summary` wrote it before records, key for key, in its order."""
+    """final/summary.json as the trainer wrote it before records, key for key, in its order."""
     return {
         "run": run,
         "steps": 4,
@@ -60,7 +60,7 @@ def gate_dict(run: str = "r1", **change: Any) -> dict[str, Any]:
 
 
 def set_dict() -> dict[str, Any]:
-    """One prompt set's measurement as evaluation.py `set_reports` writes it (one K, one prompt)."""
+    """One prompt set's measurement as the evaluation step writes it (one K, one prompt)."""
     per_prompt = {"id": "p0", "rounds": 4, "accepted": 6, "acceptance_length": 2.5, "category": "chat"}
     by_k = {
         "acceptance_length": 2.5,
@@ -81,7 +81,7 @@ def set_dict() -> dict[str, Any]:
 
 
 def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: Any) -> dict[str, Any]:
-    """export/<run>/eval/report-<format>.json as evaluation.py `eval_step` wrote it before records."""
+    """export/<run>/eval/report-<format>.json as the evaluation step wrote it before records."""
     return {
         "run": run,
         "export_dir": export_dir,

@@ -63,7 +63,7 @@ class RunSummary(Record):
     steps: int
     tokens: int
     seconds: float
-    val: dict[str, int | float]  # the last validation's metrics (train/loss.py `report`); {} without one
+    val: dict[str, int | float]  # the last validation's metrics, {} without one; `counted` is an int
     drafter_config: dict[str, Any]
     vocab_mapping: str
     target_fingerprint: str
@@ -84,7 +84,7 @@ class RunSummary(Record):
 
 
 class GateDecision(Record):
-    """The promotion gate's verdict on a candidate drafter (eagle3_core/evaluation.py `gate_decision`)."""
+    """The promotion gate's verdict on a candidate drafter (docs/design.md section 6)."""
 
     passed: bool
     k: int
@@ -104,8 +104,8 @@ class GateDecision(Record):
 class EvalReport(Record):
     """export/<run>/eval/report-<format>.json: an export measured by speculative decoding, and the gate.
 
-    `sets` holds each prompt set's measurement as evaluate/measure.py `as_dict` writes it, with the prompts
-    named and grouped by category (eagle3_core/evaluation.py `set_reports`).
+    `sets` holds each prompt set's measurement as the evaluator's Measurement dumps it, with the prompts
+    named and grouped by category; it stays a plain mapping, its shape owned by the evaluate layer.
     """
 
     run: str
@@ -159,9 +159,9 @@ InboxState = Literal["ingesting", "done", "refused"]
 
 
 class InboxFile(Record):
-    """One inbox file as inbox.json records it (eagle3_core/data/inbox.py). Which fields it has depends on
-    what became of it: a read file has its digest and stat, a duplicate `same_as`, a refusal its `reason`,
-    a refused link only `symlink` and `reason`. Absent fields are None and left out of the file."""
+    """One inbox file as inbox.json records it. Which fields it has depends on what became of it: a read
+    file has its digest and stat, a duplicate `same_as`, a refusal its `reason`, a refused link only
+    `symlink` and `reason`. Absent fields are None and left out of the file."""
 
     state: InboxState
     symlink: bool | None = None
