@@ -49,7 +49,7 @@ def run_stage(config: Path, stage: str) -> dict[str, float]:
 
 def record(config: Path, seconds: dict[str, float], out: Path) -> None:
     cfg = load_config(config)
-    report = read_report(cfg)
+    report = read_report(cfg).model_dump()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     previous = json.loads(out.read_text()) if out.exists() else {}
     result = {

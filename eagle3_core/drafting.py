@@ -26,12 +26,12 @@ from eagle3_core.draft.vocab import (
 )
 from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
 from eagle3_core.pipeline import Log, StepResult, quiet
-from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import DrafterCurrent, DrafterLatest, RunSummary
 from eagle3_core.store.shards import decode_metadata, read_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.run_dir import FINAL
+from eagle3_core.train.run_dir import FINAL, SUMMARY
 from eagle3_core.train.trainer import train_drafter
 
 
@@ -132,8 +132,8 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
         init_from=promoted_final(layout) if cfg.train.init_from == "current" else None,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        pointer = {"run": result.run_dir.name, "final": layout.pointer_path(result.final_dir)}
-        atomic_write_json(layout.drafter_latest, pointer)
+        pointer = DrafterLatest(run=result.run_dir.name, final=layout.pointer_path(result.final_dir))
+        pointer.write(layout.drafter_latest)
     return _training_result(cfg, result.final_dir, result.resumed_from)
 
 
@@ -171,35 +171,40 @@ def train_distributed(config_path: Path, processes: int, log: Log = print) -> St
 
 
 def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -> StepResult:
-    summary = json.loads((final / "summary.json").read_text())
-    val, steps = summary["val"], cfg.train.ttt_steps
+    summary = RunSummary.read(final / SUMMARY)
+    val, steps = summary.val, cfg.train.ttt_steps
     meta: dict[str, Any] = {
-        "run": summary["run"],
-        "steps": summary["steps"],
-        "tokens": summary["tokens"],
-        "seconds": summary["seconds"],
+        "run": summary.run,
+        "steps": summary.steps,
+        "tokens": summary.tokens,
+        "seconds": summary.seconds,
         "resumed_from_step": resumed_from if resumed_from is not None else -1,
-        "world_size": summary["world_size"],
-        "train_samples": summary["train_samples"],
-        "val_samples": summary["val_samples"],
-        "vocab_mapping": summary["vocab_mapping"][:12],
-        "acc_per_position": json.dumps([val.get(f"acc_{k}") for k in range(steps)]),
+        "world_size": summary.world_size,
+        "train_samples": summary.train_samples,
+        "val_samples": summary.val_samples,
+        "vocab_mapping": summary.vocab_mapping[:12],
+        "acc_per_position": json.dumps(accuracy_per_position(summary, steps)),
         **{
             f"val_{name}": val[name]
             for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}")
             if name in val
         },
     }
-    return StepResult("drafter_checkpoint", final, meta)
+    return StepResult("drafter_checkpoint", final, meta, record=summary)
+
+
+def accuracy_per_position(summary: RunSummary, steps: int) -> list[float | None]:
+    """The last validation's top-1 accuracy at each TTT position (None where nothing was validated)."""
+    return [summary.val.get(f"acc_{k}") for k in range(steps)]
 
 
 def promoted_final(layout: StoreLayout) -> Path:
     """The finished training run of the promoted drafter (what train.init_from: current starts from)."""
     if not layout.drafter_current.exists():
         raise Eagle3Error("train.init_from is 'current' but no drafter is promoted yet; set it to 'scratch'")
-    run = json.loads(layout.drafter_current.read_text())["run"]
+    run = DrafterCurrent.read(layout.drafter_current).run
     final = layout.drafter_runs / run / FINAL
-    if not (final / "summary.json").exists():
+    if not (final / SUMMARY).exists():
         raise Eagle3Error(
             f"train.init_from current: the promoted run {run} has no finished drafter at {final}"
         )
@@ -209,8 +214,8 @@ def promoted_final(layout: StoreLayout) -> Path:
 def latest_final(layout: StoreLayout) -> Path:
     if not layout.drafter_latest.exists():
         raise Eagle3Error("no trained drafter yet (materialize drafter_checkpoint, or run `eagle3 train`)")
-    final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
-    if not (final / "summary.json").exists():
+    final = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final)
+    if not (final / SUMMARY).exists():
         raise Eagle3Error(f"{final}: the latest training run has no finished drafter")
     return final
 
@@ -235,8 +240,8 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     final = latest_final(layout)
     target = target_dir(cfg, log=log)
     drafter, mapping, summary = load_trained(final, load_target_head(target).embed)
-    facts = ExportTarget.from_model_dir(target, summary["aux_layer_ids"], summary["final_state_convention"])
-    out = layout.exports / summary["run"]
+    facts = ExportTarget.from_model_dir(target, summary.aux_layer_ids, summary.final_state_convention)
+    out = layout.exports / summary.run
     dtype = export_dtype(cfg, target)
     sglang = export_sglang(drafter, mapping, facts, out / "sglang", dtype=dtype)
     speculators = export_speculators(
@@ -245,19 +250,19 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"
     ]
-    log(f"exported run {summary['run']}: {sglang} and {speculators}")
+    log(f"exported run {summary.run}: {sglang} and {speculators}")
     return StepResult(
         "drafter_export",
         out,
         {
-            "run": summary["run"],
+            "run": summary.run,
             "sglang_dir": str(sglang),
             "speculators_dir": str(speculators),
-            "aux_layer_ids_project": json.dumps(summary["aux_layer_ids"]),
+            "aux_layer_ids_project": json.dumps(summary.aux_layer_ids),
             "aux_layer_ids_sglang": json.dumps(sglang_ids),
-            "aux_layer_ids_vllm": json.dumps(summary["aux_layer_ids"]),
+            "aux_layer_ids_vllm": json.dumps(summary.aux_layer_ids),
             "draft_vocab_size": mapping.draft_vocab_size,
-            "final_state_convention": summary["final_state_convention"],
+            "final_state_convention": summary.final_state_convention,
         },
     )
 

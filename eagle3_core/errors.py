@@ -39,3 +39,8 @@ class StoreBusyError(Eagle3Error):
 class TargetError(Eagle3Error):
     """The target model directory cannot be loaded: no safetensors weights, an unreadable config.json or chat
     template. The message names the directory or file and what is wrong with it."""
+
+
+class RecordError(Eagle3Error, ValueError):
+    """A JSON record eagle3 wrote (a run summary, an evaluation report, a drafter pointer) is unreadable or
+    lacks a field; the message names the file and the field."""

@@ -41,29 +41,19 @@ from eagle3_core.export.common import FormatName
 from eagle3_core.pipeline import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import (
+    DrafterCurrent,
+    DrafterDirReport,
+    EvalReport,
+    GateDecision,
+    RunSummary,
+)
 from eagle3_core.targets.resolve import target_dir
-from eagle3_core.train.run_dir import read_metrics
+from eagle3_core.train.run_dir import SUMMARY, read_metrics
 
 
 class PromotionRefused(Eagle3Error):
     """The gate did not pass: the new drafter measured worse than the promoted one."""
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    passed: bool
-    k: int
-    candidate_run: str
-    candidate_al: float
-    current_run: str | None
-    current_al: float | None
-    tolerance: float
-    reason: str
-    candidate_ci95: list[float] | None = None
-    current_ci95: list[float] | None = None
-    difference: float | None = None  # AL(candidate) - AL(current) on the same prompts
-    difference_ci95: list[float] | None = None  # its paired-bootstrap interval
-    prompts: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,13 +187,8 @@ def _measure_sets(
     return fitting, measured
 
 
-def _tau(summary: dict[str, Any], k: int) -> float | None:
-    value = summary["val"].get(f"tau_{k}")
-    return None if value is None else float(value)
-
-
-def read_current(layout: StoreLayout) -> dict[str, Any] | None:
-    return json.loads(layout.drafter_current.read_text()) if layout.drafter_current.exists() else None
+def read_current(layout: StoreLayout) -> DrafterCurrent | None:
+    return DrafterCurrent.read(layout.drafter_current) if layout.drafter_current.exists() else None
 
 
 def _rounded(interval: tuple[float, float]) -> list[float]:
@@ -228,17 +213,17 @@ def gate_decision(
     }
     if math.isnan(al):
         return GateDecision(
-            False,
+            passed=False,
             reason="no verification round was measured (every reply ended at once)",
             current_al=None,
             **base,
         )
     if incumbent is None:
-        return GateDecision(True, reason="no drafter is promoted yet", current_al=None, **base)
+        return GateDecision(passed=True, reason="no drafter is promoted yet", current_al=None, **base)
     if incumbent.run == run:
-        return GateDecision(True, reason="this run is the promoted one", current_al=None, **base)
+        return GateDecision(passed=True, reason="this run is the promoted one", current_al=None, **base)
     if incumbent.runs is None:
-        return GateDecision(True, reason=incumbent.reason, current_al=None, **base)
+        return GateDecision(passed=True, reason=incumbent.reason, current_al=None, **base)
     current_al = pooled_runs_al(incumbent.runs, k)
     diff = paired_al_difference(candidate, incumbent.runs)
     low, high = diff.ci95
@@ -249,7 +234,7 @@ def gate_decision(
         f"{'at least' if passed else 'below'} -{tolerance}"
     )
     return GateDecision(
-        passed,
+        passed=passed,
         reason=reason,
         current_al=current_al,
         current_ci95=_rounded(bootstrap_al_interval(incumbent.runs)),
@@ -272,17 +257,17 @@ def _current_on_same_prompts(
     current = read_current(layout)
     if current is None:
         return None
-    if current["run"] == run:
+    if current.run == run:
         return Incumbent(run, None, "this run is the promoted one")
-    export_dir = layout.from_pointer(current["export_dir"]) / cfg.evaluate.export_format
+    export_dir = layout.from_pointer(current.export_dir) / cfg.evaluate.export_format
     try:
         drafter, d2t = load_exported(export_dir, cfg.evaluate.export_format, target)
     except (ExportError, FileNotFoundError, ValueError) as err:
         # a promoted drafter this target cannot run (deleted, or for another target) cannot hold a new one back
-        return Incumbent(current["run"], None, f"the promoted drafter cannot be measured: {err}")
-    log(f"measuring the promoted drafter {current['run']} on the same prompts")
+        return Incumbent(current.run, None, f"the promoted drafter cannot be measured: {err}")
+    log(f"measuring the promoted drafter {current.run} on the same prompts")
     k = cfg.evaluate.gate_k
-    return Incumbent(current["run"], _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
+    return Incumbent(current.run, _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
 
 
 def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
@@ -290,8 +275,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     ev = cfg.evaluate
     layout = StoreLayout(cfg.store_root)
     final = latest_final(layout)
-    summary = json.loads((final / "summary.json").read_text())
-    run = summary["run"]
+    summary = RunSummary.read(final / SUMMARY)
+    run = summary.run
     export_root = layout.exports / run
     if not (export_root / ev.export_format).is_dir():
         raise Eagle3Error(
@@ -317,28 +302,30 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         summary,
         cfg.train.ttt_steps,
     )
-    report = {
-        "run": run,
-        "export_dir": layout.pointer_path(export_root),
-        "format": ev.export_format,
-        "device": str(target.device),
-        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        "settings": {
-            **asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)),
-            "batch_size": 1,
-        },
-        "tau": {str(k): _tau(summary, k) for k in ks},
-        "primary": primary,
-        "sets": set_reports(sets, fitting, measured),
-        "gate": asdict(gate),
-        "pictures": {name: str(p) for name, p in pictures.items()},
-    }
-    atomic_write_json(report_file(out, ev.export_format), report)
+    report = EvalReport(
+        run=run,
+        export_dir=layout.pointer_path(export_root),
+        format=ev.export_format,
+        device=str(target.device),
+        dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        settings=_settings(cfg, ks),
+        tau={str(k): summary.tau(k) for k in ks},
+        primary=primary,
+        sets=set_reports(sets, fitting, measured),
+        gate=gate,
+        pictures={name: str(p) for name, p in pictures.items()},
+    )
+    report.write(report_file(out, ev.export_format))
     log(
         f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
         f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}"
     )
-    return StepResult("drafter_eval", out, _metadata(report, ev.gate_k))
+    return StepResult("drafter_eval", out, _metadata(report, gate.passed, ev.gate_k), record=report)
+
+
+def _settings(cfg: Eagle3Config, ks: tuple[int, ...]) -> dict[str, Any]:
+    ev = cfg.evaluate
+    return {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1}
 
 
 def report_file(eval_dir: Path, fmt: str) -> Path:
@@ -436,24 +423,21 @@ def eval_drafter_dir_step(
     fitting, measured = _measure_sets(cfg, served, drafter, d2t, sets, ks, log)
     primary = sets[0].name
     out = StoreLayout(cfg.store_root).drafter_dir_eval(drafter_dir)
-    report = {
-        "run": Path(drafter_dir).resolve().name,
-        "drafter_dir": str(Path(drafter_dir).resolve()),
-        "format": chosen,
-        "variant": loaded.drafter.cfg.model_dump(include=set(DrafterVariant.model_fields)),
-        "aux_layer_ids": list(aux),
-        "device": str(target.device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "settings": {
-            **asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)),
-            "batch_size": 1,
-        },
-        "tau": {str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
-        "primary": primary,
-        "sets": set_reports(sets, fitting, measured),
-    }
-    atomic_write_json(report_file(out, chosen), report)
-    return StepResult("drafter_eval", out, _metadata({**report, "gate": {"passed": None}}, ev.gate_k))
+    report = DrafterDirReport(
+        run=Path(drafter_dir).resolve().name,
+        drafter_dir=str(Path(drafter_dir).resolve()),
+        format=chosen,
+        variant=loaded.drafter.cfg.model_dump(include=set(DrafterVariant.model_fields)),
+        aux_layer_ids=list(aux),
+        device=str(target.device),
+        dtype=str(dtype).removeprefix("torch."),
+        settings=_settings(cfg, ks),
+        tau={str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
+        primary=primary,
+        sets=set_reports(sets, fitting, measured),
+    )
+    report.write(report_file(out, chosen))
+    return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
 
 
 def _pictures(
@@ -462,7 +446,7 @@ def _pictures(
     title: str,
     heldout: Measurement,
     run_dir: Path,
-    summary: dict[str, Any],
+    summary: RunSummary,
     steps: int,
 ) -> dict[str, Path]:
     bars = acceptance_bars(
@@ -472,19 +456,19 @@ def _pictures(
         f"drafter {title}",
     )
     curves = training_curves(
-        read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary['run']}: training"
+        read_metrics(run_dir), steps, out / "training_curves.png", f"drafter {summary.run}: training"
     )
     return {"acceptance": bars, "training_curves": curves}
 
 
-def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
+def _metadata(report: EvalReport | DrafterDirReport, gate_passed: bool | None, gate_k: int) -> dict[str, Any]:
     """Flat numbers for the asset page and the CLI: held-out AL, acceptance rate, speedup and tau per K."""
-    heldout = report["sets"][report["primary"]]
+    heldout = report.sets[report.primary]
     meta: dict[str, Any] = {
-        "run": report["run"],
-        "prompt_set": report["primary"],
+        "run": report.run,
+        "prompt_set": report.primary,
         "prompts": heldout["prompts"],
-        "device": report["device"],
+        "device": report.device,
         "target_tokens_per_s": heldout["target_tokens_per_s"],
     }
     for k, r in heldout["by_k"].items():
@@ -492,59 +476,56 @@ def _metadata(report: dict[str, Any], gate_k: int) -> dict[str, Any]:
         meta[f"al_k{k}_ci95_low"], meta[f"al_k{k}_ci95_high"] = r["al_ci95"]
         meta[f"acceptance_rate_k{k}"] = r["acceptance_rate"]
         meta[f"speedup_k{k}"] = r["speedup"]
-        meta[f"tau_k{k}"] = report["tau"][k] if report["tau"][k] is not None else -1.0
+        tau = report.tau[k]
+        meta[f"tau_k{k}"] = tau if tau is not None else -1.0
         if "greedy_mismatches" in r:
             meta[f"greedy_mismatches_k{k}"] = r["greedy_mismatches"]
     meta["per_position"] = json.dumps({k: r["per_position"] for k, r in heldout["by_k"].items()})
-    for name, s in report["sets"].items():
-        if name != report["primary"]:
+    for name, s in report.sets.items():
+        if name != report.primary:
             meta[f"{name}_al_k{gate_k}"] = s["by_k"][str(gate_k)]["acceptance_length"]
             meta[f"{name}_speedup_k{gate_k}"] = s["by_k"][str(gate_k)]["speedup"]
-    meta["gate_passed"] = report["gate"]["passed"]
+    meta["gate_passed"] = gate_passed
     return meta
 
 
-def read_report(cfg: Eagle3Config) -> dict[str, Any]:
+def read_report(cfg: Eagle3Config) -> EvalReport:
     """The newest run's evaluation report (written by eval_step)."""
     layout = StoreLayout(cfg.store_root)
-    run = json.loads((latest_final(layout) / "summary.json").read_text())["run"]
+    run = RunSummary.read(latest_final(layout) / SUMMARY).run
     path = report_file(layout.export_eval(run), cfg.evaluate.export_format)
     if not path.exists():
         raise Eagle3Error(
             f"{path}: drafter {run} is not evaluated yet (materialize drafter_eval, or `eagle3 eval`)"
         )
-    return json.loads(path.read_text())
-
-
-def gate_of(report: dict[str, Any]) -> GateDecision:
-    return GateDecision(**report["gate"])
+    return EvalReport.read(path)
 
 
 def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Point `current` at the newest evaluated run, if its gate passed; PromotionRefused otherwise."""
     layout = StoreLayout(cfg.store_root)
     report = read_report(cfg)
-    gate = gate_of(report)
+    gate = report.gate
     if not gate.passed:
         raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
-    record = {
-        "run": report["run"],
-        "export_dir": layout.pointer_path(layout.exports / report["run"]),
-        "acceptance_length": gate.candidate_al,
-        "k": gate.k,
-        "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "replaced": gate.current_run,
-    }
-    atomic_symlink(layout.drafter_current_link, layout.exports / report["run"])
-    atomic_write_json(layout.drafter_current, record)
+    record = DrafterCurrent(
+        run=report.run,
+        export_dir=layout.pointer_path(layout.exports / report.run),
+        acceptance_length=gate.candidate_al,
+        k=gate.k,
+        promoted_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        replaced=gate.current_run,
+    )
+    atomic_symlink(layout.drafter_current_link, layout.exports / report.run)
+    record.write(layout.drafter_current)
     log(
-        f"promoted drafter {report['run']} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
+        f"promoted drafter {report.run} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
     )
     return StepResult(
         "drafter_current",
         layout.drafter_current_link,
         {
-            "run": report["run"],
+            "run": report.run,
             "acceptance_length": round(gate.candidate_al, 4),
             "k": gate.k,
             "replaced": gate.current_run or "",

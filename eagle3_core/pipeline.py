@@ -26,6 +26,7 @@ from eagle3_core.engines.openai_client import regenerate_through_server, remove_
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
+from eagle3_core.store.records import Record
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
@@ -40,6 +41,9 @@ class StepResult:
     key: str
     path: Path
     metadata: dict[str, Any]
+    # the typed record the step wrote (a run summary, an evaluation report), for a caller that renders more
+    # than the flat metadata, so that it never reads the file again or decodes the metadata's JSON
+    record: Record | None = None
 
 
 def quiet(_: str) -> None:

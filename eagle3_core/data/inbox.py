@@ -25,7 +25,6 @@ one whose caller died before seeing it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections import Counter
@@ -33,7 +32,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISLNK, S_ISREG
-from typing import Any
 
 from eagle3_core.config import Eagle3Config, FileSource
 from eagle3_core.data.ingest import (
@@ -48,8 +46,8 @@ from eagle3_core.data.ingest import (
 )
 from eagle3_core.data.sources import ResolvedSource, open_binary
 from eagle3_core.errors import ConfigError, SourceChangedError
-from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
+from eagle3_core.store.records import InboxFile, InboxRecord, InboxState
 
 RECORD_VERSION = 1
 READ_SUFFIXES = {".jsonl", ".json", ".parquet"}
@@ -57,7 +55,9 @@ TEMP_SUFFIXES = {".tmp", ".part", ".partial", ".crdownload", ".filepart", ".swp"
 
 # The states of a file in inbox.json. "ingesting" is written before the file's first shard, so a crash
 # leaves it there and the next call resumes the file through the ledger.
-INGESTING, DONE, REFUSED = "ingesting", "done", "refused"
+INGESTING: InboxState = "ingesting"
+DONE: InboxState = "done"
+REFUSED: InboxState = "refused"
 
 
 @dataclass
@@ -155,10 +155,10 @@ def _ingest_locked(
             report.waiting[name] = f"modified {now - st.st_mtime:.0f} s ago (< {min_age:g} s)"
             continue
         known = files.get(name)
-        if known and known.get("symlink"):  # a refused link replaced by a regular file: a new file
+        if known and known.symlink:  # a refused link replaced by a regular file: a new file
             known = None
         stat = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        if known and known["state"] != INGESTING and _same_stat(known, stat):
+        if known and known.state != INGESTING and _same_stat(known, stat):
             continue
         made_something = report.new_shards or report.unsharded
         if made_something and _out_of_time(started, max_seconds):  # each call makes one shard at least
@@ -169,18 +169,20 @@ def _ingest_locked(
         except OSError as err:  # unreadable, or gone since the listing
             report.failed[name] = f"{type(err).__name__}: {err}"
             continue
-        if known and known["state"] != INGESTING and known["sha256"] == digest:
-            files[name] = {**known, **stat}  # touched, same bytes
+        if known and known.state != INGESTING and known.sha256 == digest:
+            files[name] = known.model_copy(update=stat)  # touched, same bytes
             _save_record(record_path, files)
             continue
         twin = None if known else _file_with_digest(files, digest)
         if twin is not None:
-            files[name] = {"state": DONE, "sha256": digest, **stat, "same_as": twin}
+            files[name] = InboxFile(
+                state=DONE, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, same_as=twin
+            )
             _save_record(record_path, files)
             report.same_as[name] = twin
             log(f"{name}: same content as {twin}, already ingested")
             continue
-        files[name] = {"state": INGESTING, "sha256": digest, **stat}
+        files[name] = InboxFile(state=INGESTING, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns)
         _save_record(record_path, files)
         if seen is None:
             seen = seen_sample_ids(layout, ledger)
@@ -197,7 +199,9 @@ def _ingest_locked(
                 totals.update(consumed.rejected)
                 log(describe(consumed))
         except SourceChangedError as err:
-            files[name] = {"state": REFUSED, "sha256": digest, **stat, "reason": str(err)}
+            files[name] = InboxFile(
+                state=REFUSED, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, reason=str(err)
+            )
             _save_record(record_path, files)
             report.refused[name] = str(err)
             continue
@@ -207,7 +211,7 @@ def _ingest_locked(
         except _OutOfTime:
             report.unfinished = name
             break
-        files[name] = {"state": DONE, "sha256": digest, **stat}
+        files[name] = InboxFile(state=DONE, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns)
         _save_record(record_path, files)
         report.ingested.append(name)
     report.rejected = dict(totals)
@@ -261,7 +265,7 @@ def _link_target(path: Path) -> str:
 
 
 def _refuse_link(
-    files: dict[str, dict[str, Any]],
+    files: dict[str, InboxFile],
     name: str,
     reason: str,
     report: InboxReport,
@@ -270,9 +274,9 @@ def _refuse_link(
 ) -> None:
     """Record and report a refused link once; the record keeps the reason, a later call stays quiet."""
     known = files.get(name)
-    if known and known["state"] == REFUSED and known.get("reason") == reason:
+    if known and known.state == REFUSED and known.reason == reason:
         return
-    files[name] = {"state": REFUSED, "symlink": True, "reason": reason}
+    files[name] = InboxFile(state=REFUSED, symlink=True, reason=reason)
     _save_record(record_path, files)
     report.refused[name] = reason
     log(f"{name}: refused, {reason}")
@@ -297,14 +301,14 @@ def _source_name(path: Path, root: Path) -> str:
         return str(where)
 
 
-def _same_stat(known: dict[str, Any], stat: dict[str, int]) -> bool:
-    return bool(known.get("size") == stat["size"] and known.get("mtime_ns") == stat["mtime_ns"])
+def _same_stat(known: InboxFile, stat: dict[str, int]) -> bool:
+    return known.size == stat["size"] and known.mtime_ns == stat["mtime_ns"]
 
 
-def _file_with_digest(files: dict[str, dict[str, Any]], digest: str) -> str | None:
+def _file_with_digest(files: dict[str, InboxFile], digest: str) -> str | None:
     for name, known in files.items():
-        if known["state"] == DONE and known["sha256"] == digest:
-            return str(known.get("same_as") or name)
+        if known.state == DONE and known.sha256 == digest:
+            return known.same_as or name
     return None
 
 
@@ -316,12 +320,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_record(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.exists():
-        return {}
-    raw = json.loads(path.read_text())
-    return dict(raw["files"])
+def _load_record(path: Path) -> dict[str, InboxFile]:
+    return dict(InboxRecord.read(path).files) if path.exists() else {}
 
 
-def _save_record(path: Path, files: dict[str, dict[str, Any]]) -> None:
-    atomic_write_json(path, {"version": RECORD_VERSION, "files": files})
+def _save_record(path: Path, files: dict[str, InboxFile]) -> None:
+    InboxRecord(version=RECORD_VERSION, files=files).write(path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,10 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import atomic_directory, atomic_write_json
+from eagle3_core.store.records import RunSummary
 
 FINAL = "final"
+SUMMARY = "summary.json"  # in final/: a run is finished once it exists
 
 
 METRICS = "metrics.jsonl"
@@ -114,7 +116,7 @@ class TrainResult:
     val: dict[str, float]
     resumed_from: int | None
     drafter_config: DrafterConfig
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary
 
 
 def trainable_state(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
@@ -130,9 +132,7 @@ def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor
         )
 
 
-def write_final(
-    run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: dict[str, Any]
-) -> Path:
+def write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: RunSummary) -> Path:
     """final/: weights, drafter config, the vocab mapping it is bound to, and the summary; whole or absent."""
     from safetensors.torch import save_file
 
@@ -144,31 +144,31 @@ def write_final(
         )
         atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
         save_vocab_mapping(mapping, temp / "vocab_mapping")
-        atomic_write_json(temp / "summary.json", summary)
+        summary.write(temp / SUMMARY)
     return final
 
 
 def finished_result(run_dir: Path, resumed_from: int | None) -> TrainResult:
-    summary = json.loads((run_dir / FINAL / "summary.json").read_text())
+    summary = RunSummary.read(run_dir / FINAL / SUMMARY)
     return TrainResult(
         run_dir,
         run_dir / FINAL,
-        summary["steps"],
-        summary["tokens"],
-        summary["seconds"],
-        summary["val"],
+        summary.steps,
+        summary.tokens,
+        summary.seconds,
+        dict(summary.val),
         resumed_from,
-        DrafterConfig(**summary["drafter_config"]),
+        DrafterConfig(**summary.drafter_config),
         summary,
     )
 
 
-def load_trained(final_dir: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, VocabMapping, dict[str, Any]]:
+def load_trained(final_dir: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, VocabMapping, RunSummary]:
     """The drafter of a finished run (with the target's embedding), the mapping it is bound to, its summary."""
     from safetensors.torch import load_file
 
-    summary = json.loads((final_dir / "summary.json").read_text())
-    mapping = load_vocab_mapping(final_dir / "vocab_mapping", expected_fingerprint=summary["vocab_mapping"])
-    drafter = Eagle3Drafter(DrafterConfig(**summary["drafter_config"]), embed.float())
+    summary = RunSummary.read(final_dir / SUMMARY)
+    mapping = load_vocab_mapping(final_dir / "vocab_mapping", expected_fingerprint=summary.vocab_mapping)
+    drafter = Eagle3Drafter(DrafterConfig(**summary.drafter_config), embed.float())
     load_trainable_state(drafter, load_file(str(final_dir / "drafter.safetensors")), final_dir)
     return drafter, mapping, summary

@@ -34,6 +34,7 @@ from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Draft
 from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.records import RunSummary
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
     Batch,
@@ -57,6 +58,7 @@ from eagle3_core.train.optim import build_optimizer
 from eagle3_core.train.run_dir import (
     FINAL,
     METRICS,
+    SUMMARY,
     MetricsLog,
     TrainResult,
     finished_result,
@@ -136,15 +138,15 @@ def warm_start(final_dir: Path, mapping: VocabMapping, dcfg: DrafterConfig) -> W
     """
     from safetensors.torch import load_file
 
-    summary = json.loads((final_dir / "summary.json").read_text())
-    run = summary["run"]
-    if summary["vocab_mapping"] != mapping.fingerprint:
+    summary = RunSummary.read(final_dir / SUMMARY)
+    run = summary.run
+    if summary.vocab_mapping != mapping.fingerprint:
         raise Eagle3Error(
             f"train.init_from current: the promoted drafter {run} was trained with vocab mapping "
-            f"{summary['vocab_mapping'][:12]} and this run has {mapping.fingerprint[:12]} (its lm_head rows "
+            f"{summary.vocab_mapping[:12]} and this run has {mapping.fingerprint[:12]} (its lm_head rows "
             "would be other tokens); set train.init_from: scratch"
         )
-    theirs = DrafterConfig(**summary["drafter_config"])
+    theirs = DrafterConfig(**summary.drafter_config)
     if theirs != dcfg:
         changed = {k: [v, getattr(dcfg, k)] for k, v in theirs.model_dump().items() if getattr(dcfg, k) != v}
         raise Eagle3Error(
@@ -424,7 +426,7 @@ def _train(
     run_dir = runs_dir / run_id(
         cfg, mapping, str(data.facts["target_fingerprint"]), dcfg, warm.run if warm else None
     )
-    if (run_dir / FINAL / "summary.json").exists():
+    if (run_dir / FINAL / SUMMARY).exists():
         log(f"run {run_dir.name} already finished; nothing to train")
         return finished_result(run_dir, None)
     check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
@@ -455,7 +457,7 @@ def _train(
         progress.step,
         progress.tokens,
         seconds,
-        summary["val"],
+        dict(summary.val),
         progress.resumed_from,
         dcfg,
         summary,
@@ -609,31 +611,31 @@ def _summary(
     train_samples: int,
     val_samples: int,
     warm: WarmStart | None,
-) -> dict[str, Any]:
+) -> RunSummary:
     """final/summary.json: what the run was trained from and with, and its last validation."""
     facts = s.data.facts
     final_val = [r for r in read_metrics(run_dir) if r["kind"] == "val"] if s.world.is_main else []
     val_report = {k: v for k, v in final_val[-1].items() if k not in ("kind", "step")} if final_val else {}
-    return {
-        "run": run_dir.name,
-        "steps": progress.step,
-        "tokens": progress.tokens,
-        "seconds": seconds,
-        "val": val_report,
-        "drafter_config": dcfg.model_dump(),
-        "vocab_mapping": s.mapping.fingerprint,
-        "target_fingerprint": facts["target_fingerprint"],
-        "aux_layer_ids": facts["aux_layer_ids"],
-        "aux_layer_convention": facts["aux_layer_convention"],
-        "final_state_convention": facts["final_state_convention"],
-        "train_samples": train_samples,
-        "val_samples": val_samples,
-        "world_size": s.world.size,
-        "attention": s.attention,
-        "bf16": s.autocast_bf16,
-        "train_config": s.cfg.model_dump(),
-        "warm_from": warm.run if warm else None,
-    }
+    return RunSummary(
+        run=run_dir.name,
+        steps=progress.step,
+        tokens=progress.tokens,
+        seconds=seconds,
+        val=val_report,
+        drafter_config=dcfg.model_dump(),
+        vocab_mapping=s.mapping.fingerprint,
+        target_fingerprint=facts["target_fingerprint"],
+        aux_layer_ids=facts["aux_layer_ids"],
+        aux_layer_convention=facts["aux_layer_convention"],
+        final_state_convention=facts["final_state_convention"],
+        train_samples=train_samples,
+        val_samples=val_samples,
+        world_size=s.world.size,
+        attention=s.attention,
+        bf16=s.autocast_bf16,
+        train_config=s.cfg.model_dump(),
+        warm_from=warm.run if warm else None,
+    )
 
 
 def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTTStats, int]:

@@ -1,12 +1,18 @@
-"""Turning a core step's flat result into Dagster metadata."""
+"""Turning a core step's result into Dagster metadata: its flat numbers, and tables drawn from its record."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import dagster as dg
 
+from eagle3_core.drafting import accuracy_per_position
+from eagle3_core.evaluate.plots import markdown_image
 from eagle3_core.pipeline import StepResult
+from eagle3_core.store.records import EvalReport, GateDecision, Record, RunSummary
+
+R = TypeVar("R", bound=Record)
 
 
 def step_metadata(result: StepResult) -> dict[str, Any]:
@@ -14,3 +20,110 @@ def step_metadata(result: StepResult) -> dict[str, Any]:
     for key, value in result.metadata.items():
         meta[key] = value if isinstance(value, (int, float, str, bool)) else dg.MetadataValue.json(value)
     return meta
+
+
+def record_of(result: StepResult, kind: type[R]) -> R:
+    if not isinstance(result.record, kind):
+        raise TypeError(f"step {result.key} returned no {kind.__name__} (got {type(result.record).__name__})")
+    return result.record
+
+
+def training_metadata(result: StepResult) -> dict[str, Any]:
+    """A training step's numbers and its last validation's accuracy per TTT position, as a table."""
+    summary = record_of(result, RunSummary)
+    acc = accuracy_per_position(summary, int(summary.train_config["ttt_steps"]))
+    rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
+    table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
+    return {**step_metadata(result), "accuracy": dg.MetadataValue.md(table)}
+
+
+def eval_metadata(result: StepResult) -> dict[str, Any]:
+    """An evaluation as the asset page shows it: its numbers, tables, the acceptance plot, training curves and
+    the gate, drawn from the report the step returned (not read back from its file)."""
+    report = record_of(result, EvalReport)
+    pictures = {name: Path(p) for name, p in report.pictures.items()}
+    by_category = any("by_category" in s for s in report.sets.values())
+    return {
+        **step_metadata(result),
+        "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
+        "acceptance_plot": dg.MetadataValue.md(
+            markdown_image(pictures["acceptance"], "per-position acceptance")
+        ),
+        "training_curves": dg.MetadataValue.md(
+            markdown_image(pictures["training_curves"], "training curves")
+        ),
+        "gate": dg.MetadataValue.md(gate_table(report.gate)),
+        **({"acceptance_by_category": dg.MetadataValue.md(category_table(report))} if by_category else {}),
+    }
+
+
+def gate_table(gate: GateDecision) -> str:
+    """The promotion decision with both drafters' intervals and the paired difference's."""
+
+    def interval(ci: list[float] | None) -> str:
+        return "" if not ci else f" ({ci[0]:.3f} to {ci[1]:.3f})"
+
+    rows = [
+        f"**{'promote' if gate.passed else 'refuse'}**: {gate.reason}",
+        "",
+        f"| drafter | AL at K={gate.k} (95% CI) |",
+        "|---|---|",
+        f"| new {gate.candidate_run} | {gate.candidate_al:.3f}{interval(gate.candidate_ci95)} |",
+    ]
+    if gate.current_al is not None:
+        rows.append(f"| promoted {gate.current_run} | {gate.current_al:.3f}{interval(gate.current_ci95)} |")
+        rows.append(f"| difference (paired) | {gate.difference:+.3f}{interval(gate.difference_ci95)} |")
+    return "\n".join(rows)
+
+
+def category_table(report: EvalReport) -> str:
+    rows = ["| prompts | category | K | AL (95% CI) | prompts |", "|---|---|---|---|---|"]
+    for name, measured in report.sets.items():
+        for category, by_k in measured.get("by_category", {}).items():
+            for k, r in by_k.items():
+                rows.append(
+                    f"| {name} | {category} | {k} | {r['acceptance_length']:.3f} "
+                    f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | {r['prompts']} |"
+                )
+    return "\n".join(rows)
+
+
+def acceptance_table(report: EvalReport) -> str:
+    rows = [
+        "| prompts | K | AL (95% CI) | tau(K) | acceptance rate | median speedup | tokens/s | per position |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, measured in report.sets.items():
+        for k, r in measured["by_k"].items():
+            tau = report.tau.get(k)
+            rows.append(
+                f"| {name} ({measured['prompts']}) | {k} | {r['acceptance_length']:.3f} "
+                f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | "
+                f"{'n/a' if tau is None else f'{tau:.3f}'} | {r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
+                f"{r['tokens_per_s']:.1f} (target {measured['target_tokens_per_s']:.1f}) | "
+                f"{' '.join(f'{a:.2f}' for a in r['per_position'])} |"
+            )
+    return "\n".join(rows)
+
+
+def gate_metadata(gate: GateDecision) -> dict[str, Any]:
+    """The promotion gate's figures as check metadata (the difference only where it was measured)."""
+    difference = (
+        {
+            "difference": gate.difference,
+            "difference_ci95_low": gate.difference_ci95[0],
+            "difference_ci95_high": gate.difference_ci95[1],
+        }
+        if gate.difference is not None and gate.difference_ci95 is not None
+        else {}
+    )
+    return {
+        "k": gate.k,
+        "candidate_run": gate.candidate_run,
+        "candidate_al": round(gate.candidate_al, 4),
+        "current_run": gate.current_run or "",
+        "current_al": -1.0 if gate.current_al is None else round(gate.current_al, 4),
+        "tolerance": gate.tolerance,
+        "prompts": gate.prompts,
+        **difference,
+    }

@@ -223,7 +223,7 @@ def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(
     worse = _latest(worse_config)  # nothing promoted yet: the first evaluated drafter is promoted
     first = _run_gate(worse_config)
     assert first.success
-    assert read_current(layout)["run"] == worse  # type: ignore[index]
+    assert read_current(layout).run == worse  # type: ignore[union-attr]
 
     good = _latest(good_config)  # better: measured against the promoted one on the same prompts, promoted
     second = _run_gate(good_config)
@@ -232,7 +232,7 @@ def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(
     assert check.passed
     assert check.metadata["candidate_al"].value > check.metadata["current_al"].value
     assert check.metadata["current_run"].value == worse
-    assert read_current(layout)["run"] == good  # type: ignore[index]
+    assert read_current(layout).run == good  # type: ignore[union-attr]
     assert (layout.drafter_current_link / "sglang" / "config.json").exists()
 
     assert _latest(worse_config) == worse  # worse again: refused, and `current` stays where it was
@@ -244,4 +244,4 @@ def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(
     assert check.metadata["candidate_al"].value < check.metadata["current_al"].value - 0.05
     materialized = {e.asset_key.path[-1] for e in third.get_asset_materialization_events()}
     assert materialized == {"drafter_eval"}  # drafter_current did not run
-    assert read_current(layout)["run"] == good  # type: ignore[index]
+    assert read_current(layout).run == good  # type: ignore[union-attr]

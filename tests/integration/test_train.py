@@ -233,7 +233,7 @@ def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapp
     shard_store: tuple[Path, Path], tmp_path: Path
 ) -> None:
     from eagle3_core.errors import Eagle3Error
-    from eagle3_core.store.atomic import atomic_write_json
+    from eagle3_core.store.records import DrafterCurrent
 
     first_cfg = load_config(_copy(shard_store, tmp_path / "p", train=_short(0.003)))
     vocab_step(first_cfg)
@@ -241,9 +241,15 @@ def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapp
     layout = StoreLayout(first_cfg.store_root)
     with pytest.raises(Eagle3Error, match="no drafter is promoted yet"):
         train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current"))))
-    atomic_write_json(
-        layout.drafter_current, {"run": promoted.metadata["run"]}
-    )  # the field promote_step writes
+    run = promoted.metadata["run"]
+    DrafterCurrent(  # as promote_step writes it (its export is never read: training starts from final/)
+        run=run,
+        export_dir=layout.pointer_path(layout.exports / run),
+        acceptance_length=2.0,
+        k=3,
+        promoted_at="2026-12-01T00:00:00+00:00",
+        replaced=None,
+    ).write(layout.drafter_current)
     before = _final_weights(tmp_path / "p")
 
     # a vanishing learning rate: a warm run ends where the promoted run ended, a scratch run far from it

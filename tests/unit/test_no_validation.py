@@ -9,7 +9,9 @@ import pytest
 from eagle3_cli import steps as cli
 from eagle3_core import drafting
 from eagle3_core.pipeline import StepResult
+from eagle3_core.store.records import RunSummary
 from tests.conftest import write_config
+from tests.records import summary_dict
 
 
 def _metadata(acc: list[float | None], **val: float) -> dict[str, object]:
@@ -45,7 +47,8 @@ def test_the_drafter_asset_metadata_copes_with_no_validation_samples(
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint
     from eagle3_dagster.defs.resources import Eagle3Resource
 
-    result = StepResult("drafter_checkpoint", tmp_path, _metadata([None, None]))
+    summary = RunSummary(**{**summary_dict(), "val": {}, "val_samples": 0})
+    result = StepResult("drafter_checkpoint", tmp_path, _metadata([None, None]), record=summary)
     monkeypatch.setattr(drafting, "train_step", lambda cfg, log: result)
     config = write_config(tmp_path / "p", "store: store\n")
     out = drafter_checkpoint(dg.build_asset_context(), Eagle3Resource(config_path=str(config)))

@@ -5,29 +5,28 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 from eagle3_core.config import load_config
 from eagle3_core.drafting import latest_final
-from eagle3_core.evaluation import GateDecision, promote_step, read_current, report_file
+from eagle3_core.evaluation import promote_step, read_current, report_file
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import EvalReport
 from tests.conftest import write_config
+from tests.records import report_dict, write_summary
 
 
 def _store_with_an_evaluated_run(project: Path) -> Path:
     config = write_config(project, "store: store\ntarget: {path: toy}\n")
     layout = StoreLayout(project / "store")
     final = layout.drafter_runs / "r1" / "final"
-    final.mkdir(parents=True)
-    (final / "summary.json").write_text(json.dumps({"run": "r1"}))
+    write_summary(final, "r1")
     # as train_step writes it
     atomic_write_json(layout.drafter_latest, {"run": "r1", "final": layout.pointer_path(final)})
     (layout.exports / "r1" / "sglang").mkdir(parents=True)
-    gate = GateDecision(True, 3, "r1", 2.5, None, None, 0.05, "no drafter is promoted yet")
-    report = {"run": "r1", "export_dir": layout.pointer_path(layout.exports / "r1"), "gate": asdict(gate)}
-    atomic_write_json(report_file(layout.export_eval("r1"), "sglang"), report)
+    report = EvalReport(**report_dict("r1", layout.pointer_path(layout.exports / "r1")))
+    report.write(report_file(layout.export_eval("r1"), "sglang"))
     return config
 
 
@@ -48,7 +47,7 @@ def test_a_moved_store_points_at_its_own_drafters(tmp_path: Path) -> None:
     assert latest_final(moved) == moved.drafter_runs / "r1" / "final"
     current = read_current(moved)
     assert current is not None
-    assert moved.from_pointer(current["export_dir"]) == moved.exports / "r1"
+    assert moved.from_pointer(current.export_dir) == moved.exports / "r1"
     assert (moved.drafter_current_link / "sglang").resolve() == (moved.exports / "r1" / "sglang").resolve()
     assert not (tmp_path / "a").exists()
 

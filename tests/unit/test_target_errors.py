@@ -17,6 +17,7 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.errors import TargetError
 from eagle3_core.targets.resolve import check_target_dir, safetensors_weights
 from tests.conftest import write_config
+from tests.records import write_summary
 
 Break = Callable[[Path], None]
 DATA = "data: {dataset: cc, shard_size: 12, sources: [{kind: chitchat, limit: 12}]}\n"
@@ -32,9 +33,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert main(["--config", str(config), "ingest"]) == 0
     store = root / "store"
     final = store / "drafter" / "runs" / "fake" / "final"
-    final.mkdir(parents=True)
-    (final / "summary.json").write_text(json.dumps({"run": "fake"}))
-    (store / "drafter" / "latest.json").write_text(json.dumps({"final": str(final)}))
+    write_summary(final, "fake")
+    (store / "drafter" / "latest.json").write_text(json.dumps({"run": "fake", "final": str(final)}))
     (store / "drafter" / "export" / "fake" / "sglang").mkdir(parents=True)
     return store
 

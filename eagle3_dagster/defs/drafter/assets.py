@@ -1,6 +1,5 @@
 """The drafter half: vocab_mapping -> drafter_checkpoint -> drafter_export, over every shard of hidden_states."""
 
-import json
 from pathlib import Path
 
 import dagster as dg
@@ -9,7 +8,7 @@ from eagle3_core import drafting
 from eagle3_core.serving import serve_commands, serve_markdown
 from eagle3_dagster.defs.automation import after_its_parent, when_every_shard_is_done
 from eagle3_dagster.defs.data.assets import hidden_states
-from eagle3_dagster.defs.metadata import step_metadata
+from eagle3_dagster.defs.metadata import step_metadata, training_metadata
 from eagle3_dagster.defs.resources import Eagle3Resource
 
 ALL_SHARDS = dg.AssetDep(hidden_states, partition_mapping=dg.AllPartitionMapping())
@@ -37,10 +36,7 @@ def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
     result = drafting.train(eagle3.resolved_path(), context.log.info)
-    acc = json.loads(result.metadata["acc_per_position"])
-    rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
-    table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
-    return dg.MaterializeResult(metadata={**step_metadata(result), "accuracy": dg.MetadataValue.md(table)})
+    return dg.MaterializeResult(metadata=training_metadata(result))
 
 
 @dg.asset(

@@ -1,0 +1,97 @@
+"""Records as eagle3 writes them, for tests that need a finished run (or an evaluation) without training one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import TrainConfig
+from eagle3_core.store.records import RunSummary
+
+
+def summary_dict(run: str = "r1") -> dict[str, Any]:
+    """final/summary.json as the trainer wrote it before records, key for key, in its order."""
+    return {
+        "run": run,
+        "steps": 4,
+        "tokens": 1000,
+        "seconds": 1.5,
+        "val": {"loss_0": 2.5, "acc_0": 0.5, "full_acc_0": 0.5, "tau_1": 1.5, "counted": 96},
+        "drafter_config": {"hidden_size": 16, "num_heads": 4},
+        "vocab_mapping": "f" * 64,
+        "target_fingerprint": "t" * 64,
+        "aux_layer_ids": [2, 4, 5],
+        "aux_layer_convention": "input_of_layer",
+        "final_state_convention": "post_norm",
+        "train_samples": 90,
+        "val_samples": 10,
+        "world_size": 1,
+        "attention": "sdpa",
+        "bf16": False,
+        "train_config": TrainConfig().model_dump(),
+        "warm_from": None,
+    }
+
+
+def write_summary(final: Path, run: str = "r1") -> Path:
+    final.mkdir(parents=True, exist_ok=True)
+    RunSummary(**summary_dict(run)).write(final / "summary.json")
+    return final / "summary.json"
+
+
+def gate_dict(run: str = "r1", **change: Any) -> dict[str, Any]:
+    """A gate decision as `dataclasses.asdict` wrote it before records, in its field order."""
+    return {
+        "passed": True,
+        "k": 3,
+        "candidate_run": run,
+        "candidate_al": 2.5,
+        "current_run": None,
+        "current_al": None,
+        "tolerance": 0.05,
+        "reason": "no drafter is promoted yet",
+        "candidate_ci95": [2.25, 2.75],
+        "current_ci95": None,
+        "difference": None,
+        "difference_ci95": None,
+        "prompts": 8,
+        **change,
+    }
+
+
+def set_dict() -> dict[str, Any]:
+    """One prompt set's measurement as the evaluation step writes it (one K, one prompt)."""
+    per_prompt = {"id": "p0", "rounds": 4, "accepted": 6, "acceptance_length": 2.5, "category": "chat"}
+    by_k = {
+        "acceptance_length": 2.5,
+        "al_ci95": [2.25, 2.75],
+        "acceptance_rate": 0.5,
+        "per_position": [0.75, 0.5, 0.25],
+        "speedup": 1.8,
+        "tokens_per_s": 40.0,
+        "per_prompt": [per_prompt],
+    }
+    return {
+        "prompts": 1,
+        "target_tokens_per_s": 22.0,
+        "by_k": {"3": by_k},
+        "rejected": {"too_long": 0},
+        "by_category": {"chat": {"3": {"prompts": 1, "acceptance_length": 2.5, "al_ci95": [2.5, 2.5]}}},
+    }
+
+
+def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: Any) -> dict[str, Any]:
+    """export/<run>/eval/report-<format>.json as the evaluation step wrote it before records."""
+    return {
+        "run": run,
+        "export_dir": export_dir,
+        "format": "sglang",
+        "device": "cpu",
+        "dtype": "float32",
+        "settings": {"ks": (3,), "max_new_tokens": 64, "temperature": 0.0, "seed": 0, "batch_size": 1},
+        "tau": {"3": 2.75},
+        "primary": "heldout",
+        "sets": {"heldout": set_dict()},
+        "gate": gate_dict(run, **gate),
+        "pictures": {"acceptance": "/s/acceptance-sglang.png", "training_curves": "/s/training_curves.png"},
+    }
