@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from eagle3_core.errors import ExportError
+from eagle3_core.store.records import field_path
 
 FormatName = Literal["sglang", "speculators"]
 DtypeName = Literal["float32", "bfloat16", "float16"]  # the dtypes a drafter is exported in
@@ -210,8 +211,7 @@ def validated(model: type[M], data: Any, where: str, *, ours: bool) -> M:
 def describe(error: ErrorDetails) -> str:
     """One pydantic error as `path.to[0].field: what is wrong`."""
     ctx = error.get("ctx") or {}
-    loc = [*error["loc"], *([ctx[FIELD]] if FIELD in ctx else [])]
-    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    path = field_path((*error["loc"], *([ctx[FIELD]] if FIELD in ctx else [])))
     kind = error["type"]
     if kind == "missing":
         detail = "missing"

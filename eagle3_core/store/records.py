@@ -22,17 +22,20 @@ from eagle3_core.store.atomic import atomic_write_json, read_json_object
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
-    """A pydantic error location as a reader writes it: `sets.heldout.by_k`, `aux_layer_ids[1]`."""
+    """A pydantic error location as a reader writes it: `sets.heldout.by_k`, `aux_layer_ids[1]` ("" for the
+    whole object)."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+    return out
 
 
 def validation_message(path: Path, err: ValidationError) -> str:
     first = err.errors()[0]
     more = err.error_count() - 1
-    return f"{path}: {field_path(first['loc'])}: {first['msg']}" + (f" (and {more} more)" if more else "")
+    return f"{path}: {field_path(first['loc']) or '(top level)'}: {first['msg']}" + (
+        f" (and {more} more)" if more else ""
+    )
 
 
 class Record(BaseModel):

@@ -78,7 +78,8 @@ def test_a_file_that_is_not_a_json_object_names_the_file(tmp_path: Path) -> None
 def test_field_paths_read_as_written() -> None:
     assert field_path(("sets", "heldout", "by_k", "3")) == "sets.heldout.by_k.3"
     assert field_path(("aux_layer_ids", 0)) == "aux_layer_ids[0]"
-    assert field_path(()) == "(top level)"
+    assert field_path(()) == ""
+    assert field_path((0, "kind")) == "[0].kind"
 
 
 def test_an_evaluation_report_round_trips_and_writes_todays_bytes(tmp_path: Path) -> None:
