@@ -105,7 +105,10 @@ class SGLangEngineBackendConfig(_Model):
     kind: Literal["sglang_engine"] = "sglang_engine"
 
 
-BACKEND_KINDS = ("transformers", "sglang_http", "sglang_engine")
+BACKEND_KINDS: tuple[str, ...] = tuple(
+    member.model_fields["kind"].default
+    for member in (TransformersBackendConfig, SGLangHttpBackendConfig, SGLangEngineBackendConfig)
+)
 
 
 def _backend_kind(value: Any) -> str | None:

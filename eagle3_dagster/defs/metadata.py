@@ -76,15 +76,17 @@ def gate_table(gate: GateDecision) -> str:
     return "\n".join(rows)
 
 
+def al_cell(measured: dict[str, Any]) -> str:
+    """A measured AL with its 95% interval, as both acceptance tables show it."""
+    return f"{measured['acceptance_length']:.3f} ({measured['al_ci95'][0]:.2f}-{measured['al_ci95'][1]:.2f})"
+
+
 def category_table(report: EvalReport) -> str:
     rows = ["| prompts | category | K | AL (95% CI) | prompts |", "|---|---|---|---|---|"]
     for name, measured in report.sets.items():
         for category, by_k in measured.get("by_category", {}).items():
             for k, r in by_k.items():
-                rows.append(
-                    f"| {name} | {category} | {k} | {r['acceptance_length']:.3f} "
-                    f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | {r['prompts']} |"
-                )
+                rows.append(f"| {name} | {category} | {k} | {al_cell(r)} | {r['prompts']} |")
     return "\n".join(rows)
 
 
@@ -97,8 +99,7 @@ def acceptance_table(report: EvalReport) -> str:
         for k, r in measured["by_k"].items():
             tau = report.tau.get(k)
             rows.append(
-                f"| {name} ({measured['prompts']}) | {k} | {r['acceptance_length']:.3f} "
-                f"({r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}) | "
+                f"| {name} ({measured['prompts']}) | {k} | {al_cell(r)} | "
                 f"{'n/a' if tau is None else f'{tau:.3f}'} | {r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
                 f"{r['tokens_per_s']:.1f} (target {measured['target_tokens_per_s']:.1f}) | "
                 f"{' '.join(f'{a:.2f}' for a in r['per_position'])} |"
