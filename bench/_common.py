@@ -89,11 +89,13 @@ def extract_to_shard(
     threads: int = 4,
     metadata: dict[str, Any] | None = None,
     first_id: int = 0,
+    prompt_share: float = 0.0,
 ) -> float:
     """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
 
     `metadata` goes into the shard header (the trainer needs `pipeline.extract_step`'s facts there); sample
-    ids count up from `first_id`, so that several shards of one training set hold distinct ids.
+    ids count up from `first_id`, so that several shards of one training set hold distinct ids. Each
+    sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts.
     """
     seqs = [s for b in batches for s in b]
     _sync(target)
@@ -112,7 +114,9 @@ def extract_to_shard(
                 rows = []
                 for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
                     ids = torch.tensor(seq, dtype=torch.int32)
-                    rows.append((start + j, ids, torch.ones_like(ids, dtype=torch.uint8), st))
+                    mask = torch.ones_like(ids, dtype=torch.uint8)
+                    mask[: int(len(seq) * prompt_share)] = 0
+                    rows.append((start + j, ids, mask, st))
                 behind.submit(rows)
                 start += len(batch)
         writer.finalize()

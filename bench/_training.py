@@ -48,6 +48,7 @@ class DataSpec:
     max_len: int  # sample lengths are uniform in [min_len, max_len)
     device: Literal["cpu", "cuda"]  # where the target runs during extraction
     extract_batch_tokens: int = 16384
+    prompt_share: float = 0.0  # each sample's first share of tokens is loss-masked, as a chat's prompt is
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -93,7 +94,12 @@ def _extract_shards(
         batches = [[seqs[i] for i in b] for b in order]
         path = shard_dir / f"train-{n:05d}.safetensors"
         seconds = extract_to_shard(
-            target, batches, path, metadata=shard_metadata(target), first_id=n * spec.samples_per_shard
+            target,
+            batches,
+            path,
+            metadata=shard_metadata(target),
+            first_id=n * spec.samples_per_shard,
+            prompt_share=spec.prompt_share,
         )
         shard_tokens = sum(len(s) for s in seqs)
         log(f"  shard {path.name}: {len(seqs)} samples, {shard_tokens:,} tokens in {seconds:.1f}s")
@@ -206,6 +212,7 @@ class Plan:
             depth=cfg.prefetch_batches,
             pin=pin,
             width=self.width,
+            ttt_steps=cfg.ttt_steps,
         )
 
     def lengths(self, refs: list[SampleRef], batches: list[Rows]) -> list[int]:
@@ -254,11 +261,14 @@ def time_training(s: Setup, batches: list[Batch], warmup: int) -> dict[str, Any]
     seconds = time.perf_counter() - t0
     tokens = sum(b.tokens for b in timed)
     steps = clock.seconds()
+    steady = steady_steps(steps)
     return {
         "tokens": tokens,
         "steps": len(timed),
         "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
+        "tokens_per_s": round(sum(timed[i].tokens for i in steady) / sum(steps[i] for i in steady), 1),
+        "all_steps_tokens_per_s": round(tokens / seconds, 1),
+        "compile_steps": [i for i in range(len(steps)) if i not in steady],
         "step_s": [round(x, 3) for x in steps],
         "median_step_s": round(statistics.median(steps), 3),
         "warmup_steps": warmup,
@@ -266,6 +276,13 @@ def time_training(s: Setup, batches: list[Batch], warmup: int) -> dict[str, Any]
         "attention": s.attention,
         "precision": "bf16 autocast" if s.autocast_bf16 else "float32",
     }
+
+
+def steady_steps(seconds: list[float]) -> list[int]:
+    """The steps that did not compile: all but those over 3x the median (a batch of a shape not seen yet
+    compiles once, for seconds; a steady step varies by a few percent)."""
+    median = statistics.median(seconds)
+    return [i for i, x in enumerate(seconds) if x <= 3 * median]
 
 
 def gib(n: float) -> float:

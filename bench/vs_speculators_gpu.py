@@ -16,7 +16,10 @@ otherwise:
   peak allocated memory over the run and the largest memory it logs after a forward.
 Tokens are the real (unpadded) tokens of a step for both. MFU counts the drafter's forward and backward
 (3x its forward FLOPs) and the teacher's head, against the H200's dense bf16 peak of 989 TFLOP/s; recomputation
-is not counted as useful work. Results: bench/results/vs_speculators_gpu_h200.json.
+is not counted as useful work. `--prompt-share S` loss-masks each sample's first share S of tokens, as a
+chat's prompt is (default 0: every token counts). eagle3 then drafts only from the entries a loss reads
+(`drafted_share` of them) while speculators computes every entry; MFU is still counted on the whole step's
+work, what speculators does, so it reads as the speed of the whole step. Results: bench/results/vs_speculators_gpu_h200.json.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from bench._training import (
     guarded,
     intermediate_for,
     load_batches,
+    steady_steps,
     time_training,
     training_plan,
     training_set,
@@ -101,6 +105,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="print eagle3's top CUDA kernels over 2 steps")
     p.add_argument("--check-lean", action="store_true", help="the lean loss against the plain one, one batch")
     p.add_argument("--speculators-loss", choices=["fused", "eager"], default="eager")
+    p.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.0,
+        help="each sample's first share of tokens loss-masked, as a chat's prompt is (default 0: all count)",
+    )
     p.add_argument("--keep-data", action="store_true", help="keep each width's shards (default: removed)")
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-gpu")
     p.add_argument("--results", type=Path, default=None)
@@ -148,6 +158,14 @@ def flops_per_token(dcfg: DrafterConfig, ttt: int, mean_context: float) -> float
     return 3 * forward + teacher
 
 
+def drafted_share(batches: list[Batch]) -> float:
+    """The share of a packed batch's entries eagle3 drafts from (the rest only give step 0's keys); 1 padded."""
+    packed = [b.packing for b in batches if b.packing is not None and b.packing.drafted is not None]
+    if not packed:
+        return 1.0
+    return round(sum(p.drafted.numel() for p in packed) / sum(p.doc.numel() for p in packed), 3)  # type: ignore[union-attr]
+
+
 def mean_context(lengths: list[int]) -> float:
     """Keys per query under a causal mask, averaged over tokens: sum(T^2/2) / sum(T)."""
     return sum(n * (n + 1) / 2 for n in lengths) / max(1, sum(lengths))
@@ -187,6 +205,12 @@ def eagle3_run(
         if device.type == "cuda":
             result["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))
         result["batching"] = plan.cfg.batching
+        result["drafted_share"] = drafted_share(batches[args.warmup :])
+        result["drafted_entries"] = [
+            b.packing.drafted.shape[1]
+            for b in batches
+            if b.packing is not None and b.packing.drafted is not None
+        ]
         lengths = plan.lengths(data.refs, plan.first(n)[args.warmup :])
         result["flops_per_token"] = flops_per_token(dcfg, ttt, mean_context(lengths))
         if args.profile and device.type == "cuda":
@@ -308,12 +332,15 @@ def speculators_run(
         raise RuntimeError(f"speculators logged {len(profiles)} timed steps, none after the warm-up")
     seconds = [p["step_ms"] / 1000 for p in timed]
     tokens = [p["tokens_per_s"] * s for p, s in zip(timed, seconds, strict=True)]
+    steady = steady_steps(seconds)  # the same rule as eagle3's: a step that compiled is not a steady one
     after_forward = [p.get("memory_mb", {}).get("fwd", 0.0) for p in profiles]
     peak = result.get("peak_allocated_bytes")
     return {
         "steps": len(timed),
         "tokens": round(sum(tokens)),
-        "tokens_per_s": round(sum(tokens) / sum(seconds), 1),
+        "tokens_per_s": round(sum(tokens[i] for i in steady) / sum(seconds[i] for i in steady), 1),
+        "all_steps_tokens_per_s": round(sum(tokens) / sum(seconds), 1),
+        "compile_steps": [i for i in range(len(seconds)) if i not in steady],
         "median_step_s": round(statistics.median(seconds), 3),
         "warmup_step_s": [round(p["step_ms"] / 1000, 2) for p in profiles[: args.warmup]],
         "peak_allocated_gib": gib(peak) if peak else None,
@@ -354,6 +381,7 @@ def run_width(
         min_len=args.min_len,
         max_len=args.max_len,
         device=args.device,
+        prompt_share=args.prompt_share,
     )
     ts = training_set(args.workdir, spec, log)
     head = load_target_head(ts.target_dir)

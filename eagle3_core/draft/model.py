@@ -162,26 +162,29 @@ class Attention(nn.Module):
         prefix: tuple[torch.Tensor, torch.Tensor],
         chain: list[tuple[torch.Tensor, torch.Tensor]],
         doc: torch.Tensor | None = None,
+        queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The TTT mask without building it: q [B, heads, T, d] attends causally to step 0's keys (`prefix`)
-        and, entry by entry, to its own keys of steps 1..k (`chain`), returning [B, T, H]. `doc` [B, T]: the
-        sample each entry belongs to in a packed batch (a query sees only its own sample's prefix).
+        """The TTT mask without building it: q [B, heads, M, d] attends causally to step 0's keys (`prefix`,
+        [B, kv_heads, T, d]) and, entry by entry, to its own keys of steps 1..k (`chain`), returning
+        [B, M, H]. `doc` [B, T]: the sample each entry belongs to in a packed batch (a query sees only its own
+        sample's prefix); `queries` [B, M]: the entries the queries are of (None: all T of them).
 
-        The chain part is a per-entry dot product, so step k costs one T x T block instead of k+1 of them.
+        The chain part is a per-entry dot product, so step k costs one M x T block instead of k+1 of them.
         """
         pk, pv = self._expand(prefix[0]), self._expand(prefix[1])
         if not chain and self.cfg.sliding_window is None and doc is None:
             return self._out(F.scaled_dot_product_attention(q, pk, pv, is_causal=True))
-        allowed = prefix_mask(q.shape[2], len(chain), self.cfg.sliding_window, q.device, doc)
+        t = pk.shape[2]
+        allowed = prefix_mask(t, len(chain), self.cfg.sliding_window, q.device, doc, queries)
         if not chain:
             return self._out(F.scaled_dot_product_attention(q, pk, pv, attn_mask=allowed))
-        t, scale = q.shape[2], q.shape[-1] ** -0.5
-        ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, T, k, d]
+        scale = q.shape[-1] ** -0.5
+        ck = torch.stack([self._expand(k) for k, _ in chain], dim=3)  # [B, heads, M, k, d]
         cv = torch.stack([self._expand(v) for _, v in chain], dim=3)
         prefix_scores = (q @ pk.transpose(-1, -2) * scale).masked_fill(
             ~allowed, float("-inf")
-        )  # [B, heads, T, T]
-        chain_scores = (q.unsqueeze(3) * ck).sum(-1) * scale  # [B, heads, T, k]
+        )  # [B, heads, M, T]
+        chain_scores = (q.unsqueeze(3) * ck).sum(-1) * scale  # [B, heads, M, k]
         if self.cfg.sliding_window is not None:  # chain entry j sits at position p + j, the query at p + k
             k = len(chain)
             too_far = torch.arange(1, k + 1, device=q.device) <= k - self.cfg.sliding_window
@@ -200,23 +203,30 @@ class Attention(nn.Module):
 
 
 def prefix_mask(
-    length: int, step: int, window: int | None, device: torch.device, doc: torch.Tensor | None = None
+    length: int,
+    step: int,
+    window: int | None,
+    device: torch.device,
+    doc: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[T, T] bool (or [B, 1, T, T] given `doc` [B, T]): entry p of step `step` (RoPE position p + step) may
-    see step 0's entry j (position j).
+    """[T, T] bool (or [B, 1, M, T] given `doc` [B, T]): entry p of step `step` (RoPE position p + step) may
+    see step 0's entry j (position j). `queries` [B, M]: the entries the queries are of (`Packing.drafted`;
+    None: every entry).
 
     Causal (j <= p), in a packed batch within the same sample (doc[j] == doc[p]), and with a sliding window
     only j > p + step - window, as the engines' draft attention windows by position (within a sample,
     positions differ as indices do; the chain's entries, at positions p + 1..p + step, are windowed in
     `attend_ttt`).
     """
-    rows = torch.arange(length, device=device)[:, None]
-    cols = torch.arange(length, device=device)[None, :]
+    cols = torch.arange(length, device=device)
+    rows = (cols if queries is None else queries)[..., None]  # [T, 1] or [B, M, 1]
     allowed = cols <= rows
     if window is not None:
-        allowed &= cols > rows + step - window
+        allowed = allowed & (cols > rows + step - window)
     if doc is not None:
-        allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
+        row_doc = doc if queries is None else doc.gather(1, queries)  # [B, M]
+        allowed = (allowed & (row_doc[:, :, None] == doc[:, None, :])).unsqueeze(1)
     return allowed
 
 
@@ -288,48 +298,95 @@ class Packing:
 
     doc: torch.Tensor  # int [B, T]: the entry's sample, counted along its row (padding counts as one more)
     positions: torch.Tensor  # int64 [B, T]: the entry's position within its sample
+    # int64 [B, M]: the entries some step's loss reads a draft of, ascending, M a multiple of FLEX_BLOCK, padded
+    # with the row's last entry (which never counts); None: every entry. Every entry's step-0 keys are still
+    # made (they are the causal prefix), but only these are drafted from: in chat data the prompt's entries,
+    # a third or more of a row, are taught nothing.
+    drafted: torch.Tensor | None = None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Packing:
+        def moved(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=non_blocking)
+
+        return Packing(
+            moved(self.doc), moved(self.positions), None if self.drafted is None else moved(self.drafted)
+        )
 
 
-def packed_block_masks(doc: torch.Tensor, steps: int, window: int | None = None) -> list[Any]:
+def pick(x: torch.Tensor, entries: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
+    """x's entries along `dim` at `entries` [B, M] (x [B, T, ...] with dim 1, or [B, heads, T, d] with dim 2);
+    x itself for None (every entry)."""
+    if entries is None:
+        return x
+    index = entries.view(*entries.shape[:1], *[1] * (dim - 1), entries.shape[1], *[1] * (x.dim() - dim - 1))
+    return torch.take_along_dim(x, index, dim=dim)
+
+
+def packed_block_masks(
+    doc: torch.Tensor, steps: int, window: int | None = None, drafted: torch.Tensor | None = None
+) -> list[Any]:
     """The TTT BlockMask of each step for a packed batch (`ttt_block_mask` within each sample), built from the
-    samples' extents block by block, so no [T, (k+1)T] mask is ever evaluated to find the empty blocks.
+    samples' extents block by block, so no [M, T + kM] mask is ever evaluated to find the empty blocks.
 
-    doc [B, T], nondecreasing along each row, T a multiple of FLEX_BLOCK. Step k's keys are step 0's T
-    entries, then T for each of steps 1..k; a query block sees step 0's key blocks that share a sample with
-    it (full when both blocks lie in one sample) and, in each later step, the key block opposite itself.
+    doc [B, T], nondecreasing along each row, T a multiple of FLEX_BLOCK; `drafted` [B, M] the queries' entries
+    (`Packing.drafted`; None: every entry). Step k's keys are step 0's T entries (the prefix), then M for each
+    of steps 1..k (the drafted entries' own chains). A query block sees the prefix's key blocks that can share
+    a sample with it (full when every key precedes every query within one sample) and, in each later step,
+    the chain block opposite itself.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     b, t = doc.shape
     if t % FLEX_BLOCK:
         raise ValueError(f"a packed row of {t} entries is not a multiple of {FLEX_BLOCK}")
-    n = t // FLEX_BLOCK
-    blocks = doc.view(b, n, FLEX_BLOCK)
-    first, last = blocks[..., 0], blocks[..., -1]  # [B, n]
-    qi = torch.arange(n, device=doc.device)[:, None]
-    kj = torch.arange(n, device=doc.device)[None, :]
-    below = kj < qi  # [n(q), n(kv)]: every key of the block precedes every query
-    # samples are contiguous, so a key block shares one with a later query block iff its last sample is the
-    # query block's first; both lie in one sample iff the key block's first is the query block's last
-    shares = (kj == qi) | (below & (last[:, None, :] == first[:, :, None]))  # [B, n, n]
-    one_sample = below & (first[:, None, :] == last[:, :, None])
+    query = torch.arange(t, device=doc.device).expand(b, t) if drafted is None else drafted
+    m = query.shape[1]
+    if m % FLEX_BLOCK:
+        raise ValueError(f"{m} drafted entries are not a multiple of {FLEX_BLOCK}")
+    nq = m // FLEX_BLOCK
+    q_first, q_last = query[:, ::FLEX_BLOCK], query[:, FLEX_BLOCK - 1 :: FLEX_BLOCK]  # [B, nq] entries
+    qdoc_first, qdoc_last = doc.gather(1, q_first), doc.gather(1, q_last)
+    kdoc_first, kdoc_last = doc[:, ::FLEX_BLOCK], doc[:, FLEX_BLOCK - 1 :: FLEX_BLOCK]  # [B, nk]
+    k_first = torch.arange(0, t, FLEX_BLOCK, device=doc.device)  # [nk]
+    k_last = k_first + FLEX_BLOCK - 1
+    # samples are contiguous and queries ascend, so a key block can share a sample with a query block iff it
+    # starts by the last query and its last sample is not before the first query's; every pair is allowed
+    # iff every key precedes the first query and the key block's first sample is the last query's
+    shares = (k_first <= q_last[..., None]) & (kdoc_last[:, None, :] >= qdoc_first[..., None])  # [B, nq, nk]
+    one_sample = (k_last <= q_first[..., None]) & (kdoc_first[:, None, :] == qdoc_last[..., None])
+
+    # What the mask reads, by query and by key, as tensors rather than Python ints (which a compiled kernel is
+    # specialised to: a new drafted count would recompile it) and without integer division (a kernel pays
+    # for it at every entry of a partial block). Keys: the prefix's T, then M for each chain step.
+    # (int32 throughout: the kernel reads them at every entry of a partial block)
+    keys, int32 = t + (steps - 1) * m, torch.int32
+    query32 = query.to(int32)
+    query_doc = doc.to(int32) if drafted is None else doc.gather(1, query).to(int32)  # [B, M]
+
+    def entry_of(bi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return q if drafted is None else query32[bi, q]  # every entry drafted: a query is its entry
+
+    key_doc = torch.cat([doc.to(int32), doc.new_full((b, keys - t), -1, dtype=int32)], dim=1)  # -1: chain
+    chain_of = torch.arange(m, dtype=int32, device=doc.device).repeat(steps - 1)  # a chain key's query
+    key_query = torch.cat([chain_of.new_full((t,), -1), chain_of])  # [keys]: -1 on prefix keys
+    key_step = torch.cat(
+        [torch.full((n,), j, dtype=int32, device=doc.device) for j, n in enumerate([t] + [m] * (steps - 1))]
+    )  # [keys]: 0 on prefix keys, j on step j's chain
 
     def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        # one function for every step and batch (the batch's samples are a tensor it reads), so compiled
+        # one function for every step and batch (the batch's samples are tensors it reads), so compiled
         # flex attention is not recompiled per step or per batch
-        of_step, entry = kv // t, kv % t
-        prefix = (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q])
-        return prefix | (of_step > 0) & (entry == q)
+        # a chain key lies past every entry, so only the prefix's keys pass the first test
+        prefix = (kv <= entry_of(bi, q)) & (key_doc[bi, kv] == query_doc[bi, q])
+        return prefix | (key_query[kv] == q)
 
     def windowed(step: int, window: int) -> Any:
         def allowed_in_window(
             bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
         ) -> torch.Tensor:
-            of_step, entry = kv // t, kv % t  # within a sample, positions differ as entries do
-            prefix = (
-                (of_step == 0) & (entry <= q) & (doc[bi, entry] == doc[bi, q]) & (entry > q + step - window)
-            )
-            return prefix | (of_step > 0) & (entry == q) & (of_step > step - window)
+            entry = entry_of(bi, q)  # within a sample, positions differ as entries do
+            prefix = (kv <= entry) & (key_doc[bi, kv] == query_doc[bi, q]) & (kv > entry + step - window)
+            return prefix | (key_query[kv] == q) & (key_step[kv] > step - window)
 
         return allowed_in_window
 
@@ -337,22 +394,22 @@ def packed_block_masks(doc: torch.Tensor, steps: int, window: int | None = None)
     for step in range(steps):
         full, partial = one_sample, shares & ~one_sample
         if window is not None:  # by block: some key (partial) or every key (full) inside the window
-            some = kj * FLEX_BLOCK + FLEX_BLOCK - 1 > qi * FLEX_BLOCK + step - window
-            every = kj * FLEX_BLOCK > qi * FLEX_BLOCK + FLEX_BLOCK - 1 + step - window
+            some = k_last > q_first[..., None] + step - window
+            every = k_first > q_last[..., None] + step - window
             partial = (partial | (full & ~every)) & some
             full = full & every
-        opposite = torch.eye(n, dtype=torch.bool, device=doc.device).expand(b, n, n)
+        opposite = torch.eye(nq, dtype=torch.bool, device=doc.device).expand(b, nq, nq)
         none = torch.zeros_like(opposite)
         chain = [opposite if window is None or j > step - window else none for j in range(1, step + 1)]
-        partial_all = torch.cat([partial.expand(b, n, n), *chain], dim=-1)  # [B, n, (step+1)n]
-        full_all = torch.cat([full.expand(b, n, n), *[none] * step], dim=-1)
+        partial_all = torch.cat([partial, *chain], dim=-1)  # [B, nq, nk + step * nq]
+        full_all = torch.cat([full, *[none] * step], dim=-1)
         masks.append(
             BlockMask.from_kv_blocks(
                 *_block_list(partial_all),
                 *_block_list(full_all),
                 BLOCK_SIZE=FLEX_BLOCK,
                 mask_mod=allowed if window is None else windowed(step, window),
-                seq_lengths=(t, (step + 1) * t),
+                seq_lengths=(m, t + step * m),
             )
         )
     return masks
@@ -462,24 +519,35 @@ class Eagle3Drafter(nn.Module):
         attention: AttentionBackend = "sdpa",
         packing: Packing | None = None,
     ) -> list[torch.Tensor]:
-        """The normed state of each TTT step, `steps` x [B, T, H]; lm_head of it is the step's draft logits.
+        """The normed state of each TTT step, `steps` x [B, N, H]; lm_head of it is the step's draft logits. N is
+        T, or the M drafted entries of a packed batch (`Packing.drafted`).
 
         Step k, entry p: token input_ids[p+1+k] (0 past the end), position p+k, prediction of token p+2+k.
         Right padding is harmless: a real entry never attends to a later one. In a packed batch positions
         count within each sample and attention stays inside it; an entry whose token input_ids[p+1+k] lies
         in the next sample computes nonsense that no entry of its own sample reads (the loss skips it).
+        Step 0 makes every entry's keys (the prefix every query sees); from its queries on, only the drafted
+        entries are computed, as nothing reads another entry's chain.
         """
         t = input_ids.shape[1]
         base = packing.positions if packing is not None else torch.arange(t, device=aux.device)
+        doc = packing.doc if packing is not None else None
+        drafted = packing.drafted if packing is not None else None
         masks = None
         if packing is not None and attention == "flex":
-            masks = packed_block_masks(packing.doc, steps, self.cfg.sliding_window)
+            masks = packed_block_masks(packing.doc, steps, self.cfg.sliding_window, drafted)
         h = self.features(aux)  # [B, T, H]
         attn = self.midlayer.self_attn
         kvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (key, value) of each step so far
         states = []
         for k in range(steps):
-            q, key, value = self.midlayer.qkv(self.embed_tokens(shift_left(input_ids, k + 1)), h, base + k)
+            ids = shift_left(input_ids, k + 1)
+            if k == 0:  # every entry's keys; the drafted entries' queries and states
+                q, key, value = self.midlayer.qkv(self.embed_tokens(ids), h, base)
+                q, h = pick(q, drafted, dim=2), pick(h, drafted)  # [B, heads, N, d], [B, N, H]
+            else:
+                ids, positions = pick(ids, drafted), pick(base, drafted) + k
+                q, key, value = self.midlayer.qkv(self.embed_tokens(ids), h, positions)
             kvs.append((key, value))
             if attention == "flex":
                 keys, values = (
@@ -489,7 +557,7 @@ class Eagle3Drafter(nn.Module):
                 mask = masks[k] if masks is not None else self.block_mask(t, k, aux.device)
                 attn_out = attn.attend_flex(q, keys, values, mask)
             else:
-                attn_out = attn.attend_ttt(q, kvs[0], kvs[1:], packing.doc if packing is not None else None)
+                attn_out = attn.attend_ttt(q, kvs[0], kvs[1:], doc, drafted)
             normed, h = self.step_out(self.midlayer.finish(h, attn_out))
             states.append(normed)
         return states

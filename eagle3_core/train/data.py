@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from eagle3_core.draft.model import Packing
+from eagle3_core.draft.model import FLEX_BLOCK, Packing
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.shards import DTYPES, ShardReader
+from eagle3_core.train.loss import drafted_entries
 
 # Header facts every shard of one training run must share: mixing them would train on two different targets,
 # layer choices or conventions at once.
@@ -109,10 +110,12 @@ class TrainingData:
         width: int | None,
         pin: bool = False,
         pool: Executor | None = None,
+        ttt_steps: int | None = None,
     ) -> Batch:
         """Rows of samples cut to max_len, each row's samples back to back and zero-padded to `width` (a
         packed batch), or to the longest row with `width` None (a sample per row: a padded batch); rows
-        copied once, from the mapped shards, sample by sample on `pool`'s threads when one is given."""
+        copied once, from the mapped shards, sample by sample on `pool`'s threads when one is given. A packed
+        batch for `ttt_steps` steps names the entries the drafter drafts from (`Packing.drafted`)."""
         lengths = [[min(r.length, max_len) for r in row] for row in rows]
         b = len(rows)
         t = width if width is not None else max(sum(row) for row in lengths)
@@ -156,6 +159,10 @@ class TrainingData:
             self.readers[ref.shard].copy_sample_into(ref.index, rows_of)
 
         list(pool.map(fill, places) if pool is not None else map(fill, places))  # list(): raise any error
+        if packing is not None and ttt_steps is not None:
+            drafted = drafted_entries(loss_mask, packing.doc, ttt_steps, FLEX_BLOCK)
+            if drafted is not None:
+                packing = Packing(packing.doc, packing.positions, drafted.pin_memory() if pin else drafted)
         return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(map(sum, lengths)), packing=packing)
 
     def close(self) -> None:
@@ -297,12 +304,7 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
-        packing = None
-        if self.packing is not None:
-            packing = Packing(
-                self.packing.doc.to(device, non_blocking=nb),
-                self.packing.positions.to(device, non_blocking=nb),
-            )
+        packing = self.packing.to(device, non_blocking=nb) if self.packing is not None else None
         return Batch(
             self.input_ids.to(device, non_blocking=nb),
             self.loss_mask.to(device, non_blocking=nb),
@@ -315,7 +317,8 @@ class Batch:
 
 class Prefetcher:
     """Loads and collates batches (lists of rows) on background threads, `depth` ahead, yielding them in
-    order; `width`: the packed row width, None for padded batches."""
+    order; `width`: the packed row width, None for padded batches; `ttt_steps`: the steps a packed batch's
+    drafted entries are found for (None: every entry is drafted from)."""
 
     def __init__(
         self,
@@ -327,8 +330,10 @@ class Prefetcher:
         depth: int,
         pin: bool = False,
         width: int | None = None,
+        ttt_steps: int | None = None,
     ) -> None:
         self.data, self.refs, self.max_len, self.pin, self.width = data, refs, max_len, pin, width
+        self.ttt_steps = ttt_steps
         self.depth = depth
         # Hashing and copying release the GIL, so sample copies scale with cores (on a GPU host a token is
         # ~16 KB); `depth` batches are assembled at once, each fanning its samples out to the copy threads.
@@ -338,7 +343,7 @@ class Prefetcher:
 
     def _load(self, rows: Rows) -> Batch:
         refs = [[self.refs[i] for i in row] for row in rows]
-        return self.data.load_rows(refs, self.max_len, self.width, self.pin, self.copiers)
+        return self.data.load_rows(refs, self.max_len, self.width, self.pin, self.copiers, self.ttt_steps)
 
     def __call__(self, batches: Sequence[Rows]) -> Iterator[Batch]:
         pending: deque[Future[Batch]] = deque()

@@ -31,6 +31,8 @@ class TTTTargets:
     teacher_lse: torch.Tensor  # [B, T] float32: logsumexp of teacher_logits, so logp = logits - lse
     teacher_top: torch.Tensor  # [B, T] int64: the teacher's top draft id
     masks: torch.Tensor  # [steps, B, T] bool: which entries count at each step
+    # int64 [B, N]: the entries the drafter's states are of (`Packing.drafted`), None: all T of them
+    entries: torch.Tensor | None = None
 
     def counts(self) -> torch.Tensor:
         """Counted entries per step, [steps] float64 (what a global normaliser sums over ranks)."""
@@ -39,6 +41,29 @@ class TTTTargets:
     def logp(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
         """The teacher's float32 log-probabilities over the draft vocabulary at [rows, cols]."""
         return self.teacher_logits[rows, cols].float() - self.teacher_lse[rows, cols, None]
+
+    def step(self, k: int) -> StepEntries:
+        """Where step k's entries find their teacher (entry p at p+1+k) and which of them count."""
+        b, t = self.teacher_lse.shape
+        device = self.teacher_lse.device
+        entries = self.entries if self.entries is not None else torch.arange(t, device=device).expand(b, t)
+        rows = torch.arange(b, device=device)[:, None] * t
+        # past the row's end there is no teacher: any index will do, as the mask is false there
+        return StepEntries((entries + 1 + k).clamp(max=t - 1) + rows, self.masks[k].gather(1, entries))
+
+
+@dataclass(frozen=True)
+class StepEntries:
+    """One TTT step's N entries: the flat index [B, N] of each one's teacher in the [B * T] teacher rows, and
+    bool [B, N] whether it counts."""
+
+    teacher: torch.Tensor
+    mask: torch.Tensor
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] -> its rows at the entries' teachers, [B, N, ...]."""
+        flat = x.reshape(-1, *x.shape[2:]).index_select(0, self.teacher.reshape(-1))
+        return flat.view(*self.teacher.shape, *x.shape[2:])
 
 
 def step_masks(
@@ -55,20 +80,44 @@ def step_masks(
     return torch.stack(masks)
 
 
+def drafted_entries(
+    loss_mask: torch.Tensor, doc: torch.Tensor, steps: int, block: int
+) -> torch.Tensor | None:
+    """int64 [B, M]: the entries of a packed batch some step's loss may count (`step_masks` short of the
+    teacher's part, so a superset of what counts, found on the host without the GPU), ascending, then the
+    row's last entry (which never counts: nothing follows it) up to M, the longest row's count rounded up to
+    a multiple of `block` (flex attention's); None when that is every entry (nothing to leave out)."""
+    counts = torch.zeros(loss_mask.shape, dtype=torch.bool)
+    for k in range(steps):
+        counts |= (shift_left(loss_mask, k + 2) > 0) & (shift_left(doc, k + 2, fill=-1) == doc)
+    b, t = counts.shape
+    m = min(t, max(1, -(-int(counts.sum(1).max()) // block)) * block)
+    if m == t:
+        return None
+    entries = torch.full((b, m), t - 1, dtype=torch.int64)
+    for row in range(b):
+        where = counts[row].nonzero().squeeze(1)
+        entries[row, : where.numel()] = where
+    return entries
+
+
 def ttt_targets(
     target_logits: torch.Tensor,
     loss_mask: torch.Tensor,
     t2d: torch.Tensor,
     steps: int,
     doc: torch.Tensor | None = None,
+    entries: torch.Tensor | None = None,
 ) -> TTTTargets:
-    """target_logits [B, T, V_target], loss_mask [B, T], t2d bool [V_target] -> the teacher and the masks."""
+    """target_logits [B, T, V_target], loss_mask [B, T], t2d bool [V_target] -> the teacher and the masks, for
+    the drafter's states at `entries` [B, N] (None: every entry)."""
     restricted = target_logits[..., t2d]
     return TTTTargets(
         restricted,
         torch.logsumexp(restricted.float(), dim=-1),
         restricted.argmax(-1),
         step_masks(loss_mask, t2d[target_logits.argmax(-1)], steps, doc),
+        entries,
     )
 
 
@@ -80,6 +129,7 @@ def chunked_ttt_targets(
     steps: int,
     chunk_tokens: int,
     doc: torch.Tensor | None = None,
+    entries: torch.Tensor | None = None,
 ) -> TTTTargets:
     """`ttt_targets` of target_logits_of(last) [B, T, H_t] -> [.., V_target], `chunk_tokens` tokens at a time,
     so the full-vocabulary logits (163,840 wide for Kimi-K2.5) never exist for the whole batch at once."""
@@ -97,6 +147,7 @@ def chunked_ttt_targets(
         torch.logsumexp(restricted.float(), dim=-1),
         restricted.argmax(-1),
         step_masks(loss_mask, torch.cat(in_draft).view(b, t), steps, doc),
+        entries,
     )
 
 
@@ -191,19 +242,16 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, TTTStats]:
     """sum_k step_weight**k * loss_k, with loss_k = (summed entry loss at step k) / normalizer[k].
 
-    The plain form, from each step's whole logits [B, T, V_draft]: autograd keeps them all for backward.
+    The plain form, from each step's whole logits [B, N, V_draft] (N: the drafter's entries, targets.entries,
+    or all T): autograd keeps them all for backward.
     `normalizer` defaults to this batch's counts; under DDP pass the global counts times the world size, so
     that the averaged gradient equals one process's gradient on the whole global batch.
     """
-    t = targets.teacher_logits.shape[1]
     teacher_logp = targets.logp()
     entries = []
     for k, logits in enumerate(draft_logits):
-        # entry p of step k is taught by the target at p+1+k: slices, not shifted copies (entries past the
-        # end have no teacher and are masked out anyway)
-        n = t - k - 1
-        per_entry = entry_loss(teacher_logp[:, k + 1 :], logits[:, :n], loss)  # [B, n]
-        entries.append((per_entry, logits[:, :n].argmax(-1)))
+        per_entry = entry_loss(targets.step(k).rows_of(teacher_logp), logits, loss)  # [B, N]
+        entries.append((per_entry, logits.argmax(-1)))
     return _combine(entries, targets, step_weight, normalizer)
 
 
@@ -217,21 +265,21 @@ def lean_ttt_loss(
     compute_dtype: torch.dtype = torch.float32,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, TTTStats]:
-    """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's [B, T, V_draft] logits.
+    """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's [B, N, V_draft] logits.
 
-    states: `steps` x [B, T, H] (the drafter's normed states), lm_head [V_draft, H]. Each step's logits are
+    states: `steps` x [B, N, H] (the drafter's normed states at targets.entries), lm_head [V_draft, H]. Each step's logits are
     made `chunk_tokens` entries at a time, and their gradient with them (HeadLoss): a step keeps only its
     gradients for state and lm_head for backward, not the float32 logits, log-softmax and teacher
     probabilities the plain form keeps (several GiB a step at 16k tokens and 32k draft ids).
     """
     chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
     weight = lm_head.detach().to(compute_dtype)  # cast once for every step
-    t = targets.teacher_logits.shape[1]
     totals, entries = [], []
     for k, state in enumerate(states):
         grads = torch.is_grad_enabled() and (state.requires_grad or lm_head.requires_grad)
-        coef = _entry_weights(targets, k, t - k - 1, step_weight, normalizer)
-        spec = HeadSpec(targets, k + 1, loss, chunk, grads)
+        at = targets.step(k)
+        coef = _entry_weights(targets, k, at, step_weight, normalizer)
+        spec = HeadSpec(targets, at, loss, chunk, grads)
         total, per_entry, top = HeadLoss.apply(state.to(compute_dtype), lm_head, weight, coef, spec)
         totals.append(total)
         entries.append((per_entry, top))
@@ -245,12 +293,11 @@ def default_chunk_tokens(draft_vocab: int) -> int:
 
 
 def _entry_weights(
-    targets: TTTTargets, k: int, n: int, step_weight: float, normalizer: torch.Tensor | None
+    targets: TTTTargets, k: int, at: StepEntries, step_weight: float, normalizer: torch.Tensor | None
 ) -> torch.Tensor:
-    """[B, n] float32: what each entry's loss weighs in the total (0 where it does not count)."""
+    """[B, N] float32: what each of step k's entries weighs in the total (0 where it does not count)."""
     norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
-    mask = targets.masks[k][:, :n]
-    return mask.float() * (step_weight**k / norm[k].to(mask.device, torch.float32))
+    return at.mask.float() * (step_weight**k / norm[k].to(at.mask.device, torch.float32))
 
 
 def _combine(
@@ -260,21 +307,18 @@ def _combine(
     normalizer: torch.Tensor | None,
 ) -> tuple[torch.Tensor, TTTStats]:
     """The weighted total (differentiable through the per-entry losses) and the per-step sums, from each
-    step's (entry loss [B, n], draft top id [B, n])."""
-    steps, t = len(entries), targets.teacher_logits.shape[1]
-    device = targets.teacher_logits.device
+    step's (entry loss [B, N], draft top id [B, N])."""
+    steps, device = len(entries), targets.teacher_logits.device
     total = torch.zeros((), device=device)
     sums = torch.zeros(4, steps, dtype=torch.float64, device=device)  # stays on device: no sync per step
-    all_right = torch.ones_like(targets.masks[0])
+    all_right: torch.Tensor | None = None
     for k, (per_entry, top) in enumerate(entries):
-        n = t - k - 1
-        mask = targets.masks[k][:, :n]
-        total = total + (per_entry * _entry_weights(targets, k, n, step_weight, normalizer)).sum()
-        right = torch.zeros_like(all_right)
-        right[:, :n] = top == targets.teacher_top[:, k + 1 :]
-        all_right = all_right & right
-        loss_sum = (per_entry.detach() * mask).sum()
-        counts = [loss_sum, (right[:, :n] & mask).sum(), (all_right[:, :n] & mask).sum(), mask.sum()]
+        at = targets.step(k)
+        total = total + (per_entry * _entry_weights(targets, k, at, step_weight, normalizer)).sum()
+        right = top == at.rows_of(targets.teacher_top)
+        all_right = right if all_right is None else all_right & right
+        loss_sum = (per_entry.detach() * at.mask).sum()
+        counts = [loss_sum, (right & at.mask).sum(), (all_right & at.mask).sum(), at.mask.sum()]
         sums[:, k] = torch.stack([c.to(torch.float64) for c in counts])
     return total, TTTStats(sums)
 
@@ -334,24 +378,23 @@ def _entry_fn(compiled: bool) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """What HeadLoss reads besides tensors: the teacher, the step's offset into it, the loss kind, the
-    chunk size and whether gradients are wanted."""
+    """What HeadLoss reads besides tensors: the teacher, where the step's entries find theirs, the loss kind,
+    the chunk size and whether gradients are wanted."""
 
     targets: TTTTargets
-    offset: int
+    at: StepEntries
     kind: LossKind
     chunk: int
     grads: bool
 
 
 class HeadLoss(torch.autograd.Function):
-    """sum(coef * entry loss) of logits = state @ lm_head.T against the teacher `offset` entries later,
-    with the per-entry loss [B, n] and draft top ids [B, n] (not differentiable) beside it.
+    """sum(coef * entry loss) of logits = state @ lm_head.T against each entry's teacher (`spec.at`), with the
+    per-entry loss [B, N] and draft top ids [B, N] (not differentiable) beside it.
 
     Computed chunk by chunk, with the gradients for state and lm_head made in the same pass from each
     chunk's logits (the loss is linear in coef, and backward only scales them by the incoming gradient).
     lm_head's gradient per step is kept in the compute dtype, as the plain form's bf16 product gives it.
-    Entries are the first n = T - offset positions, the ones that have a teacher.
     """
 
     @staticmethod
@@ -363,9 +406,13 @@ class HeadLoss(torch.autograd.Function):
         coef: torch.Tensor,
         spec: HeadSpec,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, t, h = state.shape
-        n = t - spec.offset
-        per_entry = torch.zeros(b, n, device=state.device)
+        b, n, h = state.shape
+        teacher_logits = spec.targets.teacher_logits.flatten(0, 1)  # [B * T, V]
+        teacher_lse = spec.targets.teacher_lse.flatten()
+        # float32 losses (float64 for a float64 check, so that it compares exactly)
+        per_entry = torch.zeros(
+            b, n, dtype=torch.promote_types(state.dtype, torch.float32), device=state.device
+        )
         top = torch.zeros(b, n, dtype=torch.long, device=state.device)
         grad_state = torch.zeros_like(state) if spec.grads else None
         grad_head = (
@@ -375,9 +422,8 @@ class HeadLoss(torch.autograd.Function):
         with torch.autocast(state.device.type, enabled=False):
             for rows, cols in _chunks(b, n, spec.chunk):
                 x = state[rows, cols].reshape(-1, h)  # [m, H]
-                shifted = slice(cols.start + spec.offset, cols.stop + spec.offset)
-                teacher = spec.targets.teacher_logits[rows, shifted].reshape(x.shape[0], -1)
-                lse = spec.targets.teacher_lse[rows, shifted].reshape(-1)
+                where = spec.at.teacher[rows, cols].reshape(-1)  # [m]
+                teacher, lse = teacher_logits.index_select(0, where), teacher_lse.index_select(0, where)
                 entry, best, grad = entry_fn(
                     teacher, lse, x @ weight.T, coef[rows, cols].reshape(-1), spec.kind, spec.grads
                 )

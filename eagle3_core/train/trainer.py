@@ -183,10 +183,10 @@ def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
         return s.head.logits(last, s.convention)  # type: ignore[arg-type]
 
     chunk = default_chunk_tokens(s.head.lm_head.shape[0])
-    doc = batch.packing.doc if batch.packing is not None else None
+    doc, drafted = (batch.packing.doc, batch.packing.drafted) if batch.packing is not None else (None, None)
     with torch.no_grad(), s.autocast():
         return chunked_ttt_targets(
-            target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk, doc
+            target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk, doc, drafted
         )
 
 
@@ -540,6 +540,7 @@ def _loop(
             depth=cfg.prefetch_batches,
             pin=pin,
             width=width,
+            ttt_steps=cfg.ttt_steps,
         )
         for refs in (train_refs, val_refs)
     )

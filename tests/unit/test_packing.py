@@ -1,13 +1,14 @@
 """Packed batches compute what padded ones do: each sample's states, masks, loss and gradients are those it has
 alone (float64; the chain softmax runs in float32, so agreement is to ~1e-8, where a leak across samples
 would move states by ~1e-1), and the flex BlockMask built from the samples' extents
-marks exactly the blocks the mask needs."""
+marks exactly the blocks the mask needs. Drafting from only the entries a loss reads (`Packing.drafted`)
+changes no state, loss, count or gradient."""
 
 import pytest
 import torch
 
 from eagle3_core.draft.model import FLEX_BLOCK, Eagle3Drafter, Packing, packed_block_masks
-from eagle3_core.train.loss import chunked_ttt_targets, lean_ttt_loss
+from eagle3_core.train.loss import chunked_ttt_targets, drafted_entries, lean_ttt_loss, step_masks
 from tests.helpers import TINY_DRAFTER
 
 CFG = TINY_DRAFTER
@@ -75,6 +76,118 @@ def test_the_packed_block_masks_hold_every_allowed_entry_and_full_blocks_only_wh
             full[i, indices[i, : counts[i]].long()] = True
         assert torch.equal(full, every)  # full blocks skip the mask: only where every entry is allowed
         assert full.any() == (window is None)
+
+
+def prompted_mask(lengths: list[int], width: int, prompt: float) -> torch.Tensor:
+    """uint8 [1, width]: each sample's first `prompt` share of tokens masked (a chat's prompt), padding 0."""
+    mask = torch.zeros(1, width, dtype=torch.uint8)
+    for start, n in zip(starts(lengths), lengths, strict=True):
+        mask[0, start + int(n * prompt) : start + n] = 1
+    return mask
+
+
+def test_the_drafted_entries_hold_every_entry_any_step_counts_and_pad_with_one_that_never_counts() -> None:
+    lengths = [300, 90, 40, 26]
+    pk = packing(lengths, WIDTH * 2)
+    mask = prompted_mask(lengths, WIDTH * 2, 0.6)
+    drafted = drafted_entries(mask, pk.doc, STEPS, FLEX_BLOCK)
+    everything = torch.ones(1, WIDTH * 2, dtype=torch.bool)
+    counted = step_masks(mask, everything, STEPS, pk.doc).any(0)[0]  # [T]: some step counts the entry
+    kept = drafted[0][drafted[0] != WIDTH * 2 - 1]
+    assert drafted.shape[1] % FLEX_BLOCK == 0 and drafted.shape[1] < WIDTH * 2
+    assert torch.equal(kept, counted.nonzero().squeeze(1))  # all the counted, ascending, nothing else
+    assert not counted[-1]  # the padding entry never counts
+    assert torch.equal(
+        drafted[0, kept.numel() :], torch.full((drafted.shape[1] - kept.numel(),), WIDTH * 2 - 1)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_drafting_from_the_counted_entries_gives_their_states_unchanged(
+    attention: str, window: int | None
+) -> None:
+    torch.manual_seed(2)
+    lengths = [300, 90, 40, 26]
+    width = WIDTH * 2
+    model = Eagle3Drafter(CFG.model_copy(update={"sliding_window": window})).double()
+    ids = torch.randint(0, CFG.target_vocab_size, (1, width))
+    aux = torch.randn(1, width, 3 * CFG.target_hidden_size, dtype=torch.float64)
+    every = packing(lengths, width)
+    drafted = drafted_entries(prompted_mask(lengths, width, 0.6), every.doc, STEPS, FLEX_BLOCK)
+    with torch.no_grad():
+        whole = model.ttt_states(aux, ids, STEPS, attention, every)  # type: ignore[arg-type]
+        some = model.ttt_states(aux, ids, STEPS, attention, Packing(every.doc, every.positions, drafted))  # type: ignore[arg-type]
+    for k in range(STEPS):
+        assert some[k].shape[1] == drafted.shape[1]
+        torch.testing.assert_close(some[k][0], whole[k][0, drafted[0]], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_drafted_block_masks_hold_every_allowed_entry_and_full_blocks_exactly_where_all_are(
+    window: int | None,
+) -> None:
+    lengths = [300, 90, 40, 26]
+    t = WIDTH * 2
+    doc = packing(lengths, t).doc
+    drafted = drafted_entries(prompted_mask(lengths, t, 0.6), doc, STEPS, FLEX_BLOCK)
+    m = drafted.shape[1]
+    nq, nk = m // FLEX_BLOCK, t // FLEX_BLOCK
+    for k, mask in enumerate(packed_block_masks(doc, STEPS, window, drafted)):
+        q, kv = torch.arange(m)[:, None], torch.arange(t + k * m)[None, :]
+        entry = drafted[0, q]  # [m, 1]: the query's entry
+        prefix_key, chain_step = kv.clamp(max=t - 1), (kv - t) // m + 1
+        expected = (kv < t) & (prefix_key <= entry) & (doc[0, prefix_key] == doc[0, entry])
+        expected |= (kv >= t) & ((kv - t) % m == q)
+        if window is not None:
+            expected &= torch.where(kv < t, kv > entry + k - window, chain_step > k - window)
+        assert torch.equal(mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv), expected)
+        blocks = expected.view(nq, FLEX_BLOCK, nk + k * nq, FLEX_BLOCK)
+        some, every = blocks.any(3).any(1), blocks.all(3).all(1)
+        marked = mask.to_dense()[0, 0].bool()
+        assert torch.equal(marked | some, marked)  # no allowed entry skipped
+        full = torch.zeros_like(marked)
+        counts, indices = mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0]
+        for i in range(nq):
+            full[i, indices[i, : counts[i]].long()] = True
+        assert torch.equal(full, every)  # full blocks skip the mask: exactly where every entry is allowed
+
+
+def test_drafting_from_the_counted_entries_leaves_the_loss_counts_and_gradients_as_they_are() -> None:
+    torch.manual_seed(3)
+    lengths = [100, 90, 40]
+    model = Eagle3Drafter(CFG).double()
+    target_head = torch.randn(CFG.target_vocab_size, CFG.target_hidden_size, dtype=torch.float64)
+    t2d = torch.zeros(CFG.target_vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(CFG.target_vocab_size)[: CFG.draft_vocab_size]] = True
+    ids = torch.randint(0, CFG.target_vocab_size, (1, WIDTH))
+    aux = torch.randn(1, WIDTH, 3 * CFG.target_hidden_size, dtype=torch.float64)
+    last = torch.randn(1, WIDTH, CFG.target_hidden_size, dtype=torch.float64)
+    mask = prompted_mask(lengths, WIDTH, 0.5)
+    every = packing(lengths, WIDTH)
+
+    def loss_and_grads(pk: Packing) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        targets = chunked_ttt_targets(
+            lambda h: h @ target_head.T, last, mask, t2d, STEPS, 64, pk.doc, pk.drafted
+        )
+        states = model(aux, ids, STEPS, "sdpa", "states", pk)
+        loss, stats = lean_ttt_loss(
+            states, model.lm_head.weight, targets, 0.8, None, "kl", torch.float64, chunk_tokens=50
+        )
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return float(loss.detach()), [float(c) for c in stats.sums.flatten()], grads
+
+    drafted = drafted_entries(mask, every.doc, STEPS, FLEX_BLOCK)
+    assert drafted.shape[1] == FLEX_BLOCK  # half of each sample is prompt: one block of the row's two
+    whole_loss, whole_sums, whole_grads = loss_and_grads(every)
+    some_loss, some_sums, some_grads = loss_and_grads(Packing(every.doc, every.positions, drafted))
+    assert some_loss == pytest.approx(whole_loss, rel=1e-9)
+    assert some_sums == pytest.approx(whole_sums, rel=1e-9)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(some_grads[name], grad, rtol=1e-4, atol=1e-8)
 
 
 def test_a_packed_row_of_other_length_than_the_block_is_refused() -> None:
