@@ -18,7 +18,7 @@ Variants, as SGLang 0.5.23 reads them (every one written explicitly, true or fal
   (its attention backends see keys in [q - S, q]), where ours (and vLLM's, speculators') is the W keys in
   (q - W, q]: the argument is S = W - 1, so a window of 1 cannot be expressed and is refused. The window is
   written in our provenance block (`drafter_variant.sliding_window`), which `eagle3 serve-command`
-  (serving.py) reads to pass the argument; a drafter from elsewhere cannot say its window, and loads with none,
+  (steps/serving.py) reads to pass the argument; a drafter from elsewhere cannot say its window, and loads with none,
   as SGLang runs it without the argument (and as vLLM runs this format: it reads a window from `layer_types`,
   which only the speculators export writes).
 
