@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_core.pipeline import WriteBehind
+from eagle3_core.steps.data import WriteBehind
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.targets.base import HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
@@ -93,7 +93,7 @@ def extract_to_shard(
 ) -> float:
     """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
 
-    `metadata` goes into the shard header (the trainer needs `pipeline.extract_step`'s facts there); sample
+    `metadata` goes into the shard header (the trainer needs `steps.data.extract_step`'s facts there); sample
     ids count up from `first_id`, so that several shards of one training set hold distinct ids. Each
     sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts.
     """

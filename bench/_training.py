@@ -1,7 +1,7 @@
 """Synthetic training inputs for the training benches, made the way the pipeline makes real ones.
 
 A random-weight Llama target, shards of hidden states extracted from it by the real extraction path
-(TransformersTarget + the streamed shard writer, bf16 storage, the header facts `pipeline.extract_step`
+(TransformersTarget + the streamed shard writer, bf16 storage, the header facts `steps.data.extract_step`
 writes), and a vocab mapping counted from those shards. Built once per spec under a root directory and
 reused when its marker is there, so DDP workers (and a second run) read what the first process built.
 """
@@ -25,7 +25,7 @@ from bench._common import extract_to_shard, random_sequences, save_random_target
 from eagle3_core.config import TargetConfig, TrainConfig
 from eagle3_core.conventions import AUX_LAYER_CONVENTION
 from eagle3_core.draft.vocab import VocabMapping, build_vocab_mapping, load_vocab_mapping, save_vocab_mapping
-from eagle3_core.pipeline import length_batches
+from eagle3_core.steps.data import length_batches
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.data import Batch, Prefetcher, Rows, SampleRef, TrainingData
 from eagle3_core.train.schedule import packs, resolve_batching, row_width, schedule
@@ -72,7 +72,7 @@ def intermediate_for(hidden: int) -> int:
 
 
 def shard_metadata(target: TransformersTarget) -> dict[str, Any]:
-    """The header facts the trainer checks, as `pipeline.extract_step` records them."""
+    """The header facts the trainer checks, as `steps.data.extract_step` records them."""
     info = target.info
     return {
         "target": info.as_metadata(),

@@ -17,7 +17,7 @@ import torch
 
 from bench._common import extract_to_shard, plain_forward, random_sequences, save_random_target
 from eagle3_core.config import TargetConfig
-from eagle3_core.pipeline import length_batches
+from eagle3_core.steps.data import length_batches
 from eagle3_core.targets.hf import TransformersTarget
 
 ROUNDS = 5

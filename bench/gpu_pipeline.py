@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from eagle3_cli.steps import main as eagle3  # noqa: E402
 from eagle3_core.config import load_config  # noqa: E402
-from eagle3_core.evaluation import read_report  # noqa: E402
+from eagle3_core.steps.evaluation import read_report  # noqa: E402
 
 STAGES = {
     "data": [["toy-target", "--size", "m"], ["ingest"], ["regenerate"], ["extract"]],

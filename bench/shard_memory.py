@@ -20,7 +20,7 @@ import json, resource, sys, torch
 from pathlib import Path
 from bench._common import random_sequences
 from eagle3_core.config import TargetConfig
-from eagle3_core.pipeline import length_batches
+from eagle3_core.steps.data import length_batches
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.targets.hf import TransformersTarget
 torch.set_num_threads(2)

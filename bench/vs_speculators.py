@@ -8,7 +8,7 @@
 1. Target: the toy target (xs unless --toy-size), built and cached by eagle3_core.toy; its held-out loss is the
    one its build recorded.
 2. Data: chitchat conversations ingested as the demo ingests them (human replies, no regeneration, cut at
-   --max-len tokens), hidden states extracted by `pipeline.extract_step` (aux layers: the toy's defaults), the
+   --max-len tokens), hidden states extracted by `steps.data.extract_step` (aux layers: the toy's defaults), the
    vocab mapping counted from those shards. Held-out prompts: the first --per-conversation user turns of the
    held-out conversations (held out by sample id at --holdout-fraction; the default 0.02 is the toy target's
    own held-out fraction, so neither the target nor either drafter has seen them).
@@ -310,7 +310,7 @@ def build_data(spec: DataSpec, workdir: Path, toy_cache: Path, log: Log) -> Benc
 
 def _extract(cfg: Eagle3Config, spec: DataSpec, log: Log) -> dict[str, Any]:
     from eagle3_core.data.ingest import ingest
-    from eagle3_core.pipeline import extract_step
+    from eagle3_core.steps.data import extract_step
     from eagle3_core.store.layout import StoreLayout
     from eagle3_core.store.shards import ShardReader
     from eagle3_core.targets.resolve import open_extraction_target
@@ -502,7 +502,7 @@ def prompt_ids(
     cfg: Eagle3Config, tokenizer: Any, n: int, per_conversation: int, room: int
 ) -> list[list[int]]:
     from eagle3_core.evaluate.prompts import heldout_prompts
-    from eagle3_core.evaluation import encode_fitting
+    from eagle3_core.steps.evaluation import encode_fitting
 
     # every held-out prompt, then the first n that leave room for the reply (a long history does not)
     prompts = heldout_prompts(cfg.store_root, per_conversation=per_conversation, limit=sys.maxsize)
@@ -519,7 +519,7 @@ def evaluation_inputs(
     data: BenchData, args: argparse.Namespace, log: Log
 ) -> tuple[Any, torch.Tensor, list[list[int]]]:
     """(the target as evaluation loads it, its embedding on the CPU, the held-out prompts' token ids)."""
-    from eagle3_core.evaluation import load_target
+    from eagle3_core.steps.evaluation import load_target
 
     target = load_target(data.cfg, log)
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()

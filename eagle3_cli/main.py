@@ -82,6 +82,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from eagle3_cli.ops import shard_statuses, status_table
     from eagle3_core.data.ingest import ingest
+    from eagle3_core.steps.drafter import latest_summary
+    from eagle3_core.steps.evaluation import read_report
+    from eagle3_core.store.layout import StoreLayout
     from eagle3_core.targets.resolve import target_dir
     from eagle3_dagster.materialize import materialize_drafter, materialize_shards
 
@@ -117,13 +120,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"draft vocabulary: K={vocab['draft_vocab_size']} of {vocab['target_vocab_size']}, "
         f"coverage {vocab['coverage']:.3f}"
     )
-    print_training(drafter["drafter_checkpoint"], cfg.train.ttt_steps)
+    print_training(latest_summary(StoreLayout(cfg.store_root)))
     export = drafter["drafter_export"]
     console.print(
         f"exports: {export['sglang_dir']} (SGLang, aux ids {export['aux_layer_ids_sglang']}) and "
         f"{export['speculators_dir']} (vLLM/speculators, aux ids {export['aux_layer_ids_vllm']})"
     )
-    print_evaluation(drafter["drafter_eval"], sorted(set(cfg.evaluate.ks)))
+    print_evaluation(read_report(cfg), sorted(set(cfg.evaluate.ks)))
     current = drafter["drafter_current"]
     console.print(
         f"promoted (gate: {drafter['not_worse_than_current']['passed'] and 'passed'}): serve "

@@ -21,6 +21,7 @@ from rich.table import Table
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.layout import StoreLayout, check_shard_key
+from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 Command = Callable[[argparse.Namespace], int]
@@ -127,7 +128,7 @@ def _done(cfg: Eagle3Config, step_name: str, key: str) -> bool:
 
 
 def _run_shards(args: argparse.Namespace, step_name: str) -> int:
-    from eagle3_core import pipeline
+    from eagle3_core.steps import data
     from eagle3_core.targets.hf import TransformersTarget
     from eagle3_core.targets.resolve import target_dir
 
@@ -141,10 +142,10 @@ def _run_shards(args: argparse.Namespace, step_name: str) -> int:
     target = None if through_server else TransformersTarget(target_dir(cfg, log=progress_log), cfg.target)
     for key in keys:
         if step_name == "regenerate":
-            result = pipeline.regenerate_step(cfg, key, target, progress_log)
+            result = data.regenerate_step(cfg, key, target, progress_log)
         else:
             assert target is not None
-            result = pipeline.extract_step(cfg, key, target, progress_log)
+            result = data.extract_step(cfg, key, target, progress_log)
         console.print(
             f"{step_name} {key}: "
             + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
@@ -163,7 +164,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if cfg.target.backend.kind == "transformers":
         return _run_shards(args, "extract")
     # target.backend sglang_*: the states come from SGLang (eagle3_core/targets/sglang.py)
-    from eagle3_core import pipeline
+    from eagle3_core.steps import data
     from eagle3_core.targets.resolve import open_extraction_target
 
     keys = [k for k in _keys(cfg, args.shard) if args.force or args.shard or not _done(cfg, "extract", k)]
@@ -173,7 +174,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     target = open_extraction_target(cfg, log=progress_log)
     try:
         for key in keys:
-            result = pipeline.extract_step(cfg, key, target, progress_log)
+            result = data.extract_step(cfg, key, target, progress_log)
             console.print(
                 f"extract {key}: "
                 + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
@@ -267,24 +268,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_vocab(args: argparse.Namespace) -> int:
-    from eagle3_core.drafting import vocab_step
+    from eagle3_core.steps.drafter import vocab_step
 
     result = vocab_step(_config(args), progress_log)
     console.print("vocab mapping: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
     return 0
 
 
-def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
-    acc = json.loads(str(metadata["acc_per_position"]))
+def print_training(summary: RunSummary) -> None:
+    from eagle3_core.steps.drafter import accuracy_per_position
+
+    steps = int(summary.train_config["ttt_steps"])
+    acc = accuracy_per_position(summary, steps)
     console.print(
-        f"drafter: run {metadata['run']}, {metadata['steps']} steps, {metadata['tokens']:,} tokens, "
-        f"{metadata['seconds']} s"
+        f"drafter: run {summary.run}, {summary.steps} steps, {summary.tokens:,} tokens, {summary.seconds} s"
     )
     if all(a is None for a in acc):  # nothing was measured: no accuracy or tau to print, not 0 and 1
         console.print(
             "validation: no validation samples"
-            if metadata.get("val_samples") == 0
-            else f"validation: nothing measured on {metadata.get('val_samples')} validation samples"
+            if summary.val_samples == 0
+            else f"validation: nothing measured on {summary.val_samples} validation samples"
         )
         return
     console.print(
@@ -292,48 +295,42 @@ def print_training(metadata: dict[str, object], ttt_steps: int) -> None:
         + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
     )
     console.print(
-        f"estimated acceptance length: tau(3) {metadata.get('val_tau_3', float('nan')):.2f}, "
-        f"tau({ttt_steps}) {metadata.get(f'val_tau_{ttt_steps}', float('nan')):.2f}"
+        f"estimated acceptance length: tau(3) {summary.val.get('tau_3', float('nan')):.2f}, "
+        f"tau({steps}) {summary.val.get(f'tau_{steps}', float('nan')):.2f}"
     )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
+    from eagle3_core.steps.drafter import launch_training, lead_process
 
-    from eagle3_core.drafting import train, vocab_step
-
-    cfg = _config(args)
-    if not args.no_vocab and "WORLD_SIZE" not in os.environ:
-        vocab_step(cfg, progress_log)  # once, before any rank starts: ranks only read the mapping
-    result = train(Path(args.config), progress_log, args.nproc)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print_training(result.metadata, cfg.train.ttt_steps)
+    result = launch_training(Path(args.config), progress_log, args.nproc, with_vocab=not args.no_vocab)
+    if lead_process():
+        print_training(result.record_as(RunSummary))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eagle3_core.drafting import export_step
+    from eagle3_core.steps.drafter import export_step
 
     result = export_step(_config(args), progress_log)
     console.print(f"exported: {result.metadata['sglang_dir']}  {result.metadata['speculators_dir']}")
     return 0
 
 
-def print_evaluation(metadata: dict[str, object], ks: Sequence[int]) -> None:
-    per_position = json.loads(str(metadata["per_position"]))
-    device = str(metadata["device"])
+def print_evaluation(report: EvalReport | DrafterDirReport, ks: Sequence[int]) -> None:
+    primary = report.sets[report.primary]
     console.print(
-        f"drafter {metadata['run']}: measured on {metadata['prompts']} {str(metadata['prompt_set']).replace('heldout', 'held-out')} prompts "
-        f"({device}, batch 1; target alone {metadata['target_tokens_per_s']} tokens/s)"
+        f"drafter {report.run}: measured on {primary['prompts']} {report.primary.replace('heldout', 'held-out')} "
+        f"prompts ({report.device}, batch 1; target alone {primary['target_tokens_per_s']} tokens/s)"
     )
     for k in ks:
-        accepts = "  ".join(f"{a:.2f}" for a in per_position[str(k)])
-        tau = float(metadata[f"tau_k{k}"])  # type: ignore[arg-type]
+        r = primary["by_k"][str(k)]
+        accepts = "  ".join(f"{a:.2f}" for a in r["per_position"])
+        tau = report.tau[str(k)]
         console.print(
-            f"  K={k}: AL {metadata[f'al_k{k}']:.2f} (95% CI {metadata[f'al_k{k}_ci95_low']:.2f}-"
-            f"{metadata[f'al_k{k}_ci95_high']:.2f}; training estimate tau({k}) "
-            f"{'n/a' if tau < 0 else f'{tau:.2f}'}), acceptance rate {metadata[f'acceptance_rate_k{k}']:.2f}, "
-            f"{speedup_text(float(metadata[f'speedup_k{k}']), device)}; per position {accepts}"  # type: ignore[arg-type]
+            f"  K={k}: AL {r['acceptance_length']:.2f} (95% CI {r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}; "
+            f"training estimate tau({k}) {'n/a' if tau is None else f'{tau:.2f}'}), acceptance rate "
+            f"{r['acceptance_rate']:.2f}, {speedup_text(float(r['speedup']), report.device)}; per position {accepts}"
         )
 
 
@@ -349,7 +346,7 @@ def speedup_text(median: float, device: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eagle3_core.evaluation import eval_drafter_dir_step, eval_step, promote_step
+    from eagle3_core.steps.evaluation import eval_drafter_dir_step, eval_step, promote_step
 
     cfg = _config(args)
     prompts = Path(args.prompts) if args.prompts else None
@@ -359,7 +356,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "--promote takes the pipeline's own export; a --drafter directory is only measured"
             )
         result = eval_drafter_dir_step(cfg, Path(args.drafter), args.format, prompts, progress_log)
-        print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
+        print_evaluation(result.record_as(DrafterDirReport), sorted(set(cfg.evaluate.ks)))
         console.print(f"report: {result.path}")
         return 0
     if prompts is not None:
@@ -367,7 +364,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "--prompts goes with --drafter; for the pipeline's drafter set evaluate.prompt_files"
         )
     result = eval_step(cfg, progress_log)
-    print_evaluation(result.metadata, sorted(set(cfg.evaluate.ks)))
+    print_evaluation(result.record_as(EvalReport), sorted(set(cfg.evaluate.ks)))
     if args.promote:
         promoted = promote_step(cfg, progress_log)
         console.print(f"promoted: {promoted.metadata['serve_sglang']}")
@@ -375,7 +372,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sglang(args: argparse.Namespace) -> int:
-    from eagle3_core.evaluation import sglang_bench_step
+    from eagle3_core.steps.evaluation import sglang_bench_step
 
     result = sglang_bench_step(_config(args), args.url, args.concurrency, progress_log)
     console.print("sglang: " + ", ".join(f"{k}={v}" for k, v in result.metadata.items()))
@@ -383,7 +380,7 @@ def cmd_bench_sglang(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_command(args: argparse.Namespace) -> int:
-    from eagle3_core.serving import serve_commands
+    from eagle3_core.steps.serving import serve_commands
 
     commands = serve_commands(_config(args), Path(args.export) if args.export else None)
     if args.json:

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -270,6 +270,53 @@ def drafter_config(fields: dict[str, Any], where: str) -> DrafterConfig:
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         message = " ".join(str(e).split())  # one line: pydantic's messages span several
         raise ExportError(f"{where}: inconsistent drafter config ({message})") from e
+
+
+class FormatFields(Protocol):
+    """The fields both formats' config.json hold under the same names, as each format's model reads them."""
+
+    @property
+    def draft_vocab_size(self) -> int | None: ...
+
+    @property
+    def target_hidden_size(self) -> int | None: ...
+
+    @property
+    def eagle3_export(self) -> Provenance | None: ...
+
+
+def config_facts(
+    fields: FormatFields,
+    sizes: dict[str, Any],
+    flags: dict[str, bool],
+    window: int | None,
+    engine_ids: Sequence[int] | None,
+    dtype: torch.dtype | None,
+    where: str,
+    without_vocab: str,
+) -> ConfigFacts:
+    """A format's config.json in our terms, from what its `read_config` read: the layer's sizes, the variant
+    flags and window, and the aux ids in the engine's numbering. An absent target width is the drafter's own,
+    as both engines take it; an absent draft vocabulary is refused, `without_vocab` saying what the engine would
+    do instead."""
+    vocab, target_hidden = fields.draft_vocab_size, fields.target_hidden_size
+    if vocab is None:
+        raise ExportError(f"{where}: {CONFIG_FILE}: draft_vocab_size: missing: {without_vocab}")
+    return ConfigFacts(
+        drafter=drafter_config(
+            {
+                **sizes,
+                "target_hidden_size": sizes["hidden_size"] if target_hidden is None else target_hidden,
+                "draft_vocab_size": vocab,
+                **flags,
+                "sliding_window": window,
+            },
+            where,
+        ),
+        engine_aux_layer_ids=None if engine_ids is None else (engine_ids[0], engine_ids[1], engine_ids[2]),
+        dtype=dtype,
+        provenance=fields.eagle3_export,
+    )
 
 
 # ---- formats ---------------------------------------------------------------------------------------------

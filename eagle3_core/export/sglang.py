@@ -18,7 +18,7 @@ Variants, as SGLang 0.5.23 reads them (every one written explicitly, true or fal
   (its attention backends see keys in [q - S, q]), where ours (and vLLM's, speculators') is the W keys in
   (q - W, q]: the argument is S = W - 1, so a window of 1 cannot be expressed and is refused. The window is
   written in our provenance block (`drafter_variant.sliding_window`), which `eagle3 serve-command`
-  (serving.py) reads to pass the argument; a drafter from elsewhere cannot say its window, and loads with none,
+  (steps/serving.py) reads to pass the argument; a drafter from elsewhere cannot say its window, and loads with none,
   as SGLang runs it without the argument (and as vLLM runs this format: it reads a window from `layer_types`,
   which only the speculators export writes).
 
@@ -48,7 +48,6 @@ from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 from eagle3_core.errors import ConfigError, ExportError
 from eagle3_core.export.common import (
-    CONFIG_FILE,
     DTYPES,
     FLAGS,
     OUR_LAYER_PREFIX,
@@ -57,7 +56,7 @@ from eagle3_core.export.common import (
     ExportTarget,
     FormatName,
     LayerTarget,
-    drafter_config,
+    config_facts,
     llama_layer_config,
     read_external_layer,
     write_export,
@@ -81,6 +80,7 @@ LEGACY_FC_NORM = {
     "aux_norm_mid.": "fc_norm.1.",
     "aux_norm_high.": "fc_norm.2.",
 }
+WITHOUT_VOCAB = "SGLang would then use the target's lm_head, which is not in a drafter directory"
 NO_RESIDUAL_NORM = (
     "SGLang has no such option (its residual is h, not hidden_norm(h)), so it "
     "would serve another network than the trained one; serve it with vLLM (the speculators export)"
@@ -218,33 +218,13 @@ class SGLangFormat(ExportFormat):
         else:
             fields = validated(SGLangFields, config, where, ours=False)
             sizes, dtype, window = read_external_layer(config, where, ""), None, None
-        if fields.draft_vocab_size is None:
-            raise ExportError(
-                f"{where}: {CONFIG_FILE}: draft_vocab_size: missing: SGLang would then use the target's "
-                "lm_head, which is not in a drafter directory"
-            )
         eagle = fields.eagle_config or EagleConfig()
         flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
         if eagle.norm_before_fc is not None:
             flags["norm_before_fc"] = eagle.norm_before_fc  # SGLang and vLLM read eagle_config's first
         flags["fc_norm"] = flags["fc_norm"] or bool(fields.use_aux_norm)
         ids = eagle.eagle_aux_hidden_state_layer_ids
-        target_hidden = fields.target_hidden_size
-        return ConfigFacts(
-            drafter=drafter_config(
-                {
-                    **sizes,
-                    "target_hidden_size": sizes["hidden_size"] if target_hidden is None else target_hidden,
-                    "draft_vocab_size": fields.draft_vocab_size,
-                    **flags,
-                    "sliding_window": window,
-                },
-                where,
-            ),
-            engine_aux_layer_ids=None if ids is None else (ids[0], ids[1], ids[2]),
-            dtype=dtype,
-            provenance=fields.eagle3_export,
-        )
+        return config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
 
     def canonical_key(self, theirs: str) -> str:
         # SGLang's load_weights accepts a "model." prefix, "layers.0." for "midlayer.", and the legacy norm names

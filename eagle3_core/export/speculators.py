@@ -42,7 +42,6 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
 from eagle3_core.export.common import (
-    CONFIG_FILE,
     DTYPES,
     FLAGS,
     ConfigFacts,
@@ -50,7 +49,7 @@ from eagle3_core.export.common import (
     ExportTarget,
     FormatName,
     LayerTarget,
-    drafter_config,
+    config_facts,
     llama_layer_config,
     read_external_layer,
     write_export,
@@ -72,6 +71,7 @@ SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes (and whose
 ARCHITECTURE = "Eagle3Speculator"
 LAYER_CONFIG = "transformer_layer_config"
 SLIDING, FULL = "sliding_attention", "full_attention"
+WITHOUT_VOCAB = "vLLM would take the target's vocab, speculators 32000"
 # what speculators' Eagle3DraftModel holds beside the drafter, for its training loss; never part of the network
 VERIFIER_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")
 
@@ -253,29 +253,9 @@ class SpeculatorsFormat(ExportFormat):
         else:
             fields = validated(SpeculatorsFields, config, where, ours=False)
             sizes, dtype = read_external_layer(config[LAYER_CONFIG], where, LAYER_CONFIG), None
-        if fields.draft_vocab_size is None:
-            raise ExportError(
-                f"{where}: {CONFIG_FILE}: draft_vocab_size: missing (vLLM would take the target's vocab, "
-                "speculators 32000)"
-            )
         flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
-        ids = fields.eagle_aux_hidden_state_layer_ids
-        target_hidden = fields.target_hidden_size
-        return ConfigFacts(
-            drafter=drafter_config(
-                {
-                    **sizes,
-                    "target_hidden_size": sizes["hidden_size"] if target_hidden is None else target_hidden,
-                    "draft_vocab_size": fields.draft_vocab_size,
-                    **flags,
-                    "sliding_window": fields.transformer_layer_config.window,
-                },
-                where,
-            ),
-            engine_aux_layer_ids=None if ids is None else (ids[0], ids[1], ids[2]),
-            dtype=dtype,
-            provenance=fields.eagle3_export,
-        )
+        window, ids = fields.transformer_layer_config.window, fields.eagle_aux_hidden_state_layer_ids
+        return config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
 
     def external_optional(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         # the package drops its verifier copies on save; other versions or tools may keep them

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import dagster as dg
 
-from eagle3_core.drafting import accuracy_per_position
 from eagle3_core.evaluate.plots import markdown_image
-from eagle3_core.pipeline import StepResult
-from eagle3_core.store.records import EvalReport, GateDecision, Record, RunSummary
-
-R = TypeVar("R", bound=Record)
+from eagle3_core.steps.common import StepResult
+from eagle3_core.steps.drafter import accuracy_per_position
+from eagle3_core.store.records import EvalReport, GateDecision, RunSummary
 
 
 def step_metadata(result: StepResult) -> dict[str, Any]:
@@ -22,15 +20,9 @@ def step_metadata(result: StepResult) -> dict[str, Any]:
     return meta
 
 
-def record_of(result: StepResult, kind: type[R]) -> R:
-    if not isinstance(result.record, kind):
-        raise TypeError(f"step {result.key} returned no {kind.__name__} (got {type(result.record).__name__})")
-    return result.record
-
-
 def training_metadata(result: StepResult) -> dict[str, Any]:
     """A training step's numbers and its last validation's accuracy per TTT position, as a table."""
-    summary = record_of(result, RunSummary)
+    summary = result.record_as(RunSummary)
     acc = accuracy_per_position(summary, int(summary.train_config["ttt_steps"]))
     rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
     table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
@@ -40,7 +32,7 @@ def training_metadata(result: StepResult) -> dict[str, Any]:
 def eval_metadata(result: StepResult) -> dict[str, Any]:
     """An evaluation as the asset page shows it: its numbers, tables, the acceptance plot, training curves and
     the gate, drawn from the report the step returned (not read back from its file)."""
-    report = record_of(result, EvalReport)
+    report = result.record_as(EvalReport)
     pictures = {name: Path(p) for name, p in report.pictures.items()}
     by_category = any("by_category" in s for s in report.sets.values())
     return {

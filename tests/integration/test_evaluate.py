@@ -13,11 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.data.ingest import ingest
-from eagle3_core.drafting import export_step, train_step, vocab_step
 from eagle3_core.evaluate.measure import DecodeSettings, measure
 from eagle3_core.evaluate.prompts import encode, heldout_prompts
-from eagle3_core.evaluation import eval_step, load_exported, load_target, read_current, report_file
-from eagle3_core.pipeline import StepResult, extract_step, regenerate_step
+from eagle3_core.steps.common import StepResult
+from eagle3_core.steps.data import extract_step, regenerate_step
+from eagle3_core.steps.drafter import drafter_checkpoint_step, export_step, vocab_step
+from eagle3_core.steps.evaluation import eval_step, load_exported, load_target, read_current, report_file
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import FIXTURES
@@ -49,7 +50,7 @@ def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> P
         extract_step(cfg, key, target)
     target.close()
     vocab_step(cfg)
-    train_step(cfg, log=lambda _: None)
+    drafter_checkpoint_step(cfg, log=lambda _: None)
     export_step(cfg)
     return project
 
@@ -207,7 +208,9 @@ def _run_gate(config: Path) -> dg.ExecuteInProcessResult:
 
 def _latest(config: Path) -> str:
     cfg = load_config(config)
-    train_step(cfg, log=lambda _: None)  # a finished run is returned, not retrained, and becomes the latest
+    drafter_checkpoint_step(
+        cfg, log=lambda _: None
+    )  # a finished run is returned, not retrained, and becomes the latest
     return str(export_step(cfg).metadata["run"])
 
 

@@ -15,7 +15,7 @@ from eagle3_cli.steps import main
 from eagle3_core.config import Eagle3Config, TargetConfig, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.errors import DiskSpaceError
-from eagle3_core.pipeline import extract_step, length_batches
+from eagle3_core.steps.data import extract_step, length_batches
 from eagle3_core.store import shards as shards_module
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import ShardReader

@@ -7,7 +7,7 @@ import pytest
 
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
-from eagle3_core.pipeline import regenerate_step
+from eagle3_core.steps.data import regenerate_step
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
@@ -76,7 +76,7 @@ def test_a_regenerated_shard_is_whole_with_its_manifest_or_absent(
     half-written file is left, and the next run completes it."""
     import errno
 
-    from eagle3_core import pipeline
+    from eagle3_core.steps import data
 
     config, target = setup
     cfg = load_config(config)
@@ -87,7 +87,7 @@ def test_a_regenerated_shard_is_whole_with_its_manifest_or_absent(
     def disk_full(path: Path, rows: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(pipeline, "write_jsonl", disk_full)
+    monkeypatch.setattr(data, "write_jsonl", disk_full)
     with pytest.raises(OSError, match="No space left"):
         regenerate_step(cfg, "r-00000", target)
     assert not layout.regenerated("r-00000").exists()  # not done: the next run redoes it

@@ -26,7 +26,7 @@ import torch
 from eagle3_core.config import Eagle3Config, RegenerateServerConfig, load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.engines.openai_client import ServerRegenerationFailed, journal_path
-from eagle3_core.pipeline import regenerate_step
+from eagle3_core.steps.data import regenerate_step
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget

@@ -28,7 +28,7 @@ from eagle3_core.engines.sglang_capture import capture_hook_specs
 from eagle3_core.engines.sglang_client import SGLangError
 from eagle3_core.engines.sglang_models import MODELS
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.pipeline import extract_step
+from eagle3_core.steps.data import extract_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.shards import ShardReader
 from eagle3_core.targets.base import HiddenStates

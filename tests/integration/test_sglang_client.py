@@ -211,7 +211,7 @@ def test_bench_sglang_sends_the_held_out_prompts_of_the_store_and_records_the_re
     from eagle3_core.config import load_config
     from eagle3_core.data.ingest import ingest
     from eagle3_core.evaluate.prompts import encode, heldout_prompts
-    from eagle3_core.evaluation import sglang_bench_step
+    from eagle3_core.steps.evaluation import sglang_bench_step
     from tests.conftest import write_config
 
     config = write_config(

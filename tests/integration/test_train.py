@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
-from eagle3_core.drafting import train_step, vocab_step
-from eagle3_core.pipeline import extract_step
+from eagle3_core.steps.data import extract_step
+from eagle3_core.steps.drafter import drafter_checkpoint_step, vocab_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.checkpoint import list_checkpoints
@@ -91,7 +91,7 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(
     cfg = load_config(_copy(shard_store, tmp_path / "p"))
     vocab = vocab_step(cfg)
     assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is True
-    first = train_step(cfg, log=lambda _: None)
+    first = drafter_checkpoint_step(cfg, log=lambda _: None)
     records = read_metrics(_run_dir(tmp_path / "p"))
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
@@ -104,7 +104,7 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(
             expected += running
         assert abs(r["tau_7"] - expected) < 1e-4
         assert all(r[f"full_acc_{k}"] <= r[f"acc_{k}"] + 1e-9 for k in range(7))
-    again = train_step(cfg, log=lambda _: None)
+    again = drafter_checkpoint_step(cfg, log=lambda _: None)
     assert (
         again.metadata["run"] == first.metadata["run"] and again.metadata["steps"] == first.metadata["steps"]
     )
@@ -218,7 +218,7 @@ def test_a_vocab_mapping_older_than_the_shards_is_refused(
     removed = layout.hidden_state_shards()[-1]
     removed.unlink()  # the shard set changes after the mapping was built
     with pytest.raises(StaleVocabMappingError):
-        train_step(cfg, log=lambda _: None)
+        drafter_checkpoint_step(cfg, log=lambda _: None)
 
 
 def _short(lr: float, init_from: str = "scratch", vocab: int = 512, steps: int = 4) -> str:
@@ -237,10 +237,12 @@ def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapp
 
     first_cfg = load_config(_copy(shard_store, tmp_path / "p", train=_short(0.003)))
     vocab_step(first_cfg)
-    promoted = train_step(first_cfg, log=lambda _: None)
+    promoted = drafter_checkpoint_step(first_cfg, log=lambda _: None)
     layout = StoreLayout(first_cfg.store_root)
     with pytest.raises(Eagle3Error, match="no drafter is promoted yet"):
-        train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current"))))
+        drafter_checkpoint_step(
+            load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current")))
+        )
     run = promoted.metadata["run"]
     DrafterCurrent(  # as promote_step writes it (its export is never read: training starts from final/)
         run=run,
@@ -253,21 +255,25 @@ def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapp
     before = _final_weights(tmp_path / "p")
 
     # a vanishing learning rate: a warm run ends where the promoted run ended, a scratch run far from it
-    warm = train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current", steps=1))))
+    warm = drafter_checkpoint_step(
+        load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, "current", steps=1)))
+    )
     assert warm.metadata["run"] != promoted.metadata["run"]
     summary = json.loads((warm.path / "summary.json").read_text())
     assert summary["warm_from"] == promoted.metadata["run"]
     after = load_file(str(warm.path / "drafter.safetensors"))
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6)
-    scratch = train_step(load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, steps=1))))
+    scratch = drafter_checkpoint_step(
+        load_config(_config(tmp_path / "p", shard_store[1], _short(1e-12, steps=1)))
+    )
     fresh = load_file(str(scratch.path / "drafter.safetensors"))
     assert (fresh["fc.weight"] - before["fc.weight"]).abs().max() > 1e-3  # 1000x the tolerance above
 
     other = load_config(_config(tmp_path / "p", shard_store[1], _short(0.003, "current", vocab=256)))
     vocab_step(other)  # another draft vocabulary: another mapping, other tokens on the lm_head rows
     with pytest.raises(Eagle3Error, match="trained with vocab mapping"):
-        train_step(other, log=lambda _: None)
+        drafter_checkpoint_step(other, log=lambda _: None)
 
 
 def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(

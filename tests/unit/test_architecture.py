@@ -36,7 +36,7 @@ LAYER = {
     "train": 5,
     "export": 6,
     "evaluate": 7,
-    "pipeline": 8, "drafting": 8, "evaluation": 8, "serving": 8,
+    "steps": 8,
 }  # fmt: skip
 BODY_LIMIT = 15
 ASSET_DECORATORS = ("asset", "asset_check", "multi_asset", "multi_asset_check")
@@ -128,7 +128,7 @@ def test_the_repository_keeps_the_rule(rule: str) -> None:
 
 PLANTED = {
     "library": ("eagle3_core.train.trainer", "def f():\n    from rich.console import Console\n"),
-    "private": ("eagle3_core.drafting", "from eagle3_core.pipeline import Log, _quiet\n"),
+    "private": ("eagle3_core.steps.drafter", "from eagle3_core.steps.common import Log, _quiet\n"),
     "layers": ("eagle3_core.store.checks", "from eagle3_core.draft.vocab import VocabMapping\n"),
     "asset bodies": (
         "eagle3_dagster.defs.data.assets",

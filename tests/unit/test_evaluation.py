@@ -11,7 +11,7 @@ from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.evaluate.measure import PathTiming, PromptRun
 from eagle3_core.evaluate.plots import acceptance_bars, markdown_image, training_curves
 from eagle3_core.evaluate.prompts import encode, file_prompts
-from eagle3_core.evaluation import Incumbent, gate_decision
+from eagle3_core.steps.evaluation import Incumbent, gate_decision
 from tests.conftest import FIXTURES
 
 
@@ -152,7 +152,7 @@ def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> 
 
 
 def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Path) -> None:
-    from eagle3_core.evaluation import _prompt_sets
+    from eagle3_core.steps.evaluation import _prompt_sets
 
     cfg = config_from_dict(
         {"store": "store", "evaluate": {"prompt_files": [str(FIXTURES / "prompts.jsonl")]}}, tmp_path
@@ -166,7 +166,7 @@ def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Pa
 def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_kept_aside(
     tmp_path: Path,
 ) -> None:
-    from eagle3_core.evaluation import _prompt_sets, encode_fitting
+    from eagle3_core.steps.evaluation import _prompt_sets, encode_fitting
     from eagle3_core.toy.tokenizer import train_tokenizer
     from tests.helpers import CORPUS
 

@@ -532,7 +532,7 @@ def test_the_exporter_knows_every_tensor_of_each_variant(variant: str) -> None:
 
 def test_sglang_is_given_the_window_as_a_server_argument(tmp_path: Path) -> None:
     """SGLang's --speculative-draft-window-size S admits keys [q - S, q]: a trained window W is S = W - 1."""
-    from eagle3_core.serving import sglang_draft_window
+    from eagle3_core.steps.serving import sglang_draft_window
 
     for window, argument in ((4, 3), (None, None)):
         cfg = drafter_config(TARGET, K, sliding_window=window)

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 from eagle3_core.config import load_config
-from eagle3_core.drafting import latest_final
-from eagle3_core.evaluation import promote_step, read_current, report_file
+from eagle3_core.steps.drafter import latest_final
+from eagle3_core.steps.evaluation import promote_step, read_current, report_file
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import EvalReport
@@ -22,7 +22,7 @@ def _store_with_an_evaluated_run(project: Path) -> Path:
     layout = StoreLayout(project / "store")
     final = layout.drafter_runs / "r1" / "final"
     write_summary(final, "r1")
-    # as train_step writes it
+    # as drafter_checkpoint_step writes it
     atomic_write_json(layout.drafter_latest, {"run": "r1", "final": layout.pointer_path(final)})
     (layout.exports / "r1" / "sglang").mkdir(parents=True)
     report = EvalReport(**report_dict("r1", layout.pointer_path(layout.exports / "r1")))

@@ -148,7 +148,7 @@ def test_a_report_missing_its_gate_names_the_field(tmp_path: Path) -> None:
 def test_the_eval_page_is_drawn_from_the_report_the_step_returned(tmp_path: Path) -> None:
     import dagster as dg
 
-    from eagle3_core.pipeline import StepResult
+    from eagle3_core.steps.common import StepResult
     from eagle3_dagster.defs.metadata import eval_metadata
 
     pictures = {name: tmp_path / f"{name}.png" for name in ("acceptance", "training_curves")}

@@ -17,7 +17,7 @@ from eagle3_core.config import Eagle3Config, config_from_dict
 from eagle3_core.engines.sglang_capture import hooked_layer_ids
 from eagle3_core.engines.sglang_server import launch_command, nvidia_smi_held, proc_stat
 from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.serving import serve_commands, serve_markdown
+from eagle3_core.steps.serving import serve_commands, serve_markdown
 
 
 def make_config(tmp: Path, **sections: object) -> Eagle3Config:
@@ -219,8 +219,8 @@ def test_drafter_export_shows_the_serve_commands_on_its_page(
 ) -> None:
     import dagster as dg
 
-    from eagle3_core import drafting
-    from eagle3_core.pipeline import StepResult
+    from eagle3_core.steps import drafter
+    from eagle3_core.steps.common import StepResult
     from eagle3_dagster.defs.drafter.assets import drafter_export
     from eagle3_dagster.defs.resources import Eagle3Resource
 
@@ -229,7 +229,7 @@ def test_drafter_export_shows_the_serve_commands_on_its_page(
     run = fake_export(tmp_path / "store", "r1")
     # the export itself is tested elsewhere (tests/integration/test_train.py); here only its page
     monkeypatch.setattr(
-        drafting,
+        drafter,
         "export_step",
         lambda cfg, log: StepResult(
             "drafter_export",

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from eagle3_cli.steps import main
-from eagle3_core import drafting, pipeline
 from eagle3_core.config import load_config
 from eagle3_core.errors import DiskSpaceError, ShardCorruptError, StoreBusyError
+from eagle3_core.steps import data, drafter
 from eagle3_core.store import shards as shards_module
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import exclusive_lock, writer_lock
@@ -103,7 +103,7 @@ def test_the_training_step_itself_refuses_so_the_dagster_asset_does_too(tmp_path
     config, layout = _project(tmp_path)
     _flip_in_hidden_states(layout.hidden_states("t-00000"), sample=0)
     with pytest.raises(ShardCorruptError, match=r"shard t-00000 is damaged: .*sample 0"):
-        drafting.train_step(load_config(config), log=lambda _: None)
+        drafter.drafter_checkpoint_step(load_config(config), log=lambda _: None)
     assert not (layout.root / "drafter").exists()
 
 
@@ -353,9 +353,9 @@ def test_a_second_extraction_of_a_shard_is_refused_naming_the_holder(
     layout, temp, pid = held_by_another_process
     cfg = load_config(write_config(tmp_path, "store: store\n"))
     with pytest.raises(StoreBusyError, match=rf"hidden-state shard {KEY} is being written by .*pid {pid}"):
-        pipeline.extract_step(cfg, KEY, cast(Any, None))  # refused before the target is used
+        data.extract_step(cfg, KEY, cast(Any, None))  # refused before the target is used
     with pytest.raises(StoreBusyError, match=f"regenerated shard {KEY}"):
-        pipeline.regenerate_step(cfg, KEY, None)
+        data.regenerate_step(cfg, KEY, None)
     assert temp.read_bytes() == b"a live extraction's rows"  # the holder's temporary file is untouched
     assert not layout.hidden_states(KEY).exists()
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from eagle3_core import drafting
-from eagle3_core.serving import serve_commands, serve_markdown
+from eagle3_core.steps import drafter
+from eagle3_core.steps.serving import serve_commands, serve_markdown
 from eagle3_dagster.defs.automation import after_its_parent, when_every_shard_is_done
 from eagle3_dagster.defs.data.assets import hidden_states
 from eagle3_dagster.defs.metadata import step_metadata, training_metadata
@@ -22,7 +22,7 @@ ALL_SHARDS = dg.AssetDep(hidden_states, partition_mapping=dg.AllPartitionMapping
 )
 def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """Top-K loss-masked target tokens over all shards (d2t, t2d), fingerprinted by tokenizer, shards and K."""
-    result = drafting.vocab_step(eagle3.config(), context.log.info)
+    result = drafter.vocab_step(eagle3.config(), context.log.info)
     return dg.MaterializeResult(metadata=step_metadata(result))
 
 
@@ -35,7 +35,7 @@ def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
-    result = drafting.train(eagle3.resolved_path(), context.log.info)
+    result = drafter.launch_training(eagle3.resolved_path(), context.log.info)
     return dg.MaterializeResult(metadata=training_metadata(result))
 
 
@@ -48,7 +48,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
 def drafter_export(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key."""
     cfg = eagle3.config()
-    result = drafting.export_step(cfg, context.log.info)
+    result = drafter.export_step(cfg, context.log.info)
     # the exact launch commands for this export, on its page (the same as `eagle3 serve-command --export`)
     serve = serve_commands(cfg, Path(result.metadata["sglang_dir"]).parent)
     return dg.MaterializeResult(

@@ -3,7 +3,7 @@ a blocking check: a drafter that measured worse than the promoted one stops the 
 
 import dagster as dg
 
-from eagle3_core import evaluation
+from eagle3_core.steps import evaluation
 from eagle3_dagster.defs.automation import after_its_parent
 from eagle3_dagster.defs.drafter.assets import drafter_export
 from eagle3_dagster.defs.metadata import eval_metadata, gate_metadata, step_metadata

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import torch
 
 from eagle3_core.config import DrafterVariant, Eagle3Config
-from eagle3_core.drafting import latest_final
 from eagle3_core.errors import Eagle3Error, ExportError
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
@@ -38,7 +37,8 @@ from eagle3_core.evaluate.measure import (
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.export.common import FormatName
-from eagle3_core.pipeline import Log, StepResult, quiet
+from eagle3_core.steps.common import Log, StepResult, quiet
+from eagle3_core.steps.drafter import latest_final, latest_summary
 from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import (
@@ -492,7 +492,7 @@ def _metadata(report: EvalReport | DrafterDirReport, gate_passed: bool | None, g
 def read_report(cfg: Eagle3Config) -> EvalReport:
     """The newest run's evaluation report (written by eval_step)."""
     layout = StoreLayout(cfg.store_root)
-    run = RunSummary.read(latest_final(layout) / SUMMARY).run
+    run = latest_summary(layout).run
     path = report_file(layout.export_eval(run), cfg.evaluate.export_format)
     if not path.exists():
         raise Eagle3Error(

@@ -1,7 +1,9 @@
-"""The drafter half: vocab_mapping and drafter_checkpoint over every complete shard of the store.
+"""The drafter domain's steps over every complete shard of the store: vocab_mapping, drafter_checkpoint,
+drafter_export.
 
-Like the data half's steps, each reads the store, writes atomically and returns a `StepResult` whose flat
-metadata is what the CLI prints and Dagster shows.
+Like the data domain's steps, each reads the store, writes atomically and returns a `StepResult` whose flat
+metadata is what the CLI prints and Dagster shows. `launch_training` is where the drafter_checkpoint step is
+started in this process or once per process under torchrun, for the CLI and the Dagster asset alike.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from eagle3_core.draft.vocab import (
     save_vocab_mapping,
 )
 from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
-from eagle3_core.pipeline import Log, StepResult, quiet
+from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import DrafterCurrent, DrafterLatest, RunSummary
 from eagle3_core.store.shards import decode_metadata, read_header
@@ -44,12 +46,25 @@ def _shards(layout: StoreLayout) -> list[Path]:
     return shards
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when it is one of a torchrun launch (torchrun sets WORLD_SIZE and RANK in each
+    process it starts), else None: the one reading of that environment for the steps and the CLI."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ.get("RANK", "0"))
+
+
+def lead_process() -> bool:
+    """Whether this process reports for the run: the only one, or rank 0 of a torchrun launch."""
+    return (torchrun_rank() or 0) == 0
+
+
 def _intact_shards(layout: StoreLayout, log: Log) -> list[Path]:
     """Every shard, each checked against its checksums before anything reads it to build or train (a damaged
     one is refused now, not when training reaches its sample). Under torchrun each rank checks its share:
     a rank that refuses stops them all, before any of them gets past the process group."""
     shards = _shards(layout)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = torchrun_rank() or 0, int(os.environ.get("WORLD_SIZE", "1"))
     require_intact(shards[rank::world], log if rank == 0 else quiet)
     return shards
 
@@ -112,11 +127,9 @@ def vocab_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     return StepResult("vocab_mapping", layout.vocab_mapping, meta)
 
 
-def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
-    """Train the drafter on every shard with the current vocab mapping (resuming a run that was cut short).
-
-    In this process; under torchrun every rank calls it (see `train_distributed`).
-    """
+def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
+    """A whole training run of the drafter on every shard with the current vocab mapping (resuming a run that
+    was cut short), in this process; under torchrun every rank calls it (see `launch_training`)."""
     layout = StoreLayout(cfg.store_root)
     shards = _intact_shards(layout, log)
     mapping = load_vocab_mapping(
@@ -131,27 +144,35 @@ def train_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
         log=log,
         init_from=promoted_final(layout) if cfg.train.init_from == "current" else None,
     )
-    if int(os.environ.get("RANK", "0")) == 0:
+    if lead_process():
         pointer = DrafterLatest(run=result.run_dir.name, final=layout.pointer_path(result.final_dir))
         pointer.write(layout.drafter_latest)
     return _training_result(cfg, result.final_dir, result.resumed_from)
 
 
-def train(config_path: Path, log: Log = print, processes: int | None = None) -> StepResult:
-    """The training step as configured: in this process, or once per process under torchrun when
-    `processes` (default train.processes) is more than one and this is not already a torchrun worker. The
-    one place that decides, for the CLI and the Dagster asset alike."""
+def launch_training(
+    config_path: Path, log: Log = print, processes: int | None = None, *, with_vocab: bool = False
+) -> StepResult:
+    """The drafter_checkpoint step as configured, the one place that decides how it runs, for the CLI and the
+    Dagster asset alike: in this process when this process is already a torchrun rank (someone ran
+    `torchrun eagle3 train`) or `processes` (default train.processes) is 1, else once per process under a
+    torchrun this starts. `with_vocab` builds the vocab mapping first, once, before any rank starts (ranks only
+    read it); a rank of a launch made elsewhere leaves it to whoever launched it."""
     cfg = load_config(config_path)
+    if torchrun_rank() is not None:
+        return drafter_checkpoint_step(cfg, log)
+    if with_vocab:
+        vocab_step(cfg, log)
     processes = processes or cfg.train.processes
-    if processes > 1 and "WORLD_SIZE" not in os.environ:
-        return train_distributed(config_path, processes, log)
-    return train_step(cfg, log)
+    if processes > 1:
+        return _torchrun_training(config_path, processes, log)
+    return drafter_checkpoint_step(cfg, log)
 
 
-def train_distributed(config_path: Path, processes: int, log: Log = print) -> StepResult:
-    """`train_step` once per process under torchrun (standalone rendezvous on this host), then its result.
-
-    Each worker runs this module (`python -m eagle3_core.drafting CONFIG`), which trains in its process."""
+def _torchrun_training(config_path: Path, processes: int, log: Log) -> StepResult:
+    """`drafter_checkpoint_step` once per process under torchrun (standalone rendezvous on this host), then its
+    result. Each worker runs this module (`python -m eagle3_core.steps.drafter CONFIG`), which trains in its
+    process."""
     command = [
         sys.executable,
         "-m",
@@ -159,7 +180,7 @@ def train_distributed(config_path: Path, processes: int, log: Log = print) -> St
         "--standalone",
         f"--nproc-per-node={processes}",
         "-m",
-        "eagle3_core.drafting",
+        "eagle3_core.steps.drafter",
         str(config_path),
     ]
     log(" ".join(command))
@@ -220,6 +241,11 @@ def latest_final(layout: StoreLayout) -> Path:
     return final
 
 
+def latest_summary(layout: StoreLayout) -> RunSummary:
+    """The summary of the newest finished training run (what drafter_checkpoint materialized last)."""
+    return RunSummary.read(latest_final(layout) / SUMMARY)
+
+
 def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
     """The dtype the target is served in (engines/sglang_models.py `serving_dtype`), which the drafter is
     exported in: an fp16 target gets an fp16 drafter."""
@@ -267,5 +293,5 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     )
 
 
-if __name__ == "__main__":  # one torchrun worker of train_distributed
-    train_step(load_config(Path(sys.argv[1])))
+if __name__ == "__main__":  # one torchrun worker of `launch_training`
+    drafter_checkpoint_step(load_config(Path(sys.argv[1])))

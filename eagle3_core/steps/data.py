@@ -1,4 +1,4 @@
-"""The three per-shard steps of the data half: conversations, regenerated, hidden_states.
+"""The data domain's steps, one shard each: conversations, regenerated, hidden_states.
 
 Each step reads its input from the store, writes its output atomically, and returns a `StepResult` whose
 flat `metadata` is what the CLI prints and what Dagster shows on the partition's page.
@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,31 +22,15 @@ from eagle3_core.data.conversation import Conversation
 from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.engines.openai_client import regenerate_through_server, remove_journal
+from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
-from eagle3_core.store.records import Record
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
-
-Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    key: str
-    path: Path
-    metadata: dict[str, Any]
-    # the typed record the step wrote (a run summary, an evaluation report), for a caller that renders more
-    # than the flat metadata, so that it never reads the file again or decodes the metadata's JSON
-    record: Record | None = None
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 # ---- conversations -----------------------------------------------------------------------------------------

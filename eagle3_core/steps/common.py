@@ -1,0 +1,33 @@
+"""What every step takes and returns: a log to report progress to, and its result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from eagle3_core.store.records import Record
+
+Log = Callable[[str], None]
+R = TypeVar("R", bound=Record)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    key: str
+    path: Path
+    metadata: dict[str, Any]
+    # the typed record the step wrote (a run summary, an evaluation report), for a caller that renders more
+    # than the flat metadata, so that it never reads the file again or decodes the metadata's JSON
+    record: Record | None = None
+
+    def record_as(self, kind: type[R]) -> R:
+        """The step's record as a `kind`; TypeError for a step that returned another record or none."""
+        if not isinstance(self.record, kind):
+            raise TypeError(f"step {self.key} returned no {kind.__name__} (got {type(self.record).__name__})")
+        return self.record
+
+
+def quiet(_: str) -> None:
+    """A log that drops every line: for a caller with nowhere to show progress."""

@@ -1,0 +1,58 @@
+"""`launch_training` decides, for the CLI and the Dagster asset alike, where drafter_checkpoint runs: in this
+process, under a torchrun it starts, or here as one rank of a torchrun someone else started."""
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.steps import drafter
+from eagle3_core.steps.common import StepResult
+from tests.conftest import write_config
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What launch_training ran, in order: vocab, here (in this process), or torchrun:N."""
+    ran: list[str] = []
+
+    def result(what: str) -> StepResult:
+        ran.append(what)
+        return StepResult("drafter_checkpoint", Path(what), {})
+
+    monkeypatch.setattr(drafter, "vocab_step", lambda cfg, log: result("vocab"))
+    monkeypatch.setattr(drafter, "drafter_checkpoint_step", lambda cfg, log: result("here"))
+    monkeypatch.setattr(drafter, "_torchrun_training", lambda path, n, log: result(f"torchrun:{n}"))
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return ran
+
+
+def _config(tmp_path: Path, processes: int) -> Path:
+    return write_config(tmp_path, f"store: store\ntrain:\n  processes: {processes}\n")
+
+
+def test_one_process_trains_here_after_the_vocab(tmp_path: Path, calls: list[str]) -> None:
+    drafter.launch_training(_config(tmp_path, 1), with_vocab=True)
+    assert calls == ["vocab", "here"]
+
+
+def test_more_processes_start_torchrun_once_the_vocab_is_built(tmp_path: Path, calls: list[str]) -> None:
+    drafter.launch_training(_config(tmp_path, 2), with_vocab=True)
+    assert calls == ["vocab", "torchrun:2"]
+    calls.clear()
+    drafter.launch_training(_config(tmp_path, 2), processes=1)  # --nproc 1 overrides train.processes
+    assert calls == ["here"]
+
+
+def test_a_rank_of_another_launch_trains_here_and_leaves_the_vocab(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    drafter.launch_training(_config(tmp_path, 2), processes=2, with_vocab=True)
+    assert calls == ["here"]
+    assert drafter.torchrun_rank() == 1 and not drafter.lead_process()
+    monkeypatch.setenv("RANK", "0")
+    assert drafter.lead_process()
+    monkeypatch.delenv("WORLD_SIZE")
+    assert drafter.torchrun_rank() is None and drafter.lead_process()
