@@ -32,7 +32,7 @@ def test_cli_pipeline_on_the_toy_target(tmp_path: Path, toy_target_dir: Path) ->
     assert "nothing to do" in eagle3(config, "extract").stdout  # done shards are not redone
 
     stats = json.loads(eagle3(config, "stats", "--json").stdout)
-    conversations = json.loads(eagle3(config, "stats", "--json").stdout)["conversations"]
+    conversations = stats["conversations"]
     assert sorted(stats["shards"]) == ["cc-00000", "cc-00001", "cc-00002"]
     assert 0 < stats["totals"]["samples"] <= conversations
     # regeneration stops a conversation whose prompt no longer leaves room for a reply, so nothing is truncated
