@@ -143,8 +143,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        # the angles in the projections' dtype (bf16 under autocast, as the engines rotate): in the input's
+        # float32 they would promote q and k to float32, and attention would run without tensor cores
         cos, sin = (
-            rope_angles(positions, d, self.cfg.rope_theta, x.dtype)
+            rope_angles(positions, d, self.cfg.rope_theta, q.dtype)
             if isinstance(positions, torch.Tensor)
             else positions
         )
@@ -152,9 +154,34 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
-        """Flex attention over all steps' keys under the TTT BlockMask (GPU: masked blocks are skipped)."""
-        return self._out(_flex_attention(q.is_cuda)(q, k, v, block_mask=block_mask, enable_gqa=True))
+    def attend_flex(
+        self,
+        q: torch.Tensor,
+        prefix: tuple[torch.Tensor, torch.Tensor],
+        chain: list[tuple[torch.Tensor, torch.Tensor]],
+        block_mask: Any,
+    ) -> torch.Tensor:
+        """`attend_ttt` by flex attention: q [B, heads, M, d] over step 0's keys under the prefix BlockMask (GPU:
+        masked blocks are skipped), then its own chain (`chain`: steps 1..k, each [B, kv_heads, M, d]) merged
+        in through the prefix's log-sum-exp, returning [B, M, H].
+
+        The chain stays out of flex: in a key block of another step only one entry per query is allowed, so
+        flex would compute a whole 128 x 128 block for 128 dot products.
+        """
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        compiled = q.is_cuda
+        out, aux = _flex_attention(compiled)(
+            q, *prefix, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True)
+        )
+        lse = aux.lse
+        step = len(chain)
+        window = self.cfg.sliding_window
+        # chain entry j sits at position p + j, the query at p + k: seen within a window iff k - j < window
+        seen = [kv for j, kv in enumerate(chain, start=1) if window is None or j > step - window]
+        if seen:
+            out = _chain_merge(compiled)(q, out, lse, [k for k, _ in seen], [v for _, v in seen])
+        return self._out(out)
 
     def attend_ttt(
         self,
@@ -189,7 +216,9 @@ class Attention(nn.Module):
             k = len(chain)
             too_far = torch.arange(1, k + 1, device=q.device) <= k - self.cfg.sliding_window
             chain_scores = chain_scores.masked_fill(too_far, float("-inf"))
-        weights = torch.softmax(torch.cat([prefix_scores, chain_scores], dim=-1).float(), dim=-1).to(q.dtype)
+        scores = torch.cat([prefix_scores, chain_scores], dim=-1)
+        # half precisions are normalised in float32, float64 stays float64 (what the exactness tests run)
+        weights = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
         out = weights[..., :t] @ pv + (weights[..., t:].unsqueeze(-1) * cv).sum(3)
         return self._out(out)
 
@@ -273,20 +302,16 @@ def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torc
 
 
 def ttt_block_mask(length: int, step: int, device: torch.device, window: int | None = None) -> Any:
-    """The same mask as `ttt_mask` (and `prefix_mask`'s window), as a flex BlockMask over (step+1)*length keys."""
+    """The prefix part of `ttt_mask` (with `prefix_mask`'s window) as a flex BlockMask over step 0's `length`
+    keys: step `step`'s queries see the causal prefix; `attend_flex` adds each entry's own chain."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def allowed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        prefix = (kv < length) & (kv <= q)
-        chain = (kv >= length) & (kv % length == q)
-        if window is not None:  # by position: prefix entry kv sits at kv, chain entry of step j at q + j
-            prefix = prefix & (kv > q + step - window)
-            chain = chain & (kv // length > step - window)
-        return prefix | chain
+        if window is None:
+            return kv <= q
+        return (kv <= q) & (kv > q + step - window)  # by position: entry kv at kv, the query at q + step
 
-    return create_block_mask(
-        allowed, B=None, H=None, Q_LEN=length, KV_LEN=(step + 1) * length, device=str(device)
-    )
+    return create_block_mask(allowed, B=None, H=None, Q_LEN=length, KV_LEN=length, device=str(device))
 
 
 FLEX_BLOCK = 128  # flex attention's default block: a packed row's length is a multiple of it
@@ -325,14 +350,13 @@ def pick(x: torch.Tensor, entries: torch.Tensor | None, dim: int = 1) -> torch.T
 def packed_block_masks(
     doc: torch.Tensor, steps: int, window: int | None = None, drafted: torch.Tensor | None = None
 ) -> list[Any]:
-    """The TTT BlockMask of each step for a packed batch (`ttt_block_mask` within each sample), built from the
-    samples' extents block by block, so no [M, T + kM] mask is ever evaluated to find the empty blocks.
+    """The prefix BlockMask of each TTT step for a packed batch (`ttt_block_mask` within each sample), built
+    from the samples' extents block by block, so no [M, T] mask is ever evaluated to find the empty blocks.
 
     doc [B, T], nondecreasing along each row, T a multiple of FLEX_BLOCK; `drafted` [B, M] the queries' entries
-    (`Packing.drafted`; None: every entry). Step k's keys are step 0's T entries (the prefix), then M for each
-    of steps 1..k (the drafted entries' own chains). A query block sees the prefix's key blocks that can share
-    a sample with it (full when every key precedes every query within one sample) and, in each later step,
-    the chain block opposite itself.
+    (`Packing.drafted`; None: every entry). The keys are step 0's T entries; `attend_flex` adds the chain. A
+    query block sees the key blocks that can share a sample with it, full when every key precedes every
+    query within one sample. Without a window every step has the same mask, built once.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -343,7 +367,6 @@ def packed_block_masks(
     m = query.shape[1]
     if m % FLEX_BLOCK:
         raise ValueError(f"{m} drafted entries are not a multiple of {FLEX_BLOCK}")
-    nq = m // FLEX_BLOCK
     q_first, q_last = query[:, ::FLEX_BLOCK], query[:, FLEX_BLOCK - 1 :: FLEX_BLOCK]  # [B, nq] entries
     qdoc_first, qdoc_last = doc.gather(1, q_first), doc.gather(1, q_last)
     kdoc_first, kdoc_last = doc[:, ::FLEX_BLOCK], doc[:, FLEX_BLOCK - 1 :: FLEX_BLOCK]  # [B, nk]
@@ -355,64 +378,46 @@ def packed_block_masks(
     shares = (k_first <= q_last[..., None]) & (kdoc_last[:, None, :] >= qdoc_first[..., None])  # [B, nq, nk]
     one_sample = (k_last <= q_first[..., None]) & (kdoc_first[:, None, :] == qdoc_last[..., None])
 
-    # What the mask reads, by query and by key, as tensors rather than Python ints (which a compiled kernel is
-    # specialised to: a new drafted count would recompile it) and without integer division (a kernel pays
-    # for it at every entry of a partial block). Keys: the prefix's T, then M for each chain step.
-    # (int32 throughout: the kernel reads them at every entry of a partial block)
-    keys, int32 = t + (steps - 1) * m, torch.int32
-    query32 = query.to(int32)
-    query_doc = doc.to(int32) if drafted is None else doc.gather(1, query).to(int32)  # [B, M]
+    # What the mask reads, as tensors rather than Python ints (which a compiled kernel is specialised to: a
+    # new drafted count would recompile it), int32 (the kernel reads them at every entry of a partial block)
+    key_doc = doc.to(torch.int32)  # [B, T]
+    query_doc = key_doc if drafted is None else doc.gather(1, query).to(torch.int32)  # [B, M]
+    query32 = query.to(torch.int32)
 
     def entry_of(bi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return q if drafted is None else query32[bi, q]  # every entry drafted: a query is its entry
 
-    key_doc = torch.cat([doc.to(int32), doc.new_full((b, keys - t), -1, dtype=int32)], dim=1)  # -1: chain
-    chain_of = torch.arange(m, dtype=int32, device=doc.device).repeat(steps - 1)  # a chain key's query
-    key_query = torch.cat([chain_of.new_full((t,), -1), chain_of])  # [keys]: -1 on prefix keys
-    key_step = torch.cat(
-        [torch.full((n,), j, dtype=int32, device=doc.device) for j, n in enumerate([t] + [m] * (steps - 1))]
-    )  # [keys]: 0 on prefix keys, j on step j's chain
-
     def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        # one function for every step and batch (the batch's samples are tensors it reads), so compiled
-        # flex attention is not recompiled per step or per batch
-        # a chain key lies past every entry, so only the prefix's keys pass the first test
-        prefix = (kv <= entry_of(bi, q)) & (key_doc[bi, kv] == query_doc[bi, q])
-        return prefix | (key_query[kv] == q)
+        # one function for every batch (the batch's samples are tensors it reads): no recompile per batch
+        return (kv <= entry_of(bi, q)) & (key_doc[bi, kv] == query_doc[bi, q])
 
     def windowed(step: int, window: int) -> Any:
         def allowed_in_window(
             bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
         ) -> torch.Tensor:
             entry = entry_of(bi, q)  # within a sample, positions differ as entries do
-            prefix = (kv <= entry) & (key_doc[bi, kv] == query_doc[bi, q]) & (kv > entry + step - window)
-            return prefix | (key_query[kv] == q) & (key_step[kv] > step - window)
+            return (kv <= entry) & (key_doc[bi, kv] == query_doc[bi, q]) & (kv > entry + step - window)
 
         return allowed_in_window
 
-    masks = []
-    for step in range(steps):
+    def mask(step: int) -> Any:
         full, partial = one_sample, shares & ~one_sample
         if window is not None:  # by block: some key (partial) or every key (full) inside the window
             some = k_last > q_first[..., None] + step - window
             every = k_first > q_last[..., None] + step - window
             partial = (partial | (full & ~every)) & some
             full = full & every
-        opposite = torch.eye(nq, dtype=torch.bool, device=doc.device).expand(b, nq, nq)
-        none = torch.zeros_like(opposite)
-        chain = [opposite if window is None or j > step - window else none for j in range(1, step + 1)]
-        partial_all = torch.cat([partial, *chain], dim=-1)  # [B, nq, nk + step * nq]
-        full_all = torch.cat([full, *[none] * step], dim=-1)
-        masks.append(
-            BlockMask.from_kv_blocks(
-                *_block_list(partial_all),
-                *_block_list(full_all),
-                BLOCK_SIZE=FLEX_BLOCK,
-                mask_mod=allowed if window is None else windowed(step, window),
-                seq_lengths=(m, t + step * m),
-            )
+        return BlockMask.from_kv_blocks(
+            *_block_list(partial),
+            *_block_list(full),
+            BLOCK_SIZE=FLEX_BLOCK,
+            mask_mod=allowed if window is None else windowed(step, window),
+            seq_lengths=(m, t),
         )
-    return masks
+
+    if window is None:
+        return [mask(0)] * steps
+    return [mask(step) for step in range(steps)]
 
 
 def _block_list(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,6 +433,43 @@ def _flex_attention(compiled: bool) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+
+
+def merge_chain(
+    q: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    """Attention over the prefix and each query's own chain, from the prefix's output and log-sum-exp.
+
+    q, prefix_out [B, heads, M, d]; prefix_lse [B, heads, M] (natural log; -inf where the prefix is empty);
+    keys, values: j x [B, kv_heads, M, d], entry m's own keys. The chain's scores are per-entry dot products;
+    the softmax over [prefix lse, chain scores] weighs the prefix's output against the chain's values. At least
+    float32 throughout; gradients reach q and the prefix's keys through the lse as through the scores.
+    """
+    b, h, m, d = q.shape
+    kvh = keys[0].shape[1]
+    g = h // kvh  # GQA: each kv head's group of query heads
+    wide = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the exactness tests)
+    # products and sums rather than einsum: compiled, they fuse into a few reductions, where einsum's batched
+    # [G, d] x [d, j] products run as a slow bmm over B * kv_heads * M tiny matrices
+    chain_k = torch.stack(keys, dim=3).to(wide).unsqueeze(2)  # [B, kv_heads, 1, M, j, d]
+    chain_v = torch.stack(values, dim=3).to(wide).unsqueeze(2)
+    scores = (q.to(wide).view(b, kvh, g, m, 1, d) * chain_k).sum(-1) * d**-0.5  # [B, kv_heads, G, M, j]
+    lse = prefix_lse.to(wide).view(b, kvh, g, m, 1)
+    weights = torch.softmax(torch.cat([lse, scores], dim=-1), dim=-1)  # [B, kv_heads, G, M, 1 + j]
+    out = weights[..., :1] * prefix_out.to(wide).view(b, kvh, g, m, d)
+    out = out + (weights[..., 1:, None] * chain_v).sum(-2)
+    return out.view(b, h, m, d).to(q.dtype)
+
+
+@cache
+def _chain_merge(compiled: bool) -> Any:
+    # small reductions and elementwise work over [B, heads, M, j, d]: compiled (GPU) it fuses and never makes
+    # the float32 copies; eager it is what the CPU runs and the tests compare
+    return torch.compile(merge_chain, dynamic=True) if compiled else merge_chain
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
@@ -462,6 +504,8 @@ class Eagle3Drafter(nn.Module):
         self.block_masks: dict[tuple[int, int, str], Any] = {}
 
     def block_mask(self, length: int, step: int, device: torch.device) -> Any:
+        if self.cfg.sliding_window is None:
+            step = 0  # the prefix mask is the same at every step
         key = (length, step, str(device))
         if key not in self.block_masks:
             self.block_masks[key] = ttt_block_mask(length, step, device, self.cfg.sliding_window)
@@ -550,12 +594,8 @@ class Eagle3Drafter(nn.Module):
                 q, key, value = self.midlayer.qkv(self.embed_tokens(ids), h, positions)
             kvs.append((key, value))
             if attention == "flex":
-                keys, values = (
-                    torch.cat([kv[0] for kv in kvs], dim=2),
-                    torch.cat([kv[1] for kv in kvs], dim=2),
-                )
                 mask = masks[k] if masks is not None else self.block_mask(t, k, aux.device)
-                attn_out = attn.attend_flex(q, keys, values, mask)
+                attn_out = attn.attend_flex(q, kvs[0], kvs[1:], mask)
             else:
                 attn_out = attn.attend_ttt(q, kvs[0], kvs[1:], doc, drafted)
             normed, h = self.step_out(self.midlayer.finish(h, attn_out))

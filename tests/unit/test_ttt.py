@@ -4,7 +4,7 @@ variant the engines read (written out here as SGLang's and vLLM's llama_eagle3.p
 import pytest
 import torch
 
-from eagle3_core.draft.model import Eagle3Drafter, rope, ttt_mask
+from eagle3_core.draft.model import Eagle3Drafter, merge_chain, rope, ttt_mask
 from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS, TINY_DRAFTER
 
 CFG = TINY_DRAFTER
@@ -168,3 +168,35 @@ def test_flex_attention_block_mask_gives_the_sdpa_logits(window: int | None) -> 
         flex = model.ttt_forward(aux, ids, 5, attention="flex")
     for a, b in zip(sdpa, flex, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_merging_the_chain_through_the_prefix_lse_gives_attention_over_all_keys_and_its_gradients() -> None:
+    # what the flex path computes (the prefix by flex, returning its lse; the chain merged outside), checked
+    # here with a differentiable prefix: CPU flex attention has no backward. A query attends causally to the
+    # prefix's T keys and to its own j chain keys; GQA with 2 query heads per kv head; float64.
+    torch.manual_seed(5)
+    b, h, kvh, t, d, j = 2, 4, 2, 9, 8, 3
+    q = torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True)
+    pk, pv = (torch.randn(b, kvh, t, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ck = [torch.randn(b, kvh, t, d, dtype=torch.float64, requires_grad=True) for _ in range(j)]
+    cv = [torch.randn(b, kvh, t, d, dtype=torch.float64, requires_grad=True) for _ in range(j)]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    weight = torch.randn(b, h, t, d, dtype=torch.float64)  # a loss that weighs every output differently
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(h // kvh, dim=1)
+
+    prefix_scores = (q @ grouped(pk).transpose(-1, -2) * d**-0.5).masked_fill(~causal, float("-inf"))
+    prefix_out = torch.softmax(prefix_scores, -1) @ grouped(pv)
+    merged = merge_chain(q, prefix_out, torch.logsumexp(prefix_scores, -1), ck, cv)
+    inputs = [q, pk, pv, *ck, *cv]
+    got = torch.autograd.grad((merged * weight).sum(), inputs, retain_graph=True)
+
+    chain_scores = torch.stack([(q * grouped(k)).sum(-1) * d**-0.5 for k in ck], dim=-1)  # [b, h, t, j]
+    weights = torch.softmax(torch.cat([prefix_scores, chain_scores], dim=-1), dim=-1)
+    values = torch.stack([grouped(v) for v in cv], dim=3)  # [b, h, t, j, d]
+    expected = weights[..., :t] @ grouped(pv) + (weights[..., t:, None] * values).sum(3)
+    want = torch.autograd.grad((expected * weight).sum(), inputs)
+    torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
