@@ -104,6 +104,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="print eagle3's top CUDA kernels over 2 steps")
     p.add_argument("--check-lean", action="store_true", help="the lean loss against the plain one, one batch")
+    p.add_argument(
+        "--check-attention",
+        action="store_true",
+        help="flex attention's loss and gradients against SDPA's, float32, one batch's first 4,096 entries",
+    )
     p.add_argument("--speculators-loss", choices=["fused", "eager"], default="eager")
     p.add_argument(
         "--prompt-share",
@@ -215,6 +220,10 @@ def eagle3_run(
         result["flops_per_token"] = flops_per_token(dcfg, ttt, mean_context(lengths))
         if args.profile and device.type == "cuda":
             profile_steps(s, batches[args.warmup : args.warmup + 2])
+        if args.check_attention:  # on a few samples: SDPA holds every step's [M, T] scores
+            few = first_entries(batches[args.warmup], 4096)
+            result["flex_vs_sdpa"] = guarded_run("flex vs sdpa", partial(flex_vs_sdpa, s, few))
+            log(f"  flex vs sdpa: {result['flex_vs_sdpa']}")
         if args.check_lean:  # on a few samples: the plain form holds every step's logits
             few = first_entries(batches[args.warmup], 8192)
             result["lean_vs_plain"] = guarded_run("lean vs plain", partial(lean_vs_plain, s, few))
@@ -250,6 +259,39 @@ def profile_steps(s: Setup, batches: list[Batch]) -> None:
             train_step(s, batch.to(s.world.device), s.cfg.lr)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+
+
+def flex_vs_sdpa(s: Setup, batch: Batch) -> dict[str, Any]:
+    """One batch's loss and gradients with flex attention (compiled: the prefix by flex, the chain merged
+    through its log-sum-exp) and with SDPA (dense masks), in float32 without autocast, so that what differs
+    is the attention path and not bf16 rounding."""
+    batch = batch.to(s.world.device)
+    targets = teacher_targets(s, batch)
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    losses: dict[str, float] = {}
+    for attention in ("sdpa", "flex"):
+        s.drafter.zero_grad(set_to_none=True)
+        states = s.drafter(
+            batch.aux.float(), batch.input_ids, s.cfg.ttt_steps, attention, "states", batch.packing
+        )
+        loss, _ = lean_ttt_loss(states, s.drafter.lm_head.weight, targets, s.cfg.step_weight)
+        loss.backward()
+        losses[attention] = float(loss.detach())
+        grads[attention] = {
+            n: p.grad.float().clone() for n, p in s.drafter.named_parameters() if p.grad is not None
+        }
+        del states, loss
+    rel = {
+        n: float((grads["flex"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads["sdpa"].items()
+    }
+    s.drafter.zero_grad(set_to_none=True)
+    return {
+        "loss_sdpa": losses["sdpa"],
+        "loss_flex": losses["flex"],
+        "loss_rel_diff": abs(losses["flex"] - losses["sdpa"]) / abs(losses["sdpa"]),
+        "grad_rel_diff_max": max(rel.values()),
+        "grad_rel_diff": rel,
+    }
 
 
 def lean_vs_plain(s: Setup, batch: Batch) -> dict[str, Any]:
@@ -400,6 +442,9 @@ def run_width(
                     log(f"  eagle3: {line(runs[name])}")
             eagle3 = next(iter(runs.values()))
             spec_result = None
+            # eagle3's row first: speculators' first step can compile past a command's time limit
+            rows[f"ttt{ttt}"] = {"eagle3": eagle3, "eagle3_variants": runs, "speculators": None}
+            save(rows)
             if not args.skip_speculators:
                 log(f"hidden {hidden}, TTT {ttt}: speculators")
                 spec_result = guarded_run("speculators", partial(speculators_run, args, ts, head, ttt, root))
