@@ -381,11 +381,11 @@ def packed_block_masks(
     # What the mask reads, as tensors rather than Python ints (which a compiled kernel is specialised to: a
     # new drafted count would recompile it), int32 (the kernel reads them at every entry of a partial block)
     key_doc = doc.to(torch.int32)  # [B, T]
-    query_doc = key_doc if drafted is None else doc.gather(1, query).to(torch.int32)  # [B, M]
-    query32 = query.to(torch.int32)
+    query_doc = key_doc if drafted is None else doc.gather(1, drafted).to(torch.int32)  # [B, M]
+    drafted32 = None if drafted is None else drafted.to(torch.int32)
 
     def entry_of(bi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        return q if drafted is None else query32[bi, q]  # every entry drafted: a query is its entry
+        return q if drafted32 is None else drafted32[bi, q]  # every entry drafted: a query is its entry
 
     def allowed(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         # one function for every batch (the batch's samples are tensors it reads): no recompile per batch

@@ -250,8 +250,9 @@ def ttt_loss(
     teacher_logp = targets.logp()
     entries = []
     for k, logits in enumerate(draft_logits):
-        per_entry = entry_loss(targets.step(k).rows_of(teacher_logp), logits, loss)  # [B, N]
-        entries.append((per_entry, logits.argmax(-1)))
+        at = targets.step(k)
+        per_entry = entry_loss(at.rows_of(teacher_logp), logits, loss)  # [B, N]
+        entries.append((at, per_entry, logits.argmax(-1)))
     return _combine(entries, targets, step_weight, normalizer)
 
 
@@ -282,7 +283,7 @@ def lean_ttt_loss(
         spec = HeadSpec(targets, at, loss, chunk, grads)
         total, per_entry, top = HeadLoss.apply(state.to(compute_dtype), lm_head, weight, coef, spec)
         totals.append(total)
-        entries.append((per_entry, top))
+        entries.append((at, per_entry, top))
     _, stats = _combine(entries, targets, step_weight, normalizer)
     return torch.stack(totals).sum(), stats
 
@@ -301,19 +302,18 @@ def _entry_weights(
 
 
 def _combine(
-    entries: list[tuple[torch.Tensor, torch.Tensor]],
+    entries: list[tuple[StepEntries, torch.Tensor, torch.Tensor]],
     targets: TTTTargets,
     step_weight: float,
     normalizer: torch.Tensor | None,
 ) -> tuple[torch.Tensor, TTTStats]:
     """The weighted total (differentiable through the per-entry losses) and the per-step sums, from each
-    step's (entry loss [B, N], draft top id [B, N])."""
+    step's (entries, entry loss [B, N], draft top id [B, N])."""
     steps, device = len(entries), targets.teacher_logits.device
     total = torch.zeros((), device=device)
     sums = torch.zeros(4, steps, dtype=torch.float64, device=device)  # stays on device: no sync per step
     all_right: torch.Tensor | None = None
-    for k, (per_entry, top) in enumerate(entries):
-        at = targets.step(k)
+    for k, (at, per_entry, top) in enumerate(entries):
         total = total + (per_entry * _entry_weights(targets, k, at, step_weight, normalizer)).sum()
         right = top == at.rows_of(targets.teacher_top)
         all_right = right if all_right is None else all_right & right
