@@ -47,7 +47,7 @@ from bench._training import (
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import AttentionBackend
-from eagle3_core.draft.target_head import TargetHead, load_target_head
+from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.run_dir import read_metrics

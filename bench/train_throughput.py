@@ -44,7 +44,7 @@ from bench._training import (
     training_set,
 )
 from eagle3_core.config import TrainConfig
-from eagle3_core.draft.target_head import load_target_head
+from eagle3_core.targets.head import load_target_head
 from eagle3_core.train.data import SampleRef, TrainingData
 from eagle3_core.train.distributed import World, pick_device
 from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, train_step

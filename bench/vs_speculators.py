@@ -653,8 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
-    from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.evaluate.measure import DecodeSettings
+    from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.run_dir import load_trained
 
     check_speculators_version()

@@ -61,7 +61,7 @@ from bench._training import (
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Packing
-from eagle3_core.draft.target_head import TargetHead, load_target_head
+from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World
 from eagle3_core.train.loss import TTTStats, lean_ttt_loss, ttt_loss

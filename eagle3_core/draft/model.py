@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from eagle3_core.targets.head import rms_norm
+
 Positive = Annotated[int, Field(gt=0)]
 AttentionBackend = Literal["sdpa", "flex"]
 
@@ -74,13 +76,6 @@ class DrafterConfig(BaseModel):
     @property
     def dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # half precisions are normalised in float32; float32/64 stay as they are
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -258,8 +258,8 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
 
 def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
-    from eagle3_core.draft.target_head import load_target_head
     from eagle3_core.export import ExportTarget, export_sglang, export_speculators
+    from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.run_dir import load_trained
 
     layout = StoreLayout(cfg.store_root)

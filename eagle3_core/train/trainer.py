@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eagle3_core.config import DrafterVariant, TrainConfig
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
-from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.records import RunSummary
+from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
     Batch,

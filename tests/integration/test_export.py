@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from eagle3_core.draft.model import Eagle3Drafter, shift_left
-from eagle3_core.draft.target_head import TargetHead, load_target_head
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.export import ExportTarget, FormatName, export_sglang, export_speculators, load_export
+from eagle3_core.targets.head import TargetHead, load_target_head
 from tests.conftest import in_ci
 from tests.exports import drafter_config, hand_mapping, random_drafter
 from tests.helpers import FLAG_VARIANTS, save_tiny_llama

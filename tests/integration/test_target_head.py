@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from eagle3_core.draft.target_head import load_target_head
+from eagle3_core.targets.head import load_target_head
 from tests.helpers import save_tiny_llama
 
 

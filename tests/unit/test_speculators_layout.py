@@ -26,10 +26,10 @@ from bench._speculators import (
 from bench._training import shard_metadata
 from bench.vs_speculators import eagle3_overrides, eagle3_train_config, parse_args
 from eagle3_core.config import TargetConfig
-from eagle3_core.draft.target_head import load_target_head
 from eagle3_core.draft.vocab import build_vocab_mapping
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.shards import ShardReader, ShardWriter
+from eagle3_core.targets.head import load_target_head
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.data import TrainingData
 

@@ -15,7 +15,14 @@ import torch
 from safetensors import safe_open
 
 from eagle3_core.conventions import FinalStateConvention
-from eagle3_core.draft.model import rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, the target's final norm and the drafter's norms alike: half precisions are
+    normalised in float32, float32/64 stay as they are."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 @dataclass(frozen=True)
