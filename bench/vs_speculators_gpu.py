@@ -91,6 +91,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--skip-speculators", action="store_true")
     p.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="only compile: every trainer's warm-up at once (speculators in children beside eagle3), nothing "
+        "timed, so that a timed run after it, on the same machine with the same TORCHINDUCTOR_CACHE_DIR, "
+        "finds its kernels compiled",
+    )
+    p.add_argument(
         "--compile",
         type=lambda s: s.split(","),
         default=["auto"],
@@ -129,6 +136,8 @@ def parse_args() -> argparse.Namespace:
         args.hidden = [64] if args.tiny else [4096, 7168]
     if args.tiny:
         args.batch_tokens = min(args.batch_tokens, 640)
+    if args.warm_only:
+        args.keep_data = True  # the timed run after it reads the same shards
     args.workdir = args.workdir.resolve()
     return args
 
@@ -206,6 +215,8 @@ def eagle3_run(
         batches = load_batches(data, data.refs, plan, n, pin=device.type == "cuda")
         free_memory()
         s = build_setup(World(0, 1, device), plan.cfg, data, head, mapping, dcfg)
+        if args.warm_only:
+            return warm_up(s, batches[: args.warmup])
         result = time_training(s, batches, args.warmup)
         if device.type == "cuda":
             result["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated(device))
@@ -231,6 +242,16 @@ def eagle3_run(
         return result
     finally:
         data.close()
+
+
+def warm_up(s: Setup, batches: list[Batch]) -> dict[str, Any]:
+    """The warm-up steps alone (where everything compiles), timed only as a whole."""
+    started = time.perf_counter()
+    for batch in batches:
+        train_step(s, batch.to(s.world.device), s.cfg.lr)
+    if s.world.device.type == "cuda":
+        torch.cuda.synchronize(s.world.device)
+    return {"warm_s": round(time.perf_counter() - started, 1), "steps": len(batches)}
 
 
 def first_entries(batch: Batch, n: int) -> Batch:
@@ -334,9 +355,10 @@ def lean_vs_plain(s: Setup, batch: Batch) -> dict[str, Any]:
 
 
 # ---- speculators ---------------------------------------------------------------------------------------------
-def speculators_run(
+def speculators_settings(
     args: argparse.Namespace, ts: TrainingSet, head: TargetHead, ttt: int, root: Path
-) -> dict[str, Any]:
+) -> SpeculatorsSettings:
+    """speculators' flags for `ttt` steps on the training set, its offline layout written first (or reused)."""
     if head.final_norm is None:
         raise RuntimeError("the random target has no final norm")
     offline = write_offline_dataset(
@@ -350,7 +372,8 @@ def speculators_run(
     )
     d2t, t2d = write_vocab_files(ts.mapping(), root / "speculators-vocab")
     gpu = args.device == "cuda"
-    settings = SpeculatorsSettings(
+    steps = 1 if args.warm_only else args.warmup + args.steps
+    return SpeculatorsSettings(
         verifier=ts.target_dir,
         data=offline.root,
         d2t=d2t,
@@ -365,8 +388,18 @@ def speculators_run(
         loss_implementation=args.speculators_loss,
         num_workers=8 if gpu else 0,
         draft_attn_impl="simple_flex_attention" if gpu else "sdpa",
-        extra=("--max-steps", str(args.warmup + args.steps), "--log-freq", "1"),
+        extra=("--max-steps", str(steps), "--log-freq", "1"),
     )
+
+
+def speculators_run(
+    args: argparse.Namespace, ts: TrainingSet, head: TargetHead, ttt: int, root: Path
+) -> dict[str, Any]:
+    settings = speculators_settings(args, ts, head, ttt, root)
+    if args.warm_only:
+        started = time.perf_counter()
+        train_speculators(settings, root / f"speculators-run-ttt{ttt}", log)
+        return {"warm_s": round(time.perf_counter() - started, 1), "steps": 1}
     result = train_speculators(settings, root / f"speculators-run-ttt{ttt}", log)
     profiles = [r["profile"] for r in result["train_steps"] if r.get("profile")]
     timed = profiles[args.warmup :]
@@ -430,6 +463,10 @@ def run_width(
     root = ts.target_dir.parent
     rows: dict[str, Any] = {"data": {"tokens": ts.tokens, "samples": ts.samples, "spec": spec.__dict__}}
     try:
+        if args.warm_only:
+            rows.update(warm_width(args, ts, head, root))
+            save(rows)
+            return rows
         for ttt in args.ttt:
             runs = {}
             for mode in args.compile:
@@ -460,6 +497,30 @@ def run_width(
     finally:
         if not args.keep_data:
             shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def warm_width(args: argparse.Namespace, ts: TrainingSet, head: TargetHead, root: Path) -> dict[str, Any]:
+    """--warm-only: every TTT length's speculators warm-up at once (each a child process, waited on by a
+    thread), and eagle3's in this process meanwhile. Compiling is mostly host work, so on a 16-core host
+    they overlap; the speculators layout is written once before the children start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=len(args.ttt)) as pool:
+        pending = {}
+        if not args.skip_speculators:
+            speculators_settings(args, ts, head, args.ttt[0], root)  # the shared layout, before the children
+            for ttt in args.ttt:
+                run = partial(speculators_run, args, ts, head, ttt, root)
+                pending[ttt] = pool.submit(guarded, f"speculators warm-up, TTT {ttt}", run, log)
+        for ttt in args.ttt:
+            log(f"warming eagle3 up, TTT {ttt}")
+            rows[f"ttt{ttt}"] = {"eagle3": guarded_run("eagle3", partial(eagle3_run, args, ts, head, ttt))}
+            log(f"  eagle3 warm-up: {rows[f'ttt{ttt}']['eagle3']}")
+        for ttt, future in pending.items():
+            rows[f"ttt{ttt}"]["speculators"] = future.result()
+            log(f"  speculators warm-up, TTT {ttt}: {rows[f'ttt{ttt}']['speculators']}")
     return rows
 
 

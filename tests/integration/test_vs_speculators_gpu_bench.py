@@ -1,5 +1,6 @@
-"""bench/vs_speculators_gpu.py at its tiny size on the CPU: both trainers on the same shards, the numbers the
-GPU run reports, and the lean loss against the plain one on a real batch."""
+"""bench/vs_speculators_gpu.py at its tiny size on the CPU: a warm-up run (both trainers compiling at once), then
+the timed run on the shards it left: both trainers on the same shards, the numbers the GPU run reports, and the
+lean loss against the plain one on a real batch."""
 
 import json
 import subprocess
@@ -10,13 +11,23 @@ from tests.conftest import REPO
 
 
 def test_the_gpu_bench_runs_both_trainers_on_the_same_shards_and_reports_the_ratios(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    command = [
+    out, warm = tmp_path / "result.json", tmp_path / "warm.json"
+    common = [
         sys.executable, "-m", "bench.vs_speculators_gpu", "--device", "cpu", "--tiny", "--ttt", "3",
-        "--steps", "3", "--check-lean", "--workdir", str(tmp_path / "work"), "--results", str(out),
+        "--steps", "3", "--workdir", str(tmp_path / "work"),
     ]  # fmt: skip
+    done = subprocess.run(
+        [*common, "--warm-only", "--results", str(warm)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    warmed = json.loads(warm.read_text())["widths"]["64"]["ttt3"]
+    assert warmed["eagle3"]["steps"] == 3 and warmed["speculators"]["steps"] == 1  # the warm-up steps only
+    assert "tokens_per_s" not in warmed["eagle3"] and "error" not in warmed["speculators"]
+
+    command = [*common, "--check-lean", "--results", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reusing training set" in done.stdout  # the shards the warm-up left, not new ones
     row = json.loads(out.read_text())["widths"]["64"]["ttt3"]
     eagle3, speculators = row["eagle3"], row["speculators"]
     assert eagle3["steps"] == 3 and eagle3["tokens_per_s"] > 0 and eagle3["flops_per_token"] > 0
