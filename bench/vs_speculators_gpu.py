@@ -282,76 +282,70 @@ def profile_steps(s: Setup, batches: list[Batch]) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
 
 
+def loss_and_grads(s: Setup, loss_of: Callable[[], tuple[torch.Tensor, TTTStats]]) -> dict[str, Any]:
+    """One backward of loss_of(): the loss, its statistics and every parameter's gradient (float32 copies)."""
+    s.drafter.zero_grad(set_to_none=True)
+    loss, stats = loss_of()
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in s.drafter.named_parameters() if p.grad is not None}
+    s.drafter.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "stats": stats, "grads": grads}
+
+
+def compared(names: tuple[str, str], want: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Two `loss_and_grads` results side by side: losses, top-1 agreement, gradients' relative differences."""
+    rel = {
+        n: float((got["grads"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in want["grads"].items()
+    }
+    reference, other = names
+    return {
+        f"loss_{reference}": want["loss"],
+        f"loss_{other}": got["loss"],
+        "loss_rel_diff": abs(got["loss"] - want["loss"]) / abs(want["loss"]),
+        f"acc_{reference}": want["stats"].acc,
+        f"acc_{other}": got["stats"].acc,
+        "grad_rel_diff_max": max(rel.values()),
+        "grad_rel_diff": rel,
+    }
+
+
 def flex_vs_sdpa(s: Setup, batch: Batch) -> dict[str, Any]:
     """One batch's loss and gradients with flex attention (compiled: the prefix by flex, the chain merged
     through its log-sum-exp) and with SDPA (dense masks), in float32 without autocast, so that what differs
     is the attention path and not bf16 rounding."""
     batch = batch.to(s.world.device)
     targets = teacher_targets(s, batch)
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    losses: dict[str, float] = {}
-    for attention in ("sdpa", "flex"):
-        s.drafter.zero_grad(set_to_none=True)
+
+    def loss_with(attention: str) -> tuple[torch.Tensor, TTTStats]:
         states = s.drafter(
             batch.aux.float(), batch.input_ids, s.cfg.ttt_steps, attention, "states", batch.packing
         )
-        loss, _ = lean_ttt_loss(states, s.drafter.lm_head.weight, targets, s.cfg.step_weight)
-        loss.backward()
-        losses[attention] = float(loss.detach())
-        grads[attention] = {
-            n: p.grad.float().clone() for n, p in s.drafter.named_parameters() if p.grad is not None
-        }
-        del states, loss
-    rel = {
-        n: float((grads["flex"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads["sdpa"].items()
-    }
-    s.drafter.zero_grad(set_to_none=True)
-    return {
-        "loss_sdpa": losses["sdpa"],
-        "loss_flex": losses["flex"],
-        "loss_rel_diff": abs(losses["flex"] - losses["sdpa"]) / abs(losses["sdpa"]),
-        "grad_rel_diff_max": max(rel.values()),
-        "grad_rel_diff": rel,
-    }
+        return lean_ttt_loss(states, s.drafter.lm_head.weight, targets, s.cfg.step_weight)
+
+    sdpa = loss_and_grads(s, partial(loss_with, "sdpa"))
+    return compared(("sdpa", "flex"), sdpa, loss_and_grads(s, partial(loss_with, "flex")))
 
 
 def lean_vs_plain(s: Setup, batch: Batch) -> dict[str, Any]:
     """One batch's loss, statistics and gradients by the lean loss and by the plain one (whole logits)."""
     batch = batch.to(s.world.device)
     targets = teacher_targets(s, batch)
-    aux = batch.aux
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    losses: dict[str, float] = {}
-    stats: dict[str, TTTStats] = {}
-    for name in ("plain", "lean"):
-        s.drafter.zero_grad(set_to_none=True)
+
+    def states() -> list[torch.Tensor]:
         with s.autocast():
-            states = s.drafter(aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states", batch.packing)
-            if name == "plain":
-                loss, st = ttt_loss([s.drafter.lm_head(x) for x in states], targets, s.cfg.step_weight)
-        if name == "lean":
-            loss, st = lean_ttt_loss(
-                states, s.drafter.lm_head.weight, targets, s.cfg.step_weight, None, "kl", torch.bfloat16
+            return s.drafter(
+                batch.aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states", batch.packing
             )
-        loss.backward()
-        losses[name], stats[name] = float(loss.detach()), st
-        grads[name] = {
-            n: p.grad.float().clone() for n, p in s.drafter.named_parameters() if p.grad is not None
-        }
-        del states, loss
-    rel = {
-        n: float((grads["lean"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in grads["plain"].items()
-    }
-    s.drafter.zero_grad(set_to_none=True)
-    return {
-        "loss_plain": losses["plain"],
-        "loss_lean": losses["lean"],
-        "loss_rel_diff": abs(losses["lean"] - losses["plain"]) / abs(losses["plain"]),
-        "acc_plain": stats["plain"].acc,
-        "acc_lean": stats["lean"].acc,
-        "grad_rel_diff_max": max(rel.values()),
-        "grad_rel_diff": rel,
-    }
+
+    def plain() -> tuple[torch.Tensor, TTTStats]:
+        with s.autocast():
+            return ttt_loss([s.drafter.lm_head(x) for x in states()], targets, s.cfg.step_weight)
+
+    def lean() -> tuple[torch.Tensor, TTTStats]:
+        weight = s.drafter.lm_head.weight
+        return lean_ttt_loss(states(), weight, targets, s.cfg.step_weight, None, "kl", torch.bfloat16)
+
+    return compared(("plain", "lean"), loss_and_grads(s, plain), loss_and_grads(s, lean))
 
 
 # ---- speculators ---------------------------------------------------------------------------------------------
