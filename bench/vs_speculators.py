@@ -364,8 +364,8 @@ def vocab_mapping(data: BenchData, k: int, log: Log) -> Any:
     from eagle3_core.store.shards import ShardReader
 
     with ShardReader(data.shard_paths[0]) as reader:
-        fingerprint = reader.metadata["tokenizer_fingerprint"]
-        vocab = int(reader.metadata["target"]["vocab_size"])
+        fingerprint = reader.meta.tokenizer_fingerprint
+        vocab = reader.meta.target_vocab_size(reader.path)
     directory = data.root / f"vocab_mapping-{k}"
     expected = mapping_fingerprint(data.shard_paths, vocab, k, tokenizer_fingerprint=fingerprint)
     if (directory / "vocab_mapping.json").exists():

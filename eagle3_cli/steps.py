@@ -236,14 +236,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def _repair_manifest(cfg: Eagle3Config, shard: Path) -> None:
     """Rewrite a shard's manifest from its header, holding the shard's writer lock: an extraction of the
     shard at work is left alone (StoreBusyError), its temporary files untouched."""
-    from eagle3_core.store.atomic import atomic_write_json
     from eagle3_core.store.locks import writer_lock
     from eagle3_core.store.shards import manifest_from_header
 
     key = shard.stem
     layout = StoreLayout(cfg.store_root)
     with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
-        atomic_write_json(layout.hidden_states_manifest(key), manifest_from_header(shard))
+        manifest_from_header(shard).write(layout.hidden_states_manifest(key))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

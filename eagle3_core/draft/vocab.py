@@ -29,7 +29,7 @@ from safetensors.torch import load, save
 from eagle3_core.errors import StaleVocabMappingError
 from eagle3_core.store.atomic import atomic_open, atomic_write_json
 from eagle3_core.store.layout import VOCAB_INFO_FILE
-from eagle3_core.store.shards import ShardReader, decode_metadata, read_header
+from eagle3_core.store.shards import ShardReader, read_shard_header
 
 SCHEMA = "eagle3.vocab_mapping/1"
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
@@ -82,10 +82,8 @@ def _shard_infos(shard_paths: Sequence[Path]) -> list[_ShardInfo]:
         raise ValueError("no shards given: a vocab mapping needs at least one hidden-state shard")
     infos = []
     for path in shard_paths:
-        meta = decode_metadata(read_header(Path(path))[0])
-        infos.append(
-            _ShardInfo(Path(path), Path(path).stem, meta["checksum"], meta.get("tokenizer_fingerprint"))
-        )
+        meta = read_shard_header(Path(path))
+        infos.append(_ShardInfo(Path(path), Path(path).stem, meta.checksum, meta.tokenizer_fingerprint))
     keys = [i.key for i in infos]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:

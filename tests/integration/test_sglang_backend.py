@@ -201,8 +201,8 @@ def test_extraction_stores_the_good_samples_and_counts_the_bad_with_their_reason
     assert "HTTP 500 for this sample, alone too" in failed[ids[7]]
     with ShardReader(result.path) as shard:
         assert sorted(shard.sample_ids) == sorted(set(ids) - set(bad))  # the bad ones never reach a reader
-        assert shard.metadata["aux_layer_ids"] == list(AUX)
-        assert shard.metadata["final_state_convention"] == "post_norm"
+        assert shard.meta.aux_layer_ids == list(AUX)
+        assert shard.meta.final_state_convention == "post_norm"
         for i in range(len(shard)):
             s = shard.sample(i)
             sent = tokens[s.sample_id]
@@ -239,8 +239,8 @@ def test_a_short_response_is_never_stored(
     with ShardReader(result.path) as shard:
         assert short not in shard.sample_ids and len(shard) == 3
         # its place in the file holds zeros, not the rows SGLang sent
-        j = shard.metadata["sample_ids"].index(short)
-        first = sum(shard.metadata["lengths"][:j])
+        j = shard.meta.sample_ids.index(short)
+        first = sum(shard.meta.lengths[:j])
         input_ids, loss_mask = shard.all_tokens()
         assert not input_ids[first : first + n].any() and not loss_mask[first : first + n].any()
 
