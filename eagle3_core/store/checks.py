@@ -12,17 +12,16 @@ Each returns a `CheckVerdict`: whether it passed, a sentence saying why, and the
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from eagle3_core.errors import RecordError
 from eagle3_core.store.atomic import TEMP_MARK, read_jsonl
 from eagle3_core.store.layout import VOCAB_INFO_FILE, StoreLayout
-from eagle3_core.store.records import ConversationManifest, Record, ShardManifest
+from eagle3_core.store.records import ConversationManifest, Record, ShardManifest, VocabInfo
 from eagle3_core.store.stats import verify_shard
 
 Figure = int | float | str
@@ -34,14 +33,6 @@ class CheckVerdict:
     passed: bool
     reason: str
     figures: dict[str, Figure] = field(default_factory=dict)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _read_record(record: type[R], path: Path) -> R | None:
@@ -174,19 +165,19 @@ def reject_rate(root: Path, key: str, max_rate: float, ignored: Collection[str] 
 def vocab_coverage(root: Path, min_coverage: float) -> CheckVerdict:
     """The share of counted loss tokens whose id is in the draft vocabulary, at least `min_coverage`."""
     path = StoreLayout(root).vocab_mapping / VOCAB_INFO_FILE
-    info = _read_json(path)
+    info = _read_record(VocabInfo, path)
     if info is None:
         return CheckVerdict(False, f"no vocab mapping at {path} (materialize vocab_mapping)")
-    coverage = float(info["coverage"])
+    coverage = info.coverage
     figures: dict[str, Figure] = {
         "coverage": round(coverage, 6),
         "min_coverage": min_coverage,
-        "draft_vocab_size": int(info["draft_vocab_size"]),
-        "target_vocab_size": int(info["target_vocab_size"]),
-        "counted_tokens": int(info["counted_tokens"]),
-        "distinct_tokens": int(info["distinct_tokens"]),
-        "padded": int(info["padded"]),
-        "shards": len(info["shard_set"]),
+        "draft_vocab_size": info.draft_vocab_size,
+        "target_vocab_size": info.target_vocab_size,
+        "counted_tokens": info.counted_tokens,
+        "distinct_tokens": info.distinct_tokens,
+        "padded": info.padded,
+        "shards": len(info.shard_set),
     }
     k = figures["draft_vocab_size"]
     if coverage >= min_coverage:

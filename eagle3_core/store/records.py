@@ -356,3 +356,25 @@ class RegeneratedManifest(OptionalFields):
         for name, value in super().dump().items():
             out |= value if name == "counts" else {name: value}
         return out
+
+
+# ---- the draft vocabulary --------------------------------------------------------------------------------
+class VocabInfo(Record):
+    """vocab_mapping/vocab_mapping.json: everything of a draft vocabulary but its tensors (the mapping's
+    safetensors metadata carries the same record as text; `draft.vocab.load_vocab_mapping` checks the two
+    agree)."""
+
+    vocab_schema: str = Field(alias="schema")
+    fingerprint: str
+    tokenizer_fingerprint: str
+    target_vocab_size: int
+    draft_vocab_size: int
+    coverage: float  # share of the counted loss-masked tokens whose id is in the draft vocab
+    counted_tokens: int
+    distinct_tokens: int
+    padded: int  # ids selected beyond the observed ones (zero frequency), when K > distinct_tokens
+    shard_set: list[tuple[str, str]]  # (shard key, whole-shard checksum), sorted
+
+    def dump(self) -> dict[str, Any]:
+        # shard_set pairs as lists, as JSON reads them back: the safetensors copy compares equal as text too
+        return {**self.model_dump(by_alias=True), "shard_set": [list(pair) for pair in self.shard_set]}

@@ -28,6 +28,7 @@ from eagle3_core.store.records import (
     ShardFacts,
     ShardManifest,
     TargetFacts,
+    VocabInfo,
 )
 from eagle3_core.store.shards import ShardReader, ShardWriter, decode_metadata, read_header
 from eagle3_core.store.stats import store_stats
@@ -254,3 +255,25 @@ def test_a_shard_header_that_does_not_fit_its_record_names_the_shard_and_the_fie
     with pytest.raises(ShardCorruptError) as err:
         decode_metadata(header, path)
     assert str(err.value) == f"{path}: num_aux: Input should be a valid integer"
+
+
+def test_a_vocab_info_writes_the_dicts_bytes(tmp_path: Path) -> None:
+    """vocab_mapping.json as `VocabMapping.info()` returned it as a dict, key for key."""
+    info = {
+        "schema": "eagle3.vocab_mapping/1",
+        "fingerprint": "f" * 64,
+        "tokenizer_fingerprint": "b" * 64,
+        "target_vocab_size": 500,
+        "draft_vocab_size": 32,
+        "coverage": 0.96875,
+        "counted_tokens": 64,
+        "distinct_tokens": 30,
+        "padded": 2,
+        "shard_set": [["d-00000", "a" * 64], ["d-00001", "c" * 64]],
+    }
+    atomic_write_json(tmp_path / "dict.json", info)
+    record = VocabInfo.model_validate(info)
+    record.write(tmp_path / "record.json")
+    assert (tmp_path / "record.json").read_bytes() == (tmp_path / "dict.json").read_bytes()
+    assert json.dumps(record.dump()) == json.dumps(info)  # the copy in the safetensors metadata
+    assert VocabInfo.read(tmp_path / "record.json") == record and record.shard_set[1] == ("d-00001", "c" * 64)
