@@ -82,13 +82,6 @@ def _store(tmp_path: Path, extracted: dict[str, int], ingested: dict[str, int]) 
     return cfg
 
 
-@pytest.fixture
-def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
-        yield instance
-
-
 def _dead_runner() -> str:
     """A runner tag of this host whose process has exited."""
     proc = subprocess.Popen(["true"])
