@@ -17,7 +17,6 @@ whole shard and rewrites, identically, any shard files the crashed run left that
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +28,10 @@ from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
 from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
-from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
+from eagle3_core.store.atomic import read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 from eagle3_core.store.locks import exclusive_lock
-from eagle3_core.store.records import ConversationManifest
+from eagle3_core.store.records import ConversationManifest, LedgerRecord, LedgerSource
 
 LEDGER_VERSION = 1
 MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
@@ -56,12 +55,12 @@ class Ledger:
     def load(cls, path: Path, dataset: str, shard_size: int) -> Ledger:
         if not path.exists():
             return cls(dataset, shard_size)
-        raw = json.loads(path.read_text())
+        raw = LedgerRecord.read(path)
         ledger = cls(
-            raw["dataset"],
-            raw["shard_size"],
-            raw["next_index"],
-            {name: SourceEntry(**entry) for name, entry in raw["sources"].items()},
+            raw.dataset,
+            raw.shard_size,
+            raw.next_index,
+            {name: SourceEntry(e.rows, e.digest, list(e.shards)) for name, e in raw.sources.items()},
         )
         if ledger.dataset != dataset:
             raise ConfigError(
@@ -72,16 +71,16 @@ class Ledger:
         return ledger
 
     def save(self, path: Path) -> None:
-        atomic_write_json(
-            path,
-            {
-                "version": LEDGER_VERSION,
-                "dataset": self.dataset,
-                "shard_size": self.shard_size,
-                "next_index": self.next_index,
-                "sources": {n: vars(e) for n, e in self.sources.items()},
+        LedgerRecord(
+            version=LEDGER_VERSION,
+            dataset=self.dataset,
+            shard_size=self.shard_size,
+            next_index=self.next_index,
+            sources={
+                n: LedgerSource(rows=e.rows, digest=e.digest, shards=e.shards)
+                for n, e in self.sources.items()
             },
-        )
+        ).write(path)
 
     @property
     def shard_keys(self) -> list[str]:

@@ -378,3 +378,22 @@ class VocabInfo(Record):
     def dump(self) -> dict[str, Any]:
         # shard_set pairs as lists, as JSON reads them back: the safetensors copy compares equal as text too
         return {**self.model_dump(by_alias=True), "shard_set": [list(pair) for pair in self.shard_set]}
+
+
+# ---- the ingest ledger -------------------------------------------------------------------------------------
+class LedgerSource(Record):
+    """What ingest consumed of one source: its first `rows` rows (their digest), sharded into `shards`."""
+
+    rows: int
+    digest: str  # sha256 over the consumed rows, each its length and bytes
+    shards: list[str]
+
+
+class LedgerRecord(Record):
+    """store/ledger.json: the dataset's shards so far and, per source, what ingest consumed of it."""
+
+    version: int
+    dataset: str
+    shard_size: int
+    next_index: int
+    sources: dict[str, LedgerSource]

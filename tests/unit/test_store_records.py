@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from eagle3_core.config import load_config
-from eagle3_core.data.ingest import ingest
+from eagle3_core.data.ingest import Ledger, SourceEntry, ingest
 from eagle3_core.errors import RecordError, ShardCorruptError
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
@@ -277,3 +277,24 @@ def test_a_vocab_info_writes_the_dicts_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "record.json").read_bytes() == (tmp_path / "dict.json").read_bytes()
     assert json.dumps(record.dump()) == json.dumps(info)  # the copy in the safetensors metadata
     assert VocabInfo.read(tmp_path / "record.json") == record and record.shard_set[1] == ("d-00001", "c" * 64)
+
+
+def test_the_ledger_writes_the_dicts_bytes_and_reads_back(tmp_path: Path) -> None:
+    """ledger.json as `Ledger.save` wrote it as a dict, key for key."""
+    ledger = Ledger("t", 256, 2, {"rows.jsonl": SourceEntry(11, "d" * 64, ["t-00000", "t-00001"])})
+    atomic_write_json(
+        tmp_path / "dict.json",
+        {
+            "version": 1,
+            "dataset": "t",
+            "shard_size": 256,
+            "next_index": 2,
+            "sources": {"rows.jsonl": {"rows": 11, "digest": "d" * 64, "shards": ["t-00000", "t-00001"]}},
+        },
+    )
+    ledger.save(tmp_path / "ledger.json")
+    assert (tmp_path / "ledger.json").read_bytes() == (tmp_path / "dict.json").read_bytes()
+    assert Ledger.load(tmp_path / "ledger.json", "t", 128) == Ledger("t", 128, 2, ledger.sources)
+    (tmp_path / "ledger.json").write_text('{"version": 1, "dataset": "t"}')
+    with pytest.raises(RecordError, match=r"ledger.json: shard_size: Field required \(and 2 more\)"):
+        Ledger.load(tmp_path / "ledger.json", "t", 128)
