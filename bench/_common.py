@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_core.steps.data import WriteBehind
+from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.targets.base import HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
@@ -87,13 +87,13 @@ def extract_to_shard(
     out: Path,
     held: list[list[HiddenStates | SampleFailure]] | None = None,
     threads: int = 4,
-    metadata: dict[str, Any] | None = None,
+    facts: ShardFacts | None = None,
     first_id: int = 0,
     prompt_share: float = 0.0,
 ) -> float:
     """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
 
-    `metadata` goes into the shard header (the trainer needs `steps.data.extract_step`'s facts there); sample
+    `facts` go into the shard header (the trainer needs `steps.data.extract_step`'s facts there); sample
     ids count up from `first_id`, so that several shards of one training set hold distinct ids. Each
     sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts.
     """
@@ -105,7 +105,7 @@ def extract_to_shard(
         sample_ids=[f"{first_id + i:064x}" for i in range(len(seqs))],
         lengths=[len(s) for s in seqs],
         hidden_size=target.info.hidden_size,
-        metadata=metadata or {},
+        facts=facts,
     ) as writer:
         start = 0
         with WriteBehind(writer, threads=threads) as behind:

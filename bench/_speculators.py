@@ -145,7 +145,7 @@ def ordered_refs(data: TrainingData, val_fraction: float, max_val: int) -> tuple
 
 def dataset_key(data: TrainingData, val_fraction: float, max_val: int, states_dtype: str) -> str:
     identity = {
-        "shards": [r.metadata["checksum"] for r in data.readers],
+        "shards": [r.meta.checksum for r in data.readers],
         "val_fraction": val_fraction,
         "max_val": max_val,
         "states_dtype": states_dtype,
@@ -179,9 +179,9 @@ def write_offline_dataset(
                 log(f"reusing speculators dataset {out}")
                 return _from_info(info, out)
             log(f"{out} holds another dataset ({info.get('key')}, not {key}); rewriting it")
-        if data.facts["final_state_convention"] != "post_norm":
+        if data.facts.final_state_convention != "post_norm":
             raise Eagle3Error(
-                f"shards record final_state_convention {data.facts['final_state_convention']!r}; "
+                f"shards record final_state_convention {data.facts.final_state_convention!r}; "
                 "this conversion turns post_norm states into pre_norm ones"
             )
         refs, n_train = ordered_refs(data, val_fraction, max_val)
@@ -213,7 +213,7 @@ def _write(
 
     states_dir = root / HIDDEN_STATES_DIR
     states_dir.mkdir(parents=True)
-    hidden = int(data.facts["hidden_size"])
+    hidden = data.facts.hidden_size
     rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter[int] = Counter()
     started = time.perf_counter()
@@ -237,7 +237,7 @@ def _write(
     # speculators' own file: a dict {token id: count} of Python ints (no other objects), loaded weights_only
     torch.save(dict(sorted(freq.items())), root / TOKEN_FREQ_FILE)
     lengths = rows["seq_len"]
-    ids_ = data.facts["aux_layer_ids"]
+    ids_ = data.facts.trained_from().aux_layer_ids
     result = OfflineDataset(
         root=root,
         samples=len(refs),

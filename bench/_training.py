@@ -26,6 +26,7 @@ from eagle3_core.config import TargetConfig, TrainConfig
 from eagle3_core.conventions import AUX_LAYER_CONVENTION
 from eagle3_core.draft.vocab import VocabMapping, build_vocab_mapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.steps.data import length_batches
+from eagle3_core.store.records import ShardFacts
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.data import Batch, Prefetcher, Rows, SampleRef, TrainingData
 from eagle3_core.train.schedule import packs, resolve_batching, row_width, schedule
@@ -71,16 +72,16 @@ def intermediate_for(hidden: int) -> int:
     return max(64, round(hidden * 2.75 / 64) * 64)
 
 
-def shard_metadata(target: TransformersTarget) -> dict[str, Any]:
+def shard_metadata(target: TransformersTarget) -> ShardFacts:
     """The header facts the trainer checks, as `steps.data.extract_step` records them."""
     info = target.info
-    return {
-        "target": info.as_metadata(),
-        "tokenizer_fingerprint": target.tokenizer_fingerprint,
-        "aux_layer_ids": list(info.aux_layer_ids),
-        "aux_layer_convention": AUX_LAYER_CONVENTION,
-        "final_state_convention": info.final_state_convention,
-    }
+    return ShardFacts(
+        target=info.facts(),
+        tokenizer_fingerprint=target.tokenizer_fingerprint,
+        aux_layer_ids=list(info.aux_layer_ids),
+        aux_layer_convention=AUX_LAYER_CONVENTION,
+        final_state_convention=info.final_state_convention,
+    )
 
 
 def _extract_shards(
@@ -97,7 +98,7 @@ def _extract_shards(
             target,
             batches,
             path,
-            metadata=shard_metadata(target),
+            facts=shard_metadata(target),
             first_id=n * spec.samples_per_shard,
             prompt_share=spec.prompt_share,
         )

@@ -29,20 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.vs_speculators import (
-    DEFAULT_WORKDIR,
-    RESULTS,
-    TOY_CACHE,
-    DataSpec,
-    bf16_rounded,
-    build_data,
-    device_label,
-    evaluation_inputs,
-    measure_drafter,
-    resolve_device,
-    run_eagle3,
-    vocab_mapping,
-)
+from bench import vs_speculators
 from eagle3_core.config import TrainConfig
 
 # name -> overrides of the baseline; "baseline" is TrainConfig's defaults (what a user gets)
@@ -72,8 +59,13 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.ablations", description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    p.add_argument("--toy-cache", type=Path, default=TOY_CACHE, help="where the toy target is built or found")
+    p.add_argument("--workdir", type=Path, default=vs_speculators.DEFAULT_WORKDIR)
+    p.add_argument(
+        "--toy-cache",
+        type=Path,
+        default=vs_speculators.TOY_CACHE,
+        help="where the toy target is built or found",
+    )
     p.add_argument("--train-conversations", type=int, default=1000)
     p.add_argument("--heldout-prompts", type=int, default=100)
     p.add_argument("--per-conversation", type=int, default=2)
@@ -129,12 +121,12 @@ def one(job: tuple[str, dict[str, Any], argparse.Namespace, str]) -> dict[str, A
 
     name, overrides, args, device = job
     torch.set_num_threads(args.threads)
-    spec = DataSpec(
+    spec = vs_speculators.DataSpec(
         args.train_conversations, args.holdout_fraction, args.shard_size, args.chitchat_rows, args.max_len,
         "xs", device,
     )  # fmt: skip
-    data = build_data(spec, args.workdir, args.toy_cache, lambda _: None)
-    mapping = vocab_mapping(data, args.draft_vocab, lambda _: None)
+    data = vs_speculators.build_data(spec, args.workdir, args.toy_cache, lambda _: None)
+    mapping = vs_speculators.vocab_mapping(data, args.draft_vocab, lambda _: None)
     cfg = TrainConfig.model_validate(
         {
             **overrides,
@@ -147,13 +139,15 @@ def one(job: tuple[str, dict[str, Any], argparse.Namespace, str]) -> dict[str, A
         }
     )
     started = time.perf_counter()
-    result, _ = run_eagle3(cfg, data, mapping, args.workdir / "ablations" / name, lambda _: None)
+    result, _ = vs_speculators.run_eagle3(
+        cfg, data, mapping, args.workdir / "ablations" / name, lambda _: None
+    )
     train_s = time.perf_counter() - started
-    target, embed, ids = evaluation_inputs(data, args, lambda _: None)
+    target, embed, ids = vs_speculators.evaluation_inputs(data, args, lambda _: None)
     drafter, drafter_mapping, _ = load_trained(result.final_dir, embed)
     decode = DecodeSettings(args.ks, args.max_new_tokens, args.temperature, 0)
-    measured = measure_drafter(
-        target, bf16_rounded(drafter), drafter_mapping.d2t, ids, decode, name, lambda _: None
+    measured = vs_speculators.measure_drafter(
+        target, vs_speculators.bf16_rounded(drafter), drafter_mapping.d2t, ids, decode, name, lambda _: None
     )
     return {
         "name": name,
@@ -198,15 +192,16 @@ def summarise(results: list[dict[str, Any]], ks: Sequence[int], reference: str) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = vs_speculators.resolve_device(args.device)
     args.workdir = args.workdir.resolve()
     table = chosen(args)
-    spec = DataSpec(
+    spec = vs_speculators.DataSpec(
         args.train_conversations, args.holdout_fraction, args.shard_size, args.chitchat_rows, args.max_len,
         "xs", device,
     )  # fmt: skip
-    data = build_data(spec, args.workdir, args.toy_cache, print)  # once, before the workers read it
-    vocab_mapping(data, args.draft_vocab, print)
+    # once, before the workers read it
+    data = vs_speculators.build_data(spec, args.workdir, args.toy_cache, print)
+    vs_speculators.vocab_mapping(data, args.draft_vocab, print)
     jobs = [(name, overrides, args, device) for name, overrides in table.items()]
     started = time.perf_counter()
     # spawn: the parent has used CUDA (extraction), which a forked child cannot re-initialise
@@ -221,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for k in args.ks
         )
         print(f"{row['name']:>20}  steps {row['steps']:>5}  train {row['train_s']:>7.1f}s  {cells}")
-    out = args.results or RESULTS / f"ablations_{device_label(device)}.json"
+    out = args.results or vs_speculators.RESULTS / f"ablations_{vs_speculators.device_label(device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "device": device_label(device),
+        "device": vs_speculators.device_label(device),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "seconds": round(time.perf_counter() - started, 1),
         "reference": args.reference,

@@ -28,7 +28,7 @@ model_dir, out, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 target = TransformersTarget(model_dir, TargetConfig(aux_layer_ids=(1, 2, 3)))
 seqs = random_sequences(32, 200, 800, 1000) * (n // 32)  # the large shard is exactly 4x the small
 with ShardWriter(out, sample_ids=[f"{i:064x}" for i in range(n)], lengths=[len(s) for s in seqs],
-                 hidden_size=target.info.hidden_size, metadata={}) as w:
+                 hidden_size=target.info.hidden_size) as w:
     for b in length_batches([len(s) for s in seqs], 4096, 16):
         for i, st in zip(b, target.hidden_states([seqs[i] for i in b], torch.bfloat16)):
             ids = torch.tensor(seqs[i], dtype=torch.int32)

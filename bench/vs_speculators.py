@@ -364,8 +364,8 @@ def vocab_mapping(data: BenchData, k: int, log: Log) -> Any:
     from eagle3_core.store.shards import ShardReader
 
     with ShardReader(data.shard_paths[0]) as reader:
-        fingerprint = reader.metadata["tokenizer_fingerprint"]
-        vocab = int(reader.metadata["target"]["vocab_size"])
+        fingerprint = reader.meta.tokenizer_fingerprint
+        vocab = reader.meta.target_vocab_size(reader.path)
     directory = data.root / f"vocab_mapping-{k}"
     expected = mapping_fingerprint(data.shard_paths, vocab, k, tokenizer_fingerprint=fingerprint)
     if (directory / "vocab_mapping.json").exists():
@@ -377,14 +377,13 @@ def vocab_mapping(data: BenchData, k: int, log: Log) -> Any:
 
 
 def toy_report(target_dir: Path) -> dict[str, Any]:
-    from eagle3_core.toy.build import REPORT_FILE
+    from eagle3_core.toy.build import REPORT_FILE, ToyTargetReport
 
-    path = target_dir / REPORT_FILE
-    if not path.exists():
+    if not (target_dir / REPORT_FILE).exists():
         raise Eagle3Error(f"{target_dir}: no {REPORT_FILE}; is it a toy target built by eagle3_core.toy?")
-    report: dict[str, Any] = json.loads(path.read_text())
+    report = ToyTargetReport.of_target(target_dir)
     return {
-        k: report[k]
+        k: getattr(report, k)
         for k in (
             "size",
             "params",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -86,16 +85,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from eagle3_core.steps.evaluation import read_report
     from eagle3_core.store.layout import StoreLayout
     from eagle3_core.targets.resolve import target_dir
+    from eagle3_core.toy.build import REPORT_FILE, ToyTargetReport
     from eagle3_dagster.materialize import materialize_drafter, materialize_shards
 
     console.rule("1. toy target")
     target = target_dir(cfg, log=progress_log)
-    report_path = target / "toy_target.json"
-    if report_path.exists():
-        toy = json.loads(report_path.read_text())
+    if (target / REPORT_FILE).exists():
+        toy = ToyTargetReport.of_target(target)
         console.print(
-            f"toy target {toy['size']}: {toy['params']:,} parameters, held-out loss {toy['heldout_loss']:.3f} "
-            f"over {toy['heldout_tokens']:,} tokens, built in {toy['build_seconds']:.0f} s -> {target}"
+            f"toy target {toy.size}: {toy.params:,} parameters, held-out loss {toy.heldout_loss:.3f} "
+            f"over {toy.heldout_tokens:,} tokens, built in {toy.build_seconds:.0f} s -> {target}"
         )
     else:
         console.print(f"target: {target}")

@@ -29,6 +29,7 @@ from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
+from eagle3_core.store.records import ConversationManifest
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -160,7 +161,7 @@ def shard_statuses(cfg: Eagle3Config, instance: dg.DagsterInstance) -> list[Shar
                 setattr(row, column, figures[key][column])
         manifest = layout.conversations_manifest(key)
         if manifest.exists():
-            row.rejected = sum(json.loads(manifest.read_text())["rejected"].values())
+            row.rejected = sum(ConversationManifest.read(manifest).rejected.values())
         rows.append(row)
     return rows
 

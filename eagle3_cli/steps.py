@@ -85,7 +85,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_toy_target(args: argparse.Namespace) -> int:
-    from eagle3_core.toy.build import build_toy_target, ensure_toy_target
+    from eagle3_core.toy.build import ToyTargetReport, build_toy_target, ensure_toy_target
 
     if args.out:
         report = build_toy_target(Path(args.out), args.size, args.seed, log=progress_log)
@@ -93,8 +93,8 @@ def cmd_toy_target(args: argparse.Namespace) -> int:
         return 0
     cfg = _config(args) if Path(args.config).exists() else Eagle3Config()
     path = ensure_toy_target(cfg.cache_root, args.size, args.seed, log=progress_log)
-    info = json.loads((path / "toy_target.json").read_text())
-    console.print(f"toy target {args.size}: {path} (held-out loss {info['heldout_loss']:.3f})")
+    info = ToyTargetReport.of_target(path)
+    console.print(f"toy target {args.size}: {path} (held-out loss {info.heldout_loss:.3f})")
     return 0
 
 
@@ -236,14 +236,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def _repair_manifest(cfg: Eagle3Config, shard: Path) -> None:
     """Rewrite a shard's manifest from its header, holding the shard's writer lock: an extraction of the
     shard at work is left alone (StoreBusyError), its temporary files untouched."""
-    from eagle3_core.store.atomic import atomic_write_json
     from eagle3_core.store.locks import writer_lock
     from eagle3_core.store.shards import manifest_from_header
 
     key = shard.stem
     layout = StoreLayout(cfg.store_root)
     with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
-        atomic_write_json(layout.hidden_states_manifest(key), manifest_from_header(shard))
+        manifest_from_header(shard).write(layout.hidden_states_manifest(key))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

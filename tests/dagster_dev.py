@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fakes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKSPACE = REPO / "workspace.yaml"
@@ -53,12 +54,6 @@ query Locations {
 
 class DagsterDevError(RuntimeError):
     """The server did not come up, died, or answered a GraphQL query with errors."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def dagster_home(directory: Path) -> Path:

@@ -7,19 +7,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from eagle3_core.draft.model import DrafterConfig
 from eagle3_core.toy.tokenizer import train_tokenizer
-
-# A drafter small enough for float64 checks of every path: GQA (4 query heads over 2), target wider than draft.
-TINY_DRAFTER = DrafterConfig(
-    target_hidden_size=24,
-    hidden_size=16,
-    intermediate_size=40,
-    num_heads=4,
-    num_kv_heads=2,
-    target_vocab_size=50,
-    draft_vocab_size=30,
-)
 
 # Each of the engines' drafter switches alone, and speculators' trainer defaults (its three flags); a test adds
 # the sliding window that suits its own sequence length.

@@ -11,7 +11,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.procs import pid_alive
+from tests.fakes import free_port
 
 PG_ROOT = Path("/usr/lib/postgresql")
 PREFERRED_MAJOR = "15"  # Debian bookworm's postgresql
@@ -61,12 +61,6 @@ def postgres_bin_dir() -> Path | None:
         majors.remove(PREFERRED_MAJOR)
         majors.insert(0, PREFERRED_MAJOR)
     return PG_ROOT / majors[0] / "bin" if majors else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _as_server_user(command: list[str]) -> list[str]:
@@ -129,7 +123,7 @@ def running_postgres(
             "initdb",
         )
         for attempt in range(attempts):
-            port = _free_port()
+            port = free_port()
             options = (
                 f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories='{base}' "
                 "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"

@@ -17,7 +17,6 @@ whole shard and rewrites, identically, any shard files the crashed run left that
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,9 +28,10 @@ from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
 from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
-from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
+from eagle3_core.store.atomic import read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 from eagle3_core.store.locks import exclusive_lock
+from eagle3_core.store.records import ConversationManifest, LedgerRecord, LedgerSource
 
 LEDGER_VERSION = 1
 MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
@@ -55,12 +55,12 @@ class Ledger:
     def load(cls, path: Path, dataset: str, shard_size: int) -> Ledger:
         if not path.exists():
             return cls(dataset, shard_size)
-        raw = json.loads(path.read_text())
+        raw = LedgerRecord.read(path)
         ledger = cls(
-            raw["dataset"],
-            raw["shard_size"],
-            raw["next_index"],
-            {name: SourceEntry(**entry) for name, entry in raw["sources"].items()},
+            raw.dataset,
+            raw.shard_size,
+            raw.next_index,
+            {name: SourceEntry(e.rows, e.digest, list(e.shards)) for name, e in raw.sources.items()},
         )
         if ledger.dataset != dataset:
             raise ConfigError(
@@ -71,16 +71,16 @@ class Ledger:
         return ledger
 
     def save(self, path: Path) -> None:
-        atomic_write_json(
-            path,
-            {
-                "version": LEDGER_VERSION,
-                "dataset": self.dataset,
-                "shard_size": self.shard_size,
-                "next_index": self.next_index,
-                "sources": {n: vars(e) for n, e in self.sources.items()},
+        LedgerRecord(
+            version=LEDGER_VERSION,
+            dataset=self.dataset,
+            shard_size=self.shard_size,
+            next_index=self.next_index,
+            sources={
+                n: LedgerSource(rows=e.rows, digest=e.digest, shards=e.shards)
+                for n, e in self.sources.items()
             },
-        )
+        ).write(path)
 
     @property
     def shard_keys(self) -> list[str]:
@@ -202,8 +202,7 @@ def describe(consumed: ShardReport | UnshardedRows) -> str:
 def seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
     seen: set[str] = set()
     for key in ledger.shard_keys:
-        manifest = json.loads(layout.conversations_manifest(key).read_text())
-        seen.update(manifest["sample_ids"])
+        seen.update(ConversationManifest.read(layout.conversations_manifest(key)).sample_ids)
     return seen
 
 
@@ -319,22 +318,17 @@ def _commit_shard(
     heldout = sum(1 for s in pending.samples if s["split"] == "heldout")
     write_jsonl(layout.rejects(key), pending.rejects)
     write_jsonl(layout.conversations(key), pending.samples)
-    atomic_write_json(
-        layout.conversations_manifest(key),
-        {
-            "key": key,
-            "source": source.name,
-            "lines": [pending.first_line, pending.last_line],
-            "samples": len(pending.samples),
-            "train_samples": len(pending.samples) - heldout,
-            "heldout_samples": heldout,
-            "assistant_turns": sum(
-                1 for s in pending.samples for m in s["messages"] if m["role"] == "assistant"
-            ),
-            "rejected": rejected,
-            "sample_ids": [s["id"] for s in pending.samples],
-        },
-    )
+    ConversationManifest(
+        key=key,
+        source=source.name,
+        lines=[pending.first_line or 0, pending.last_line],
+        samples=len(pending.samples),
+        train_samples=len(pending.samples) - heldout,
+        heldout_samples=heldout,
+        assistant_turns=sum(1 for s in pending.samples for m in s["messages"] if m["role"] == "assistant"),
+        rejected=rejected,
+        sample_ids=[s["id"] for s in pending.samples],
+    ).write(layout.conversations_manifest(key))
     entry.rows += len(pending.samples) + len(pending.rejects)
     entry.digest = pending.digest.hexdigest()
     entry.shards.append(key)
@@ -345,7 +339,7 @@ def _commit_shard(
     )
 
 
-def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, Any]], ConversationManifest]:
     """The samples of a conversation shard and its manifest; a clear error if ingest has not made it."""
     layout = StoreLayout(store_root)
     manifest_path = layout.conversations_manifest(key)
@@ -353,8 +347,8 @@ def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, 
         raise FileNotFoundError(
             f"conversation shard {key} is not in the store {store_root}: run `eagle3 ingest`"
         )
-    manifest = json.loads(manifest_path.read_text())
+    manifest = ConversationManifest.read(manifest_path)
     samples = read_jsonl(layout.conversations(key))
-    if [s["id"] for s in samples] != manifest["sample_ids"]:
+    if [s["id"] for s in samples] != manifest.sample_ids:
         raise RuntimeError(f"conversation shard {key} does not match its manifest; re-run `eagle3 ingest`")
     return samples, manifest

@@ -21,15 +21,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load, save
 
-from eagle3_core.errors import StaleVocabMappingError
-from eagle3_core.store.atomic import atomic_open, atomic_write_json
+from eagle3_core.errors import RecordError, StaleVocabMappingError
+from eagle3_core.store.atomic import atomic_open
 from eagle3_core.store.layout import VOCAB_INFO_FILE
-from eagle3_core.store.shards import ShardReader, decode_metadata, read_header
+from eagle3_core.store.records import VocabInfo, validation_message
+from eagle3_core.store.shards import ShardReader, read_shard_header
 
 SCHEMA = "eagle3.vocab_mapping/1"
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
@@ -51,20 +52,20 @@ class VocabMapping:
     distinct_tokens: int
     padded: int  # ids selected beyond the observed ones (zero frequency), when K > distinct_tokens
 
-    def info(self) -> dict[str, Any]:
-        """Everything but the tensors, JSON-ready."""
-        return {
-            "schema": SCHEMA,
-            "fingerprint": self.fingerprint,
-            "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "target_vocab_size": self.target_vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "coverage": self.coverage,
-            "counted_tokens": self.counted_tokens,
-            "distinct_tokens": self.distinct_tokens,
-            "padded": self.padded,
-            "shard_set": [list(pair) for pair in self.shard_set],
-        }
+    def info(self) -> VocabInfo:
+        """Everything but the tensors."""
+        return VocabInfo(
+            schema=SCHEMA,
+            fingerprint=self.fingerprint,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            target_vocab_size=self.target_vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            coverage=self.coverage,
+            counted_tokens=self.counted_tokens,
+            distinct_tokens=self.distinct_tokens,
+            padded=self.padded,
+            shard_set=self.shard_set,
+        )
 
 
 # ---- shard headers ---------------------------------------------------------------------------------------
@@ -82,10 +83,8 @@ def _shard_infos(shard_paths: Sequence[Path]) -> list[_ShardInfo]:
         raise ValueError("no shards given: a vocab mapping needs at least one hidden-state shard")
     infos = []
     for path in shard_paths:
-        meta = decode_metadata(read_header(Path(path))[0])
-        infos.append(
-            _ShardInfo(Path(path), Path(path).stem, meta["checksum"], meta.get("tokenizer_fingerprint"))
-        )
+        meta = read_shard_header(Path(path))
+        infos.append(_ShardInfo(Path(path), Path(path).stem, meta.checksum, meta.tokenizer_fingerprint))
     keys = [i.key for i in infos]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
@@ -248,14 +247,15 @@ def save_vocab_mapping(mapping: VocabMapping, directory: Path) -> Path:
     """
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {"d2t": mapping.d2t, "t2d": mapping.t2d, "draft_to_target": mapping.draft_to_target}
-    metadata = {"schema": SCHEMA, "fingerprint": mapping.fingerprint, "info": json.dumps(mapping.info())}
+    info = mapping.info()
+    metadata = {"schema": SCHEMA, "fingerprint": mapping.fingerprint, "info": json.dumps(info.dump())}
     with atomic_open(directory / TENSORS_FILE, "wb") as f:
         f.write(save({n: t.contiguous() for n, t in tensors.items()}, metadata=metadata))
-    atomic_write_json(directory / VOCAB_INFO_FILE, mapping.info())
+    info.write(directory / VOCAB_INFO_FILE)
     return directory
 
 
-def _read_files(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _read_files(directory: Path) -> tuple[dict[str, torch.Tensor], VocabInfo]:
     blob = (directory / TENSORS_FILE).read_bytes()
     tensors = load(blob)
     header_len = int.from_bytes(blob[:8], "little")
@@ -264,9 +264,11 @@ def _read_files(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
         raise ValueError(
             f"{directory / TENSORS_FILE}: not a vocab mapping (schema {metadata.get('schema')!r})"
         )
-    info: dict[str, Any] = json.loads(metadata["info"])
-    side = json.loads((directory / VOCAB_INFO_FILE).read_text())
-    if side.get("fingerprint") != info["fingerprint"]:
+    try:
+        info = VocabInfo.model_validate(json.loads(metadata["info"]))
+    except ValidationError as err:
+        raise RecordError(validation_message(directory / TENSORS_FILE, err)) from None
+    if VocabInfo.read(directory / VOCAB_INFO_FILE).fingerprint != info.fingerprint:
         raise StaleVocabMappingError(
             f"{directory}: {VOCAB_INFO_FILE} and {TENSORS_FILE} carry different fingerprints (an interrupted save?); "
             "rebuild the vocab mapping"
@@ -301,24 +303,24 @@ def load_vocab_mapping(directory: Path, expected_fingerprint: str | None = None)
     with the drafter being fine-tuned: a stale mapping silently misaligns every lm_head row.
     """
     tensors, info = _read_files(directory)
-    if expected_fingerprint is not None and info["fingerprint"] != expected_fingerprint:
+    if expected_fingerprint is not None and info.fingerprint != expected_fingerprint:
         raise StaleVocabMappingError(
-            f"{directory}: the vocab mapping was built for fingerprint {info['fingerprint'][:12]}, expected "
+            f"{directory}: the vocab mapping was built for fingerprint {info.fingerprint[:12]}, expected "
             f"{expected_fingerprint[:12]} (different tokenizer, shards or K); rebuild it, or train anew"
         )
     mapping = VocabMapping(
         draft_to_target=tensors["draft_to_target"],
         d2t=tensors["d2t"],
         t2d=tensors["t2d"],
-        target_vocab_size=int(info["target_vocab_size"]),
-        draft_vocab_size=int(info["draft_vocab_size"]),
-        fingerprint=info["fingerprint"],
-        coverage=float(info["coverage"]),
-        tokenizer_fingerprint=info["tokenizer_fingerprint"],
-        shard_set=[(str(key), str(checksum)) for key, checksum in info["shard_set"]],
-        counted_tokens=int(info["counted_tokens"]),
-        distinct_tokens=int(info["distinct_tokens"]),
-        padded=int(info["padded"]),
+        target_vocab_size=info.target_vocab_size,
+        draft_vocab_size=info.draft_vocab_size,
+        fingerprint=info.fingerprint,
+        coverage=info.coverage,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        shard_set=info.shard_set,
+        counted_tokens=info.counted_tokens,
+        distinct_tokens=info.distinct_tokens,
+        padded=info.padded,
     )
     problem = _inconsistency(mapping)
     if problem:

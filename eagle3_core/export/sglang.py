@@ -47,20 +47,7 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
 from eagle3_core.errors import ConfigError, ExportError
-from eagle3_core.export.common import (
-    DTYPES,
-    FLAGS,
-    OUR_LAYER_PREFIX,
-    ConfigFacts,
-    ExportFormat,
-    ExportTarget,
-    FormatName,
-    LayerTarget,
-    config_facts,
-    llama_layer_config,
-    read_external_layer,
-    write_export,
-)
+from eagle3_core.export import common
 from eagle3_core.export.engine_config import (
     NOT_NULL,
     NOT_NULL_IN_OURS,
@@ -152,13 +139,13 @@ def draft_window_argument(sliding_window: int) -> int:
     return sliding_window - 1
 
 
-class SGLangFormat(ExportFormat):
-    name: ClassVar[FormatName] = "sglang"
+class SGLangFormat(common.ExportFormat):
+    name: ClassVar[common.FormatName] = "sglang"
     layer_prefix: ClassVar[str] = "midlayer."
     with_embedding: ClassVar[bool] = False
 
     def engine_layer_ids(
-        self, project_ids: tuple[int, int, int], target: LayerTarget
+        self, project_ids: tuple[int, int, int], target: common.LayerTarget
     ) -> tuple[int, int, int]:
         try:
             return config_layer_ids(sglang_model(target.architectures), project_ids, target.num_layers)
@@ -166,7 +153,7 @@ class SGLangFormat(ExportFormat):
             raise ExportError(f"cannot export for SGLang: {e}") from e
 
     def project_layer_ids(
-        self, engine_ids: tuple[int, int, int], target: LayerTarget
+        self, engine_ids: tuple[int, int, int], target: common.LayerTarget
     ) -> tuple[int, int, int]:
         if not target.architectures:
             raise ExportError(
@@ -189,14 +176,14 @@ class SGLangFormat(ExportFormat):
             )
 
     def build_config(
-        self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
+        self, cfg: DrafterConfig, target: common.ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
     ) -> SGLangConfig:
         config = {
-            **llama_layer_config(cfg, target, dtype),
+            **common.llama_layer_config(cfg, target, dtype),
             "architectures": [ARCHITECTURE],
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
-            **{flag: getattr(cfg, flag) for flag in FLAGS},
+            **{flag: getattr(cfg, flag) for flag in common.FLAGS},
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": list(
                     self.engine_layer_ids(target.aux_layer_ids, target.layers)
@@ -208,29 +195,29 @@ class SGLangFormat(ExportFormat):
         }
         return SGLangConfig.model_validate(config, context={"ours": True})
 
-    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
+    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> common.ConfigFacts:
         fields: SGLangFields
         if ours:
             fields = mine = validated(SGLangConfig, config, where, ours=True)
-            sizes, dtype = mine.drafter_sizes(), DTYPES[mine.dtype][0]
+            sizes, dtype = mine.drafter_sizes(), common.DTYPES[mine.dtype][0]
             variant = mine.eagle3_export.drafter_variant if mine.eagle3_export else None
             window = variant.sliding_window if variant else None  # SGLang's config has no window field
         else:
             fields = validated(SGLangFields, config, where, ours=False)
-            sizes, dtype, window = read_external_layer(config, where, ""), None, None
+            sizes, dtype, window = common.read_external_layer(config, where, ""), None, None
         eagle = fields.eagle_config or EagleConfig()
-        flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
+        flags = {flag: bool(getattr(fields, flag)) for flag in common.FLAGS}
         if eagle.norm_before_fc is not None:
             flags["norm_before_fc"] = eagle.norm_before_fc  # SGLang and vLLM read eagle_config's first
         flags["fc_norm"] = flags["fc_norm"] or bool(fields.use_aux_norm)
         ids = eagle.eagle_aux_hidden_state_layer_ids
-        return config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
+        return common.config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
 
     def canonical_key(self, theirs: str) -> str:
         # SGLang's load_weights accepts a "model." prefix, "layers.0." for "midlayer.", and the legacy norm names
         name = theirs.removeprefix("model.")
         if name.startswith("layers.0."):
-            name = OUR_LAYER_PREFIX + name.removeprefix("layers.0.")
+            name = common.OUR_LAYER_PREFIX + name.removeprefix("layers.0.")
         for legacy, new in LEGACY_FC_NORM.items():
             if name.startswith(legacy):
                 name = new + name.removeprefix(legacy)
@@ -243,7 +230,7 @@ SGLANG = SGLangFormat()
 def export_sglang(
     drafter: Eagle3Drafter,
     mapping: VocabMapping,
-    target: ExportTarget,
+    target: common.ExportTarget,
     out_dir: Path,
     *,
     dtype: torch.dtype = torch.bfloat16,
@@ -252,4 +239,4 @@ def export_sglang(
 
     ExportError for a drafter SGLang cannot run as trained (norm_before_residual, a window of 1).
     """
-    return write_export(SGLANG, drafter, mapping, target, out_dir, dtype)
+    return common.write_export(SGLANG, drafter, mapping, target, out_dir, dtype)

@@ -41,19 +41,7 @@ from pydantic_core import PydanticCustomError
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
-from eagle3_core.export.common import (
-    DTYPES,
-    FLAGS,
-    ConfigFacts,
-    ExportFormat,
-    ExportTarget,
-    FormatName,
-    LayerTarget,
-    config_facts,
-    llama_layer_config,
-    read_external_layer,
-    write_export,
-)
+from eagle3_core.export import common
 from eagle3_core.export.engine_config import (
     NOT_NULL,
     NOT_NULL_IN_OURS,
@@ -174,8 +162,8 @@ class SpeculatorsConfig(SpeculatorsFields):
     transformer_layer_config: SpeculatorsLayer
 
 
-class SpeculatorsFormat(ExportFormat):
-    name: ClassVar[FormatName] = "speculators"
+class SpeculatorsFormat(common.ExportFormat):
+    name: ClassVar[common.FormatName] = "speculators"
     layer_prefix: ClassVar[str] = "layers.0."
     with_embedding: ClassVar[bool] = True
 
@@ -185,7 +173,7 @@ class SpeculatorsFormat(ExportFormat):
         self.speculative_tokens = speculative_tokens  # vLLM's default num_speculative_tokens for this drafter
 
     def engine_layer_ids(
-        self, project_ids: tuple[int, int, int], target: LayerTarget
+        self, project_ids: tuple[int, int, int], target: common.LayerTarget
     ) -> tuple[int, int, int]:
         if 0 in project_ids:
             # vLLM's Llama adds the residual to the state entering each aux layer, and layer 0 has none yet
@@ -197,7 +185,7 @@ class SpeculatorsFormat(ExportFormat):
         return project_ids
 
     def project_layer_ids(
-        self, engine_ids: tuple[int, int, int], target: LayerTarget
+        self, engine_ids: tuple[int, int, int], target: common.LayerTarget
     ) -> tuple[int, int, int]:
         return engine_ids  # vLLM captures the input of each id's layer, for every model
 
@@ -205,10 +193,10 @@ class SpeculatorsFormat(ExportFormat):
         """Every variant of ours has its field here."""
 
     def build_config(
-        self, cfg: DrafterConfig, target: ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
+        self, cfg: DrafterConfig, target: common.ExportTarget, dtype: torch.dtype, provenance: dict[str, Any]
     ) -> SpeculatorsConfig:
         layer = {
-            **llama_layer_config(cfg, target, dtype),
+            **common.llama_layer_config(cfg, target, dtype),
             "sliding_window": cfg.sliding_window,
             "layer_types": [FULL if cfg.sliding_window is None else SLIDING],
         }
@@ -222,7 +210,7 @@ class SpeculatorsFormat(ExportFormat):
             "eagle_aux_hidden_state_layer_ids": list(
                 self.engine_layer_ids(target.aux_layer_ids, target.layers)
             ),
-            **{flag: getattr(cfg, flag) for flag in FLAGS},
+            **{flag: getattr(cfg, flag) for flag in common.FLAGS},
             "embed_requires_grad": False,
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -244,18 +232,18 @@ class SpeculatorsFormat(ExportFormat):
         }
         return SpeculatorsConfig.model_validate(config, context={"ours": True})
 
-    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> ConfigFacts:
+    def read_config(self, config: dict[str, Any], where: str, *, ours: bool) -> common.ConfigFacts:
         fields: SpeculatorsFields
         if ours:
             fields = mine = validated(SpeculatorsConfig, config, where, ours=True)
             layer = mine.transformer_layer_config
-            sizes, dtype = layer.drafter_sizes(), DTYPES[layer.dtype][0]
+            sizes, dtype = layer.drafter_sizes(), common.DTYPES[layer.dtype][0]
         else:
             fields = validated(SpeculatorsFields, config, where, ours=False)
-            sizes, dtype = read_external_layer(config[LAYER_CONFIG], where, LAYER_CONFIG), None
-        flags = {flag: bool(getattr(fields, flag)) for flag in FLAGS}
+            sizes, dtype = common.read_external_layer(config[LAYER_CONFIG], where, LAYER_CONFIG), None
+        flags = {flag: bool(getattr(fields, flag)) for flag in common.FLAGS}
         window, ids = fields.transformer_layer_config.window, fields.eagle_aux_hidden_state_layer_ids
-        return config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
+        return common.config_facts(fields, sizes, flags, window, ids, dtype, where, WITHOUT_VOCAB)
 
     def external_optional(self, cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         # the package drops its verifier copies on save; other versions or tools may keep them
@@ -272,11 +260,13 @@ SPECULATORS = SpeculatorsFormat()
 def export_speculators(
     drafter: Eagle3Drafter,
     mapping: VocabMapping,
-    target: ExportTarget,
+    target: common.ExportTarget,
     out_dir: Path,
     *,
     dtype: torch.dtype = torch.bfloat16,
     speculative_tokens: int = 3,
 ) -> Path:
     """Write a validated speculators/vLLM drafter directory at `out_dir` (replacing one there, atomically)."""
-    return write_export(SpeculatorsFormat(speculative_tokens), drafter, mapping, target, out_dir, dtype)
+    return common.write_export(
+        SpeculatorsFormat(speculative_tokens), drafter, mapping, target, out_dir, dtype
+    )

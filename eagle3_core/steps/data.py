@@ -23,11 +23,11 @@ from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.engines.openai_client import regenerate_through_server, remove_journal
 from eagle3_core.steps.common import Log, StepResult, quiet
-from eagle3_core.store.atomic import atomic_write_json, read_jsonl, write_jsonl
+from eagle3_core.store.atomic import read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
+from eagle3_core.store.records import RegeneratedManifest, ShardFacts
 from eagle3_core.store.shards import DTYPES, ShardWriter
-from eagle3_core.store.stats import shard_errors
 from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
@@ -38,19 +38,19 @@ def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
     """A conversation shard is written by ingest; this checks it against its manifest and reports it."""
     layout = StoreLayout(cfg.store_root)
     _, manifest = load_conversation_shard(cfg.store_root, key)
-    rejected = manifest["rejected"]
+    rejected = manifest.rejected
     return StepResult(
         key,
         layout.conversations(key),
         {
-            "samples": manifest["samples"],
-            "train_samples": manifest["train_samples"],
-            "heldout_samples": manifest["heldout_samples"],
-            "assistant_turns": manifest["assistant_turns"],
+            "samples": manifest.samples,
+            "train_samples": manifest.train_samples,
+            "heldout_samples": manifest.heldout_samples,
+            "assistant_turns": manifest.assistant_turns,
             "rejected": sum(rejected.values()),
             **{f"rejected_{reason}": n for reason, n in sorted(rejected.items())},
-            "source": manifest["source"],
-            "source_lines": f"{manifest['lines'][0]}-{manifest['lines'][1]}",
+            "source": manifest.source,
+            "source_lines": "-".join(map(str, manifest.lines)),
             "rejects_file": str(layout.rejects(key)),
         },
     )
@@ -117,7 +117,7 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
     # The manifest before the shard, the shard's rename last: a regenerated shard is whole with its manifest
     # or absent (what a redo replaces is gone first, so a crash between the two never pairs old and new).
     layout.regenerated(key).unlink(missing_ok=True)
-    atomic_write_json(layout.regenerated_manifest(key), {"key": key, **metadata})
+    RegeneratedManifest.model_validate({"key": key, **metadata}).write(layout.regenerated_manifest(key))
     write_jsonl(layout.regenerated(key), result.rows)
     # The shard is committed: a journal of a server run (this one, or an earlier one) has nothing left to give.
     remove_journal(layout.regenerated(key))
@@ -247,17 +247,17 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
     chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)
     samples = _tokenize_all(chat, rows, counts, dropped)
     info = target.info
-    metadata = {
-        "conversation_shard": key,
-        "regenerated": cfg.regenerate.enabled,
-        "target": info.as_metadata(),
-        "tokenizer_fingerprint": target.tokenizer_fingerprint,
-        "aux_layer_ids": list(info.aux_layer_ids),
-        "aux_layer_convention": AUX_LAYER_CONVENTION,
-        "final_state_convention": info.final_state_convention,
-        "max_seq_len": cfg.tokenize.max_seq_len,
-        "dropped": dropped,
-    }
+    facts = ShardFacts(
+        conversation_shard=key,
+        regenerated=cfg.regenerate.enabled,
+        target=info.facts(),
+        tokenizer_fingerprint=target.tokenizer_fingerprint,
+        aux_layer_ids=list(info.aux_layer_ids),
+        aux_layer_convention=AUX_LAYER_CONVENTION,
+        final_state_convention=info.final_state_convention,
+        max_seq_len=cfg.tokenize.max_seq_len,
+        dropped=dropped,
+    )
     store_dtype = DTYPES[cfg.extract.store_dtype][0]
     started = time.perf_counter()
     with ShardWriter(
@@ -266,7 +266,7 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
         lengths=[s.length for s in samples],
         hidden_size=info.hidden_size,
         store_dtype=cfg.extract.store_dtype,
-        metadata=metadata,
+        facts=facts,
         disk_headroom=cfg.extract.disk_headroom,
     ) as writer:
         done = 0
@@ -282,17 +282,17 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
                 log(f"{key}: {done}/{len(samples)} samples extracted")
         seconds = time.perf_counter() - started
         manifest = writer.finalize({**counts, "dropped": len(dropped)})
-    c = manifest["counts"]
+    c = manifest.counts
     return StepResult(
         key,
         layout.hidden_states(key),
         {
-            **c,
-            "errors": shard_errors(c),
-            "bytes": manifest["bytes"],
-            "tokens_per_second": round(c["tokens"] / max(seconds, 1e-9), 1),
+            **c.dump(),
+            "errors": c.errors,
+            "bytes": manifest.bytes,
+            "tokens_per_second": round(c.tokens / max(seconds, 1e-9), 1),
             "seconds": round(seconds, 2),
-            "aux_layer_ids": json.dumps(manifest["aux_layer_ids"]),
-            "final_state_convention": manifest["final_state_convention"],
+            "aux_layer_ids": json.dumps(manifest.aux_layer_ids),
+            "final_state_convention": manifest.final_state_convention,
         },
     )

@@ -30,7 +30,7 @@ from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
 from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import DrafterCurrent, DrafterLatest, RunSummary
-from eagle3_core.store.shards import decode_metadata, read_header
+from eagle3_core.store.shards import read_shard_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import FINAL, SUMMARY
@@ -70,8 +70,8 @@ def _intact_shards(layout: StoreLayout, log: Log) -> list[Path]:
 
 
 def _tokenizer_and_vocab(shards: list[Path]) -> tuple[str, int]:
-    meta = decode_metadata(read_header(shards[0])[0])
-    return str(meta["tokenizer_fingerprint"]), int(meta["target"]["vocab_size"])
+    meta = read_shard_header(shards[0])
+    return str(meta.tokenizer_fingerprint), meta.target_vocab_size(shards[0])
 
 
 def expected_mapping_fingerprint(cfg: Eagle3Config, shards: list[Path]) -> str:

@@ -176,8 +176,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+def json_text(obj: Any) -> str:
+    """A JSON file's text as eagle3 writes them all: one-space indents, UTF-8 as is, a final newline."""
+    return json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json_text(obj))
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

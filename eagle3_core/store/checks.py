@@ -12,18 +12,20 @@ Each returns a `CheckVerdict`: whether it passed, a sentence saying why, and the
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
+from eagle3_core.errors import RecordError
 from eagle3_core.store.atomic import TEMP_MARK, read_jsonl
 from eagle3_core.store.layout import VOCAB_INFO_FILE, StoreLayout
-from eagle3_core.store.stats import shard_errors, verify_shard
+from eagle3_core.store.records import ConversationManifest, Record, ShardManifest, VocabInfo
+from eagle3_core.store.stats import verify_shard
 
 Figure = int | float | str
+R = TypeVar("R", bound=Record)
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,12 @@ class CheckVerdict:
     figures: dict[str, Figure] = field(default_factory=dict)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_record(record: type[R], path: Path) -> R | None:
+    """The record, or None when it is missing or unreadable (a check fails then; it does not raise)."""
     try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return record.read(path)
+    except (FileNotFoundError, RecordError):
         return None
-    return data if isinstance(data, dict) else None
 
 
 # ---- shards --------------------------------------------------------------------------------------------
@@ -47,8 +49,8 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
     layout = StoreLayout(root)
     shard, manifest_path = layout.hidden_states(key), layout.hidden_states_manifest(key)
     temps = sorted(p.name for p in layout.hidden_states_dir.glob(f".{shard.name}{TEMP_MARK}*"))
-    conversations = _read_json(layout.conversations_manifest(key))
-    manifest = _read_json(manifest_path)
+    conversations = _read_record(ConversationManifest, layout.conversations_manifest(key))
+    manifest = _read_record(ShardManifest, manifest_path)
     missing = [
         str(p)
         for p, there in (
@@ -63,43 +65,43 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
     if missing:
         return CheckVerdict(False, f"{key}: missing or unreadable: {', '.join(missing)}", figures)
     assert conversations is not None and manifest is not None
-    counts = manifest["counts"]
+    counts = manifest.counts
     train_ids = {row["id"] for row in read_jsonl(layout.conversations(key)) if row["split"] == "train"}
-    written: list[str] = manifest["sample_ids"]
-    dropped: list[str] = list(manifest.get("dropped", {}))
-    accounted = counts["samples"] + shard_errors(counts)
+    written = manifest.sample_ids
+    dropped = list(manifest.dropped or {})
+    accounted = counts.samples + counts.errors
     figures |= {
-        "train_conversations": conversations["train_samples"],
-        "samples": counts["samples"],
-        "failed": counts["failed"],
-        "dropped": counts.get("dropped", 0),
-        "regeneration_errors": counts.get("regeneration_errors", 0),
+        "train_conversations": conversations.train_samples,
+        "samples": counts.samples,
+        "failed": counts.failed,
+        "dropped": counts.dropped,
+        "regeneration_errors": counts.regeneration_errors,
         "accounted": accounted,
         "bytes_on_disk": shard.stat().st_size,
-        "bytes_in_manifest": manifest["bytes"],
+        "bytes_in_manifest": manifest.bytes,
     }
     problems = []
     if temps:
         problems.append(f"an unfinished write is in the store ({temps[0]})")
-    if accounted != conversations["train_samples"]:
+    if accounted != conversations.train_samples:
         problems.append(
             f"samples + failed + dropped + regeneration errors = {accounted}, "
-            f"but the conversation shard has {conversations['train_samples']} training conversations"
+            f"but the conversation shard has {conversations.train_samples} training conversations"
         )
-    if len(written) != counts["samples"] + counts["failed"] or len(dropped) != counts.get("dropped", 0):
+    if len(written) != counts.samples + counts.failed or len(dropped) != counts.dropped:
         problems.append("the manifest's sample ids do not match its counts")
     ids = written + dropped
     if len(set(ids)) != len(ids):
         problems.append("a sample id appears twice")
     if not set(ids) <= train_ids:
         problems.append(f"{len(set(ids) - train_ids)} sample ids are not training conversations of the shard")
-    if shard.stat().st_size != manifest["bytes"]:
-        problems.append(f"the file has {shard.stat().st_size} bytes, its manifest says {manifest['bytes']}")
+    if shard.stat().st_size != manifest.bytes:
+        problems.append(f"the file has {shard.stat().st_size} bytes, its manifest says {manifest.bytes}")
     if problems:
         return CheckVerdict(False, f"{key}: " + "; ".join(problems), figures)
     return CheckVerdict(
         True,
-        f"{key}: all {accounted} training conversations accounted for ({counts['samples']} extracted)",
+        f"{key}: all {accounted} training conversations accounted for ({counts.samples} extracted)",
         figures,
     )
 
@@ -131,11 +133,11 @@ def reject_rate(root: Path, key: str, max_rate: float, ignored: Collection[str] 
 
     Duplicates are the usual reason to ignore: deduplication doing its job says nothing about a bad source.
     """
-    manifest = _read_json(StoreLayout(root).conversations_manifest(key))
+    manifest = _read_record(ConversationManifest, StoreLayout(root).conversations_manifest(key))
     if manifest is None:
         return CheckVerdict(False, f"{key}: no conversation manifest (run `eagle3 ingest`)")
-    rejected: dict[str, int] = manifest["rejected"]
-    rows = manifest["samples"] + sum(rejected.values())
+    rejected = manifest.rejected
+    rows = manifest.samples + sum(rejected.values())
     counted = sum(n for reason, n in rejected.items() if reason not in ignored)
     rate = counted / rows if rows else 0.0
     figures: dict[str, Figure] = {
@@ -163,19 +165,19 @@ def reject_rate(root: Path, key: str, max_rate: float, ignored: Collection[str] 
 def vocab_coverage(root: Path, min_coverage: float) -> CheckVerdict:
     """The share of counted loss tokens whose id is in the draft vocabulary, at least `min_coverage`."""
     path = StoreLayout(root).vocab_mapping / VOCAB_INFO_FILE
-    info = _read_json(path)
+    info = _read_record(VocabInfo, path)
     if info is None:
         return CheckVerdict(False, f"no vocab mapping at {path} (materialize vocab_mapping)")
-    coverage = float(info["coverage"])
+    coverage = info.coverage
     figures: dict[str, Figure] = {
         "coverage": round(coverage, 6),
         "min_coverage": min_coverage,
-        "draft_vocab_size": int(info["draft_vocab_size"]),
-        "target_vocab_size": int(info["target_vocab_size"]),
-        "counted_tokens": int(info["counted_tokens"]),
-        "distinct_tokens": int(info["distinct_tokens"]),
-        "padded": int(info["padded"]),
-        "shards": len(info["shard_set"]),
+        "draft_vocab_size": info.draft_vocab_size,
+        "target_vocab_size": info.target_vocab_size,
+        "counted_tokens": info.counted_tokens,
+        "distinct_tokens": info.distinct_tokens,
+        "padded": info.padded,
+        "shards": len(info.shard_set),
     }
     k = figures["draft_vocab_size"]
     if coverage >= min_coverage:

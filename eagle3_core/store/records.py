@@ -12,9 +12,9 @@ their dumped dicts (their models live in higher layers), and the caller builds t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
@@ -184,3 +184,216 @@ class InboxRecord(Record):
     def dump(self) -> dict[str, Any]:
         # a file's absent fields stay absent, as the dicts this record replaced wrote them
         return self.model_dump(exclude_none=True)
+
+
+# ---- shards ------------------------------------------------------------------------------------------------
+class OptionalFields(Record):
+    """A record whose unset fields stay out of the file: what callers gave is what is written, in field order,
+    as the dicts these records replaced were (a test's shard carries only the facts it needs)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+class TargetFacts(OptionalFields):
+    """The target a shard's states came from, as `TargetInfo.as_metadata` records it."""
+
+    name: str | None = None
+    fingerprint: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    compute_dtype: str | None = None
+
+
+class ShardFacts(OptionalFields):
+    """What extraction records about a shard's states besides the tensors: the header and manifest carry
+    these; a drafter trains only on shards that agree on them (`train.data.TrainingFacts`)."""
+
+    conversation_shard: str | None = None
+    regenerated: bool | None = None
+    target: TargetFacts | None = None
+    tokenizer_fingerprint: str | None = None
+    aux_layer_ids: list[int] | None = None
+    aux_layer_convention: str | None = None
+    final_state_convention: FinalStateConvention | None = None
+    max_seq_len: int | None = None
+    dropped: dict[str, str] | None = None  # sample id -> why tokenisation dropped it
+
+    def target_vocab_size(self, path: Path) -> int:
+        if self.target is None or self.target.vocab_size is None:
+            raise RecordError(f"{path}: target.vocab_size: Field required")
+        return self.target.vocab_size
+
+
+class ShardCounts(OptionalFields):
+    """A shard's counts: what extraction counted before the rows (in the order it counts them), then the
+    rows written. Failed samples have rows; dropped ones (at tokenisation) do not."""
+
+    truncated_samples: int = 0
+    truncated_tokens: int = 0
+    truncated_loss_tokens: int = 0
+    heldout_skipped: int = 0
+    regeneration_errors: int = 0
+    dropped: int = 0
+    samples: int
+    tokens: int
+    loss_tokens: int
+    failed: int
+
+    @property
+    def errors(self) -> int:
+        """Samples that did not make it: failed extraction, dropped at tokenisation, failed regeneration."""
+        return self.failed + self.dropped + self.regeneration_errors
+
+
+class ShardDescription(ShardFacts):
+    """What a shard's header and its manifest both hold: the facts, counts, sample ids and checksums."""
+
+    shard_schema: str = Field(alias="schema")
+    store_dtype: str
+    hidden_size: int
+    num_aux: int
+    counts: ShardCounts | None = None  # absent only from the placeholder header written before the rows
+    sample_ids: list[str]
+    lengths: list[int]
+    failed: dict[str, str]  # sample id -> why its states could not be obtained
+    checksum: str
+    header_checksum: str | None = None  # absent only while the header checksum is computed
+
+    # The keys written before the facts; the rest follow in field order.
+    LEAD: ClassVar[tuple[str, ...]] = ("schema", "store_dtype", "hidden_size", "num_aux")
+
+    def dump(self) -> dict[str, Any]:
+        fields = super().dump()
+        lead = {k: fields.pop(k) for k in self.LEAD if k in fields}
+        return lead | fields
+
+
+class ShardHeader(ShardDescription):
+    """A shard's safetensors `__metadata__`, decoded (each value but `format` is stored as JSON text)."""
+
+    format: str = "pt"
+    sample_digests: list[str]  # sha256 of each sample's rows, in sample order
+
+    LEAD: ClassVar[tuple[str, ...]] = ("format", *ShardDescription.LEAD)
+
+    def dump(self) -> dict[str, Any]:
+        fields = super().dump()
+        tail = {k: fields.pop(k) for k in ("checksum", "header_checksum") if k in fields}
+        return fields | tail
+
+
+class ShardManifest(ShardDescription):
+    """hidden_states/<key>.json: the shard's header metadata without its per-sample digests, with the
+    shard's name and size; what statistics and checks read instead of opening the shard."""
+
+    key: str
+    file: str
+    bytes: int
+    counts: ShardCounts  # a manifest is written from a finished header, which has them
+
+    LEAD: ClassVar[tuple[str, ...]] = ("key", "file", "bytes", *ShardDescription.LEAD)
+
+    @classmethod
+    def of(cls, header: ShardHeader, key: str, file: str, size: int) -> ShardManifest:
+        kept = header.model_dump(by_alias=True, exclude={"format", "sample_digests"}, exclude_unset=True)
+        return cls.model_validate({"key": key, "file": file, "bytes": size, **kept})
+
+
+# ---- conversations and regenerated responses -----------------------------------------------------------------
+class ConversationManifest(Record):
+    """conversations/<key>.json: what ingest put in a conversation shard and what it rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    key: str
+    source: str
+    lines: list[int]  # the first and last source line the shard's rows came from
+    samples: int
+    train_samples: int
+    heldout_samples: int
+    assistant_turns: int
+    rejected: dict[str, int]  # reason -> rows
+    sample_ids: list[str]
+
+
+class RegeneratedManifest(OptionalFields):
+    """regenerated/<key>.json: how a shard's assistant turns were regenerated, through a server (`server`
+    and its request figures) or in process (`target`). `counts` are the regenerator's other counts (stop
+    reasons, cut replies, request errors: names it makes as it meets them), written flat, by name."""
+
+    key: str
+    samples: int
+    errors: int
+    heldout_skipped: int
+    replies: int
+    new_tokens: int
+    tokens_per_second: float
+    seconds: float
+    counts: dict[str, int] = {}
+    server: str | None = None
+    resumed_samples: int | None = None
+    requested_samples: int | None = None
+    request_retries: int | None = None
+    target: str | None = None  # the target's fingerprint, shortened
+    temperature: float
+    max_new_tokens: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_counts(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "counts" in data:
+            return data
+        named = {k: v for k, v in data.items() if k in cls.model_fields}
+        counts = {k: v for k, v in data.items() if k not in cls.model_fields}
+        return {**named, "counts": counts} if counts else named
+
+    def dump(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, value in super().dump().items():
+            out |= value if name == "counts" else {name: value}
+        return out
+
+
+# ---- the draft vocabulary --------------------------------------------------------------------------------
+class VocabInfo(Record):
+    """vocab_mapping/vocab_mapping.json: everything of a draft vocabulary but its tensors (the mapping's
+    safetensors metadata carries the same record as text; `draft.vocab.load_vocab_mapping` checks the two
+    agree)."""
+
+    vocab_schema: str = Field(alias="schema")
+    fingerprint: str
+    tokenizer_fingerprint: str
+    target_vocab_size: int
+    draft_vocab_size: int
+    coverage: float  # share of the counted loss-masked tokens whose id is in the draft vocab
+    counted_tokens: int
+    distinct_tokens: int
+    padded: int  # ids selected beyond the observed ones (zero frequency), when K > distinct_tokens
+    shard_set: list[tuple[str, str]]  # (shard key, whole-shard checksum), sorted
+
+    def dump(self) -> dict[str, Any]:
+        # shard_set pairs as lists, as JSON reads them back: the safetensors copy compares equal as text too
+        return {**self.model_dump(by_alias=True), "shard_set": [list(pair) for pair in self.shard_set]}
+
+
+# ---- the ingest ledger -------------------------------------------------------------------------------------
+class LedgerSource(Record):
+    """What ingest consumed of one source: its first `rows` rows (their digest), sharded into `shards`."""
+
+    rows: int
+    digest: str  # sha256 over the consumed rows, each its length and bytes
+    shards: list[str]
+
+
+class LedgerRecord(Record):
+    """store/ledger.json: the dataset's shards so far and, per source, what ingest consumed of it."""
+
+    version: int
+    dataset: str
+    shard_size: int
+    next_index: int
+    sources: dict[str, LedgerSource]

@@ -33,7 +33,7 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +42,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from eagle3_core.errors import DiskSpaceError, ShardCorruptError
-from eagle3_core.store.atomic import fsync_path, remove_stale_temps, temp_path_for, write_temp
+from eagle3_core.store.atomic import fsync_path, json_text, remove_stale_temps, temp_path_for, write_temp
+from eagle3_core.store.records import ShardCounts, ShardFacts, ShardHeader, ShardManifest, validation_message
 
 SCHEMA = "eagle3.hidden_states/1"
 DATA_ALIGN = 64
@@ -158,7 +160,7 @@ class ShardWriter:
         hidden_size: int,
         store_dtype: str = "bfloat16",
         num_aux: int = 3,
-        metadata: dict[str, Any],
+        facts: ShardFacts | None = None,
         disk_headroom: float = 1.5,
     ) -> None:
         if len(sample_ids) != len(lengths):
@@ -171,7 +173,8 @@ class ShardWriter:
         self.hidden_size = hidden_size
         self.num_aux = num_aux
         self.store_dtype = store_dtype
-        self.metadata = dict(metadata)
+        self.facts = facts or ShardFacts()
+        self.counts: ShardCounts | None = None  # set by finalize
         self.slots = plan_slots(self.lengths, hidden_size, num_aux, store_dtype)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]).astype(np.int64)
         self.digests: list[str | None] = [None] * len(lengths)
@@ -231,22 +234,27 @@ class ShardWriter:
 
     # ---- header ---------------------------------------------------------------------------------------
     def _header(self, placeholder: bool) -> dict[str, Any]:
-        digests = ["0" * 64] * len(self.lengths) if placeholder else self.digests
-        meta: dict[str, Any] = {
-            "format": "pt",
-            "schema": SCHEMA,
-            "store_dtype": self.store_dtype,
-            "hidden_size": self.hidden_size,
-            "num_aux": self.num_aux,
-            **self.metadata,
-            "sample_ids": self.sample_ids,
-            "lengths": self.lengths,
-            "failed": self.failed,
-            "sample_digests": digests,
-            "checksum": "0" * 64 if placeholder else self._checksum(),
-        }
+        # finalize writes the real header only once every sample has its digest
+        digests = ["0" * 64 if placeholder or d is None else d for d in self.digests]
+        counts = {"counts": self.counts} if self.counts is not None else {}
+        meta = ShardHeader.model_validate(
+            {
+                "format": "pt",
+                "schema": SCHEMA,
+                "store_dtype": self.store_dtype,
+                "hidden_size": self.hidden_size,
+                "num_aux": self.num_aux,
+                **self.facts.dump(),
+                **counts,
+                "sample_ids": self.sample_ids,
+                "lengths": self.lengths,
+                "failed": self.failed,
+                "sample_digests": digests,
+                "checksum": "0" * 64 if placeholder else self._checksum(),
+            }
+        )
         header: dict[str, Any] = {name: slot.header_entry() for name, slot in self.slots.items()}
-        header["__metadata__"] = {k: _meta_str(k, v) for k, v in meta.items()}
+        header["__metadata__"] = {k: _meta_str(k, v) for k, v in meta.dump().items()}
         header["__metadata__"]["header_checksum"] = _meta_str("header_checksum", _header_checksum(header))
         return header
 
@@ -332,11 +340,12 @@ class ShardWriter:
         self.failed[self.sample_ids[index]] = reason[:MAX_REASON]
 
     # ---- commit ---------------------------------------------------------------------------------------
-    def finalize(self, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    def finalize(self, counts: Mapping[str, int] | None = None) -> ShardManifest:
+        """Commit the shard; `counts`: what the caller counted before the rows (ShardCounts' leading fields)."""
         missing = [i for i, d in enumerate(self.digests) if d is None]
         if missing:
             raise RuntimeError(f"{len(missing)} samples were never written (first: index {missing[0]})")
-        self.metadata["counts"] = {**(counts or {}), **self._row_counts()}
+        self.counts = ShardCounts.model_validate({**(counts or {}), **self._row_counts()})
         try:
             self._write_header(placeholder=False)
             with self._on_disk("finishing the shard"):
@@ -350,10 +359,9 @@ class ShardWriter:
             raise
         return manifest
 
-    def _commit(self, manifest: dict[str, Any]) -> None:
+    def _commit(self, manifest: ShardManifest) -> None:
         """Manifest first, shard last: the shard's rename is the commit point (see the module docstring)."""
-        text = json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
-        manifest_temp = write_temp(self.manifest_path, text.encode())
+        manifest_temp = write_temp(self.manifest_path, json_text(manifest.dump()).encode())
         # A redo: the old shard goes before the new manifest is put in, so the two never meet.
         self.path.unlink(missing_ok=True)
         os.replace(manifest_temp, self.manifest_path)
@@ -432,21 +440,28 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def decode_metadata(header: dict[str, Any]) -> dict[str, Any]:
-    return {k: _meta_value(k, v) for k, v in header["__metadata__"].items()}
+def decode_metadata(header: dict[str, Any], path: Path) -> ShardHeader:
+    """The header's metadata as its record; one line naming the shard and the field when it does not fit."""
+    try:
+        return ShardHeader.model_validate({k: _meta_value(k, v) for k, v in header["__metadata__"].items()})
+    except json.JSONDecodeError as err:
+        raise ShardCorruptError(f"{path}: a header metadata value is not valid JSON ({err})") from None
+    except ValidationError as err:
+        raise ShardCorruptError(validation_message(path, err)) from None
 
 
-def manifest_from_header(path: Path, final: Path | None = None) -> dict[str, Any]:
+def read_shard_header(path: Path) -> ShardHeader:
+    """A shard's header metadata, checked (`read_header`) and typed, without opening its tensors."""
+    return decode_metadata(read_header(path)[0], path)
+
+
+def manifest_from_header(path: Path, final: Path | None = None) -> ShardManifest:
     """The manifest beside a shard: its header metadata (without per-sample digests), size and name.
 
     `final`: the name the shard will have, when `path` is its temporary file not yet renamed.
     """
-    header, _ = read_header(path)
-    meta = decode_metadata(header)
-    meta.pop("sample_digests")
-    meta.pop("format", None)
     name = final or path
-    return {"key": name.stem, "file": name.name, "bytes": path.stat().st_size, **meta}
+    return ShardManifest.of(read_shard_header(path), key=name.stem, file=name.name, size=path.stat().st_size)
 
 
 @dataclass(frozen=True)
@@ -467,15 +482,15 @@ class ShardReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.header, self._data_start = read_header(path)
-        self.metadata = decode_metadata(self.header)
-        self._all_ids: list[str] = self.metadata["sample_ids"]
-        self._digests: list[str] = self.metadata["sample_digests"]
-        failed = self.metadata["failed"]
+        self.meta = decode_metadata(self.header, path)
+        self._all_ids = self.meta.sample_ids
+        self._digests = self.meta.sample_digests
+        failed = self.meta.failed
         self._index = [i for i, s in enumerate(self._all_ids) if s not in failed]
         self._file = open(path, "rb")  # noqa: SIM115 (closed by close(); the mmap outlives __init__)
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         self._offsets = np.frombuffer(self._raw("offsets", 0, len(self._all_ids) + 1), dtype=np.int64).copy()
-        if not np.array_equal(np.diff(self._offsets), np.asarray(self.metadata["lengths"], dtype=np.int64)):
+        if not np.array_equal(np.diff(self._offsets), np.asarray(self.meta.lengths, dtype=np.int64)):
             raise ShardCorruptError(f"{path}: the offsets tensor does not match the recorded lengths")
 
     @property
@@ -484,7 +499,7 @@ class ShardReader:
 
     @property
     def lengths(self) -> list[int]:
-        return [int(self.metadata["lengths"][i]) for i in self._index]
+        return [self.meta.lengths[i] for i in self._index]
 
     def __len__(self) -> int:
         return len(self._index)
@@ -578,7 +593,7 @@ class ShardReader:
         total = int(self._offsets[-1])
         input_ids = self._tensor("input_ids", 0, total, None)
         loss_mask = self._tensor("loss_mask", 0, total, None)
-        failed = self.metadata["failed"]
+        failed = self.meta.failed
         for j, sample_id in enumerate(self._all_ids):
             if sample_id in failed and bool(loss_mask[self._offsets[j] : self._offsets[j + 1]].any()):
                 raise ShardCorruptError(f"{self.path}: failed sample {sample_id[:12]} has loss-masked rows")
@@ -600,7 +615,7 @@ class ShardReader:
         h.update(self._offsets.tobytes())
         for d in self._digests:
             h.update(bytes.fromhex(d))
-        if h.hexdigest() != self.metadata["checksum"]:
+        if h.hexdigest() != self.meta.checksum:
             problems.append(f"{self.path}: whole-shard checksum mismatch")
         return problems
 

@@ -11,18 +11,17 @@ whose manifest was lost (`eagle3 verify --repair` rewrites it).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from eagle3_core.errors import ShardCorruptError
+from eagle3_core.errors import RecordError, ShardCorruptError
 from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
+from eagle3_core.store.records import ConversationManifest, ShardManifest
 
 COLUMNS = ("samples", "tokens", "loss_tokens", "errors", "truncated_samples", "truncated_tokens", "bytes")
 HEADERS = ("samples", "tokens", "loss tokens", "errors", "truncated", "tokens cut", "bytes")
@@ -48,21 +47,16 @@ class StoreStats:
         return {c: sum(r.values.get(c, 0) for r in self.shards) for c in COLUMNS}
 
 
-def shard_errors(counts: dict[str, int]) -> int:
-    """Samples of a shard that did not make it: failed extraction, dropped at tokenisation, failed regeneration."""
-    return counts["failed"] + counts.get("dropped", 0) + counts.get("regeneration_errors", 0)
-
-
-def _row(manifest: dict[str, Any]) -> dict[str, int]:
-    c = manifest["counts"]
+def _row(manifest: ShardManifest) -> dict[str, int]:
+    c = manifest.counts
     return {
-        "samples": c["samples"],
-        "tokens": c["tokens"],
-        "loss_tokens": c["loss_tokens"],
-        "errors": shard_errors(c),
-        "truncated_samples": c.get("truncated_samples", 0),
-        "truncated_tokens": c.get("truncated_tokens", 0),
-        "bytes": manifest["bytes"],
+        "samples": c.samples,
+        "tokens": c.tokens,
+        "loss_tokens": c.loss_tokens,
+        "errors": c.errors,
+        "truncated_samples": c.truncated_samples,
+        "truncated_tokens": c.truncated_tokens,
+        "bytes": manifest.bytes,
     }
 
 
@@ -85,14 +79,14 @@ def store_stats(root: Path) -> StoreStats:
         if not shard_done(root, key):
             stats.incomplete.append(key)
             continue
-        manifest = json.loads(layout.hidden_states_manifest(key).read_text())
-        stats.shards.append(ShardRow(manifest["key"], _row(manifest)))
+        manifest = ShardManifest.read(layout.hidden_states_manifest(key))
+        stats.shards.append(ShardRow(manifest.key, _row(manifest)))
     rejected: dict[str, int] = {}
     for manifest_path in sorted((root / "conversations").glob("*.json")):
-        manifest = json.loads(manifest_path.read_text())
-        stats.conversations += manifest["samples"]
-        stats.heldout += manifest["heldout_samples"]
-        for reason, n in manifest["rejected"].items():
+        conversations = ConversationManifest.read(manifest_path)
+        stats.conversations += conversations.samples
+        stats.heldout += conversations.heldout_samples
+        for reason, n in conversations.rejected.items():
             rejected[reason] = rejected.get(reason, 0) + n
     stats.rejected = dict(sorted(rejected.items()))
     return stats
@@ -127,13 +121,10 @@ def verify_shard(path: Path) -> VerifyResult:
         )
     elif not problems:
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            manifest = None  # unreadable: reported as not matching, like any other damage
-        if (
-            not isinstance(manifest, dict)
-            or manifest.get("header_checksum") != manifest_from_header(path)["header_checksum"]
-        ):
+            recorded = ShardManifest.read(manifest_path).header_checksum
+        except RecordError:
+            recorded = None  # unreadable: reported as not matching, like any other damage
+        if recorded != manifest_from_header(path).header_checksum:
             problems.append(f"{manifest_path}: manifest does not match its shard's header")
     return VerifyResult(path, problems)
 

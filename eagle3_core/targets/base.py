@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from eagle3_core.conventions import FinalStateConvention
+from eagle3_core.store.records import TargetFacts
 
 if TYPE_CHECKING:  # annotations only: the target directory is checked (targets/resolve.py) without torch
     import torch
@@ -29,15 +30,16 @@ class TargetInfo:
     dtype: str
     device: str
 
-    def as_metadata(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "fingerprint": self.fingerprint,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-            "compute_dtype": self.dtype,
-        }
+    def facts(self) -> TargetFacts:
+        """The target as a shard's header records it."""
+        return TargetFacts(
+            name=self.name,
+            fingerprint=self.fingerprint,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            compute_dtype=self.dtype,
+        )
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
 from eagle3_core.data.sources import chitchat_turns
-from eagle3_core.store.atomic import atomic_directory, atomic_write_json
+from eagle3_core.store.atomic import atomic_directory
+from eagle3_core.store.records import Record
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
 from eagle3_core.toy.tokenizer import train_tokenizer
@@ -45,8 +45,8 @@ BUILD_THREADS = 2
 Log = Callable[[str], None]
 
 
-class ToyTargetReport(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class ToyTargetReport(Record):
+    """toy_target.json beside a toy target: what was built, from what, and how well it learned."""
 
     size: str
     seed: int
@@ -67,6 +67,10 @@ class ToyTargetReport(BaseModel):
     build_seconds: float
     fingerprint: str
     code_version: str = TOY_CODE_VERSION
+
+    @classmethod
+    def of_target(cls, directory: Path) -> ToyTargetReport:
+        return cls.read(directory / REPORT_FILE)
 
 
 # ---- data -------------------------------------------------------------------------------------------------
@@ -354,7 +358,7 @@ def _build(out_dir: Path, preset: ToyPreset, seed: int, steps: int | None, log: 
         build_seconds=round(time.monotonic() - started, 2),
         fingerprint=_fingerprint(out_dir),
     )
-    atomic_write_json(out_dir / REPORT_FILE, report.model_dump())
+    report.write(out_dir / REPORT_FILE)
     return report
 
 

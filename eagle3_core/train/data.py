@@ -20,27 +20,76 @@ import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import FLEX_BLOCK, Packing
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.records import ShardHeader
 from eagle3_core.store.shards import DTYPES, ShardReader
 from eagle3_core.train.loss import drafted_entries
 
-# Header facts every shard of one training run must share: mixing them would train on two different targets,
-# layer choices or conventions at once.
-SHARED_FACTS = (
-    "hidden_size",
-    "num_aux",
-    "aux_layer_ids",
-    "aux_layer_convention",
-    "final_state_convention",
-    "tokenizer_fingerprint",
-)
+
+@dataclass(frozen=True)
+class TrainedFrom:
+    """What a run records of the states it trained on (its summary), each required."""
+
+    target_fingerprint: str
+    aux_layer_ids: list[int]
+    aux_layer_convention: str
+    final_state_convention: FinalStateConvention
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """Header facts every shard of one training run must share: mixing them would train on two different
+    targets, layer choices or conventions at once. None where a shard does not record the fact."""
+
+    hidden_size: int
+    num_aux: int
+    aux_layer_ids: list[int] | None
+    aux_layer_convention: str | None
+    final_state_convention: FinalStateConvention | None
+    tokenizer_fingerprint: str | None
+    target_fingerprint: str | None
+
+    @classmethod
+    def of(cls, header: ShardHeader) -> TrainingFacts:
+        return cls(
+            hidden_size=header.hidden_size,
+            num_aux=header.num_aux,
+            aux_layer_ids=header.aux_layer_ids,
+            aux_layer_convention=header.aux_layer_convention,
+            final_state_convention=header.final_state_convention,
+            tokenizer_fingerprint=header.tokenizer_fingerprint,
+            target_fingerprint=header.target.fingerprint if header.target is not None else None,
+        )
+
+    def differences(self, other: TrainingFacts) -> dict[str, tuple[object, object]]:
+        mine, theirs = asdict(self), asdict(other)
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
+    def trained_from(self) -> TrainedFrom:
+        """The facts a run summary records: refused (before anything trains) where the shards lack one."""
+        if (
+            self.target_fingerprint is None
+            or self.aux_layer_ids is None
+            or self.aux_layer_convention is None
+            or self.final_state_convention is None
+        ):
+            raise Eagle3Error(
+                f"the shards record no target fingerprint, aux layers or final-state convention ({self}); "
+                "extract them again"
+            )
+        return TrainedFrom(
+            self.target_fingerprint,
+            self.aux_layer_ids,
+            self.aux_layer_convention,
+            self.final_state_convention,
+        )
 
 
 @dataclass(frozen=True)
@@ -73,14 +122,11 @@ class TrainingData:
         if not self.refs:
             raise Eagle3Error("the hidden-state shards hold no samples")
 
-    def _shared_facts(self) -> dict[str, Any]:
+    def _shared_facts(self) -> TrainingFacts:
         first = self.readers[0]
-        facts = {name: first.metadata.get(name) for name in SHARED_FACTS}
-        facts["target_fingerprint"] = first.metadata.get("target", {}).get("fingerprint")
+        facts = TrainingFacts.of(first.meta)
         for reader in self.readers[1:]:
-            other = {name: reader.metadata.get(name) for name in SHARED_FACTS}
-            other["target_fingerprint"] = reader.metadata.get("target", {}).get("fingerprint")
-            diff = {k: (facts[k], other[k]) for k in facts if facts[k] != other[k]}
+            diff = facts.differences(TrainingFacts.of(reader.meta))
             if diff:
                 raise Eagle3Error(
                     f"{reader.path.name} differs from {first.path.name} in {sorted(diff)}: {diff}; "
@@ -123,7 +169,7 @@ class TrainingData:
         facts = self.readers[first.shard if first is not None else 0]
         aux_width = int(facts.header["aux_hidden_states"]["shape"][1])
         hidden = int(facts.header["last_hidden_states"]["shape"][1])
-        dtype = DTYPES[facts.metadata["store_dtype"]][0]
+        dtype = DTYPES[facts.meta.store_dtype][0]
         input_ids = torch.zeros(b, t, dtype=torch.int32, pin_memory=pin)
         loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
         aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from eagle3_core.config import DrafterVariant, TrainConfig
+from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
@@ -170,7 +171,7 @@ class Setup:
     t2d: torch.Tensor
     attention: AttentionBackend
     autocast_bf16: bool
-    convention: str
+    convention: FinalStateConvention
 
     def autocast(self) -> Any:
         if not self.autocast_bf16:
@@ -180,7 +181,7 @@ class Setup:
 
 def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
     def target_logits(last: torch.Tensor) -> torch.Tensor:
-        return s.head.logits(last, s.convention)  # type: ignore[arg-type]
+        return s.head.logits(last, s.convention)
 
     chunk = default_chunk_tokens(s.head.lm_head.shape[0])
     doc, drafted = (batch.packing.doc, batch.packing.drafted) if batch.packing is not None else (None, None)
@@ -343,7 +344,7 @@ def build_setup(
         mapping.t2d.to(world.device),
         attention,
         bf16,
-        data.facts["final_state_convention"],
+        data.facts.trained_from().final_state_convention,
     )
 
 
@@ -362,18 +363,17 @@ def compile_layer(drafter: Eagle3Drafter) -> None:
 
 def _check_inputs(data: TrainingData, mapping: VocabMapping, dcfg: DrafterConfig) -> None:
     facts = data.facts
-    if facts["tokenizer_fingerprint"] != mapping.tokenizer_fingerprint:
+    facts.trained_from()  # what the summary will record: refused now, not after training
+    if facts.tokenizer_fingerprint != mapping.tokenizer_fingerprint:
         raise Eagle3Error("the vocab mapping was built for another tokenizer than the shards'; rebuild it")
     if mapping.target_vocab_size != dcfg.target_vocab_size:
         raise Eagle3Error(
             f"vocab mapping over {mapping.target_vocab_size} ids, target vocab {dcfg.target_vocab_size}"
         )
-    if facts["hidden_size"] != dcfg.target_hidden_size:
+    if facts.hidden_size != dcfg.target_hidden_size:
         raise Eagle3Error(
-            f"shards hold hidden size {facts['hidden_size']}, the target has {dcfg.target_hidden_size}"
+            f"shards hold hidden size {facts.hidden_size}, the target has {dcfg.target_hidden_size}"
         )
-    if facts["final_state_convention"] not in ("pre_norm", "post_norm"):
-        raise Eagle3Error(f"shards record no final-state convention ({facts['final_state_convention']!r})")
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def _train(
     train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
     cfg = _fit_batch_tokens(cfg, dcfg, world, data.refs, train_refs, val_refs)
     run_dir = runs_dir / run_id(
-        cfg, mapping, str(data.facts["target_fingerprint"]), dcfg, warm.run if warm else None
+        cfg, mapping, str(data.facts.target_fingerprint), dcfg, warm.run if warm else None
     )
     if (run_dir / FINAL / SUMMARY).exists():
         log(f"run {run_dir.name} already finished; nothing to train")
@@ -614,7 +614,7 @@ def _summary(
     warm: WarmStart | None,
 ) -> RunSummary:
     """final/summary.json: what the run was trained from and with, and its last validation."""
-    facts = s.data.facts
+    facts = s.data.facts.trained_from()
     final_val = [r for r in read_metrics(run_dir) if r["kind"] == "val"] if s.world.is_main else []
     val_report = {k: v for k, v in final_val[-1].items() if k not in ("kind", "step")} if final_val else {}
     return RunSummary(
@@ -625,10 +625,10 @@ def _summary(
         val=val_report,
         drafter_config=dcfg.model_dump(),
         vocab_mapping=s.mapping.fingerprint,
-        target_fingerprint=facts["target_fingerprint"],
-        aux_layer_ids=facts["aux_layer_ids"],
-        aux_layer_convention=facts["aux_layer_convention"],
-        final_state_convention=facts["final_state_convention"],
+        target_fingerprint=facts.target_fingerprint,
+        aux_layer_ids=facts.aux_layer_ids,
+        aux_layer_convention=facts.aux_layer_convention,
+        final_state_convention=facts.final_state_convention,
         train_samples=train_samples,
         val_samples=val_samples,
         world_size=s.world.size,

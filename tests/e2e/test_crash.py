@@ -62,4 +62,4 @@ def test_sigkill_mid_extraction_then_resume(tmp_path: Path, toy_target_dir: Path
             if '"split":"train"' in line
         }
         assert set(shard.sample_ids) <= train_ids
-        assert len(shard) + len(shard.metadata["dropped"]) == len(train_ids)  # none lost, none doubled
+        assert len(shard) + len(shard.meta.dropped or {}) == len(train_ids)  # none lost, none doubled

@@ -220,9 +220,9 @@ def test_killed_shard_run_resumes_through_a_graphql_backfill_then_trains_by_auto
         train_ids = _train_ids(layout, key)
         with ShardReader(layout.hidden_states(key)) as shard:
             assert set(shard.sample_ids) <= train_ids
-            assert len(shard) + len(shard.metadata["dropped"]) == len(train_ids), key
+            assert len(shard) + len(shard.meta.dropped or {}) == len(train_ids), key
             extracted += len(shard)
-            lost += len(shard.metadata["dropped"])
+            lost += len(shard.meta.dropped or {})
         total_train += len(train_ids)
     assert extracted + lost == total_train == sum(s.samples - s.heldout for s in report.new_shards)
     assert set(_status(env, config).values()) == {"materialized"}

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from eagle3_core.config import TargetConfig
-from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.specdec import DraftDecoder, Sampling
 from eagle3_core.targets.gpu_memory import GpuMemoryNotReleased, held_bytes
 from eagle3_core.targets.hf import TransformersTarget
+from tests.fakes import tiny_drafter_config
 from tests.helpers import save_tiny_chat_target
 
 pytestmark = pytest.mark.gpu
@@ -46,12 +47,10 @@ def test_a_tensor_kept_alive_fails_the_release(tmp_path: Path) -> None:
 
 def test_the_captured_round_drafts_what_the_eager_round_drafts() -> None:
     torch.manual_seed(0)
-    cfg = DrafterConfig(
+    cfg = tiny_drafter_config(
         target_hidden_size=256,
         hidden_size=256,
         intermediate_size=512,
-        num_heads=4,
-        num_kv_heads=2,
         target_vocab_size=1000,
         draft_vocab_size=500,
     )

@@ -15,7 +15,7 @@ from tests.conftest import FIXTURES, write_config
 from tests.helpers import save_tiny_chat_target
 
 
-def test_materialize_one_shard_through_all_three_assets(tmp_path: Path) -> None:
+def test_materialize_one_shard_through_all_three_assets(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     target_dir = save_tiny_chat_target(tmp_path / "target")
     shutil.copy(FIXTURES / "bad_rows.jsonl", tmp_path / "rows.jsonl")
     config_path = write_config(
@@ -26,7 +26,6 @@ def test_materialize_one_shard_through_all_three_assets(tmp_path: Path) -> None:
     )
     cfg = load_config(config_path)
     [key] = ingest(cfg).all_shards
-    instance = dg.DagsterInstance.ephemeral()
     assert add_shard_partitions(instance, [key]) == [key]
     eagle3 = Eagle3Resource(config_path=str(config_path))
     result = dg.materialize(
@@ -59,9 +58,10 @@ def test_materialize_one_shard_through_all_three_assets(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", ["data: {shard_size: -1}\n"])
-def test_a_bad_config_fails_the_run_with_the_field_named(tmp_path: Path, bad: str) -> None:
+def test_a_bad_config_fails_the_run_with_the_field_named(
+    tmp_path: Path, bad: str, instance: dg.DagsterInstance
+) -> None:
     config_path = write_config(tmp_path, bad)
-    instance = dg.DagsterInstance.ephemeral()
     add_shard_partitions(instance, ["chat-00000"])
     eagle3 = Eagle3Resource(config_path=str(config_path))
     result = dg.materialize(

@@ -26,7 +26,9 @@ def _evaluations(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
 
-def test_shard_checks_through_dagster_and_a_corrupted_shard_fails_integrity(tmp_path: Path) -> None:
+def test_shard_checks_through_dagster_and_a_corrupted_shard_fails_integrity(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
     target_dir = save_tiny_chat_target(tmp_path / "target")
     shutil.copy(FIXTURES / "bad_rows.jsonl", tmp_path / "rows.jsonl")
     config_path = write_config(
@@ -38,7 +40,6 @@ def test_shard_checks_through_dagster_and_a_corrupted_shard_fails_integrity(tmp_
     )
     cfg = load_config(config_path)
     [key] = ingest(cfg).all_shards
-    instance = dg.DagsterInstance.ephemeral()
     add_shard_partitions(instance, [key])
     eagle3 = Eagle3Resource(config_path=str(config_path))
     resources = {"eagle3": eagle3, "target": TargetResource(eagle3=eagle3)}

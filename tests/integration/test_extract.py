@@ -66,9 +66,9 @@ def test_stored_aux_rows_are_output_hidden_states_k(
     result = extract_step(cfg, key, target)
     assert result.metadata["samples"] == 12
     with ShardReader(result.path) as shard:
-        assert shard.metadata["aux_layer_ids"] == [1, 4, 6]
-        assert shard.metadata["aux_layer_convention"] == "input_of_layer"
-        assert shard.metadata["final_state_convention"] == "post_norm"
+        assert shard.meta.aux_layer_ids == [1, 4, 6]
+        assert shard.meta.aux_layer_convention == "input_of_layer"
+        assert shard.meta.final_state_convention == "post_norm"
         for i in range(len(shard)):
             s = shard.sample(i)
             with torch.inference_mode():

@@ -3,7 +3,7 @@ daemon ticks it: a dropped file's shards are added as partitions with one run re
 later tick hands over nothing twice."""
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import dagster as dg
@@ -28,12 +28,6 @@ def project(tmp_path: Path) -> Path:
         "store: store\ndata: {dataset: t, shard_size: 2}\n"
         "orchestration: {inbox: inbox, inbox_min_age_seconds: 0}\n",
     )
-
-
-@pytest.fixture
-def instance() -> Iterator[dg.DagsterInstance]:
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def _drop(config: Path, name: str, rows: Iterable[int]) -> None:

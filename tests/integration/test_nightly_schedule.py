@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -19,12 +18,6 @@ from eagle3_dagster.defs.schedules import build_nightly_schedule
 from tests.conftest import REPO, write_config
 
 DRAFTER_HALF = {"vocab_mapping", "drafter_checkpoint", "drafter_export", "drafter_eval", "drafter_current"}
-
-
-@pytest.fixture
-def instance() -> Iterator[dg.DagsterInstance]:
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def test_it_runs_at_0200_utc_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

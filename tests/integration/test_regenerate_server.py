@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import write_config
+from tests.fakes import free_port
 from tests.helpers import save_tiny_chat_target
 
 KEY = "srv-00000"
@@ -107,16 +107,10 @@ def setup(
     return _prepare(tmp_path_factory.mktemp("regen-server"), toy_target_dir)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def transformers_serve(model_dir: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`transformers serve MODEL` on a free loopback port, in its own process group, stopped by its PID."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [str(TRANSFORMERS_CLI), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--device", "cpu", "--log-level", "warning"]

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -35,8 +33,9 @@ from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.resolve import open_extraction_target
 from eagle3_core.targets.sglang import SGLangHttpBackend
 from tests.conftest import FIXTURES, write_config
+from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 from tests.helpers import save_tiny_chat_target
-from tests.integration.test_sglang_client import FakeSGLang, _Handler, _Server
+from tests.integration.test_sglang_client import FakeSGLang
 
 H = 32  # the tiny target's hidden size
 AUX = (1, 4, 6)
@@ -77,34 +76,32 @@ class HiddenStatesFake(FakeSGLang):
     first_widths: list[int] = field(default_factory=list)  # widths of the first answers (capture not on yet)
 
 
-class _HiddenStatesHandler(_Handler):
-    def _fake(self) -> HiddenStatesFake:
-        return cast(HiddenStatesFake, self.server.fake)
+class HiddenStatesHandler(FakeHandler):
+    server: FakeHTTPServer[HiddenStatesFake]
 
     def do_GET(self) -> None:
-        info = self._fake().server_info
-        if self.path != self._fake().info_route or info is None:
-            return self._send(404, b'{"detail":"Not Found"}')
-        self._send(200, json.dumps(info).encode())
+        fake = self.server.state
+        if self.path != fake.info_route or fake.server_info is None:
+            return self.reply(404, b'{"detail":"Not Found"}')
+        self.reply(200, fake.server_info)
 
     def do_POST(self) -> None:
-        fake = self._fake()
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        fake = self.server.state
+        body = self.json_body()
         with fake.lock:
             fake.received.append(body)
         if self.path != "/generate":
-            return self._send(404, b'{"detail":"Not Found"}')
+            return self.reply(404, b'{"detail":"Not Found"}')
         if fake.status != 200:
-            return self._send(fake.status, fake.error_body)
+            return self.reply(fake.status, fake.error_body)
         kinds = [fake.kinds.get(tuple(ids), "good") for ids in body["input_ids"]]
         if "unencodable" in kinds:
             # a NaN in the states, before 0.5.23: FastAPI's encoder raises "Out of range float values are not
             # JSON compliant" (0.5.23 answers through orjson, which writes null: the "nan" fixture)
-            return self._send(500, b"Internal Server Error")
+            return self.reply(500, b"Internal Server Error")
         with fake.lock:
             width = fake.first_widths.pop(0) if fake.first_widths else fake.width
-        answers = [answer(k, ids, width) for k, ids in zip(kinds, body["input_ids"], strict=True)]
-        self._send(200, json.dumps(answers).encode())
+        self.reply(200, [answer(k, ids, width) for k, ids in zip(kinds, body["input_ids"], strict=True)])
 
 
 def extraction_server_info(layer_ids: tuple[int, ...] = AUX) -> dict[str, Any]:
@@ -121,17 +118,10 @@ def extraction_server_info(layer_ids: tuple[int, ...] = AUX) -> dict[str, Any]:
 
 @pytest.fixture
 def server() -> Iterator[HiddenStatesFake]:
-    httpd = _Server(("127.0.0.1", 0), _HiddenStatesHandler)
-    fake = HiddenStatesFake(
-        url=f"http://127.0.0.1:{httpd.server_address[1]}", server_info=extraction_server_info()
-    )
-    httpd.fake = fake
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield fake
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=10)
+    fake = HiddenStatesFake(server_info=extraction_server_info())
+    with FakeHTTPServer(HiddenStatesHandler, fake) as httpd:
+        fake.url = httpd.url
+        yield fake
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +191,8 @@ def test_extraction_stores_the_good_samples_and_counts_the_bad_with_their_reason
     assert "HTTP 500 for this sample, alone too" in failed[ids[7]]
     with ShardReader(result.path) as shard:
         assert sorted(shard.sample_ids) == sorted(set(ids) - set(bad))  # the bad ones never reach a reader
-        assert shard.metadata["aux_layer_ids"] == list(AUX)
-        assert shard.metadata["final_state_convention"] == "post_norm"
+        assert shard.meta.aux_layer_ids == list(AUX)
+        assert shard.meta.final_state_convention == "post_norm"
         for i in range(len(shard)):
             s = shard.sample(i)
             sent = tokens[s.sample_id]
@@ -239,8 +229,8 @@ def test_a_short_response_is_never_stored(
     with ShardReader(result.path) as shard:
         assert short not in shard.sample_ids and len(shard) == 3
         # its place in the file holds zeros, not the rows SGLang sent
-        j = shard.metadata["sample_ids"].index(short)
-        first = sum(shard.metadata["lengths"][:j])
+        j = shard.meta.sample_ids.index(short)
+        first = sum(shard.meta.lengths[:j])
         input_ids, loss_mask = shard.all_tokens()
         assert not input_ids[first : first + n].any() and not loss_mask[first : first + n].any()
 
@@ -342,9 +332,7 @@ def test_a_server_failing_every_sample_stops_the_run(tiny_target_dir: Path, serv
 
 
 def test_an_unreachable_server_is_named(tiny_target_dir: Path) -> None:
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port that was free a moment ago: nothing listens there
     with pytest.raises(SGLangError, match=rf"server at http://127.0.0.1:{port}/server_info is unreachable"):
         SGLangHttpBackend(f"http://127.0.0.1:{port}", tiny_target_dir, TargetConfig(aux_layer_ids=AUX))
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 
 from eagle3_core.engines.sglang_client import SGLangError, benchmark_sglang
 from tests.conftest import FIXTURES
+from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 
 SPEC = ("generate_spec_length.json", "generate_spec_stop.json", "generate_spec_hard.json")
 
@@ -40,60 +39,41 @@ class FakeSGLang:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    fake: FakeSGLang
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class FakeSGLangHandler(FakeHandler):
+    server: FakeHTTPServer[FakeSGLang]
 
     def do_POST(self) -> None:
-        fake = self.server.fake
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        fake = self.server.state
+        body = self.json_body()
         with fake.lock:
             fake.received.append(body)
             fake.content_types.append(self.headers.get("Content-Type", ""))
         if self.path != "/generate":
-            return self._send(404, b'{"detail":"Not Found"}')
+            return self.reply(404, b'{"detail":"Not Found"}')
         if fake.barrier is not None:
             try:
                 fake.barrier.wait()  # the barrier's own timeout
             except threading.BrokenBarrierError:
-                return self._send(500, b"requests did not overlap")
+                return self.reply(500, b"requests did not overlap")
         time.sleep(fake.delay_s)
         if fake.status != 200:
-            return self._send(fake.status, fake.error_body)
+            return self.reply(fake.status, fake.error_body)
         n = len(body["input_ids"])
         response = fake.responses.get(n) or {
             **fake.default,
             "meta_info": {**fake.default["meta_info"], "prompt_tokens": n},
         }
-        self._send(200, json.dumps(response).encode())
-
-    def _send(self, status: int, payload: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json" if payload.startswith(b"{") else "text/plain")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, format: str, *args: Any) -> None:  # keep pytest's output clean
-        pass
+        self.reply(200, response)
 
 
 @pytest.fixture
 def sglang() -> Iterator[FakeSGLang]:
-    server = _Server(("127.0.0.1", 0), _Handler)
-    fake = FakeSGLang(url=f"http://127.0.0.1:{server.server_address[1]}")
-    fake.responses = {load(n)["meta_info"]["prompt_tokens"]: load(n) for n in SPEC}  # 42, 17 and 64 tokens
-    server.fake = fake
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield fake
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    fake = FakeSGLang(
+        responses={load(n)["meta_info"]["prompt_tokens"]: load(n) for n in SPEC}
+    )  # 42, 17, 64 tokens
+    with FakeHTTPServer(FakeSGLangHandler, fake) as server:
+        fake.url = server.url
+        yield fake
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -189,10 +169,7 @@ def test_a_server_that_counts_other_prompt_tokens_is_refused(sglang: FakeSGLang)
 
 
 def test_an_unreachable_server_names_the_url() -> None:
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port that was free a moment ago: nothing listens there
     with pytest.raises(SGLangError, match=rf"server at {url}/generate is unreachable"):
         benchmark_sglang(url, prompts(1), max_new_tokens=8, timeout_s=5)
 

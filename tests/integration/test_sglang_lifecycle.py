@@ -34,6 +34,7 @@ from eagle3_core.engines.sglang_server import (
     proc_stat,
 )
 from eagle3_core.store.layout import StoreLayout
+from tests.fakes import free_port
 
 FAKE_SERVER = r"""
 import signal, subprocess, sys, time
@@ -77,12 +78,6 @@ HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
 # Long enough that a loaded 2-core machine still sees a well-behaved server (and its child) exit on SIGTERM:
 # two full suite runs saw a group outlive 0.5 s and 3 s there, and get SIGKILL (each file alone passes).
 GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import acceptance
 from eagle3_core.evaluate.specdec import (
     DraftDecoder,
@@ -13,6 +13,7 @@ from eagle3_core.evaluate.specdec import (
     verify_sampled,
 )
 from eagle3_core.targets.hf import load_causal_lm
+from tests.fakes import tiny_drafter_config
 from tests.helpers import save_tiny_llama
 
 
@@ -24,12 +25,10 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> object:
 
 def _drafter(t2d_ids: torch.Tensor, seed: int) -> tuple[Eagle3Drafter, torch.Tensor]:
     torch.manual_seed(seed)
-    cfg = DrafterConfig(
+    cfg = tiny_drafter_config(
         target_hidden_size=32,
         hidden_size=32,
         intermediate_size=64,
-        num_heads=4,
-        num_kv_heads=2,
         target_vocab_size=64,
         draft_vocab_size=t2d_ids.numel(),
     )
@@ -184,14 +183,8 @@ def test_speculative_sampling_matches_the_target_distribution_through_real_model
     path = save_tiny_llama(tmp_path_factory.mktemp("sample") / "t", layers=6, hidden=16, vocab=8, seed=3)
     model = _peaked(load_causal_lm(path, torch.device("cpu"), torch.float64), 60.0)
     torch.manual_seed(1)
-    cfg = DrafterConfig(
-        target_hidden_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        target_vocab_size=8,
-        draft_vocab_size=5,
+    cfg = tiny_drafter_config(
+        target_hidden_size=16, hidden_size=16, intermediate_size=32, target_vocab_size=8, draft_vocab_size=5
     )
     drafter = _peaked(Eagle3Drafter(cfg).double().eval(), 30.0)
     d2t = torch.tensor([0, 1, 3, 4, 6]) - torch.arange(5)

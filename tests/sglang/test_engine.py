@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.sglang import SGLangEngineBackend, SGLangHttpBackend
 from tests.conftest import REPO
+from tests.fakes import free_port
 from tests.helpers import save_tiny_chat_target
 
 pytestmark = pytest.mark.sglang
@@ -130,16 +130,10 @@ def test_a_shared_prefix_and_any_batch_give_every_row(engine: SGLangEngineBacken
     assert rel(longer.aux[: len(base)], alone.aux) < BF16_REL  # causal: the prefix's rows do not change
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_an_http_server_with_the_capture_hooks_gives_the_same_states(
     model_dir: Path, reference: TransformersTarget, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),

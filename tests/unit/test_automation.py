@@ -1,5 +1,5 @@
-"""The drafter half's automation, evaluated tick by tick against a real (ephemeral) instance: training is
-requested once, when the last shard lands, never while one is missing, and not again for a hand re-run."""
+"""The drafter half's automation, evaluated tick by tick against a real instance (the conftest's): training
+is requested once, when the last shard lands, never while one is missing, and not again for a hand re-run."""
 
 import dagster as dg
 import pytest
@@ -61,8 +61,9 @@ def _tick(instance: dg.DagsterInstance, cursor: object = None) -> dg.EvaluateAut
     )  # type: ignore[arg-type]
 
 
-def test_training_is_requested_once_when_the_last_shard_lands_and_not_for_a_hand_rerun() -> None:
-    instance = dg.DagsterInstance.ephemeral()
+def test_training_is_requested_once_when_the_last_shard_lands_and_not_for_a_hand_rerun(
+    instance: dg.DagsterInstance,
+) -> None:
     instance.add_dynamic_partitions("shards", SHARDS)
     result = _tick(instance)
     assert result.total_requested == 0  # nothing extracted yet
@@ -92,8 +93,7 @@ def test_training_is_requested_once_when_the_last_shard_lands_and_not_for_a_hand
     assert result.total_requested == 0
 
 
-def test_a_new_shard_that_is_not_extracted_yet_holds_training_back() -> None:
-    instance = dg.DagsterInstance.ephemeral()
+def test_a_new_shard_that_is_not_extracted_yet_holds_training_back(instance: dg.DagsterInstance) -> None:
     instance.add_dynamic_partitions("shards", SHARDS[:2])
     result = _tick(instance)
     _land(instance, "hidden_states", SHARDS[0])
@@ -110,8 +110,7 @@ def test_the_automation_sensor_runs_by_default() -> None:
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
 
 
-def test_a_drafter_the_gate_refused_is_not_promoted() -> None:
-    instance = dg.DagsterInstance.ephemeral()
+def test_a_drafter_the_gate_refused_is_not_promoted(instance: dg.DagsterInstance) -> None:
     instance.add_dynamic_partitions("shards", SHARDS[:1])
     _land(instance, "hidden_states", SHARDS[0])
     result = _tick(instance)
@@ -126,8 +125,9 @@ def test_the_shard_checks_that_training_waits_on_are_blocking() -> None:
     assert BLOCKING_SHARD_CHECKS == ["shard_complete", "shard_integrity"]
 
 
-def test_a_shard_failing_a_blocking_check_holds_training_back_until_it_passes() -> None:
-    instance = dg.DagsterInstance.ephemeral()
+def test_a_shard_failing_a_blocking_check_holds_training_back_until_it_passes(
+    instance: dg.DagsterInstance,
+) -> None:
     instance.add_dynamic_partitions("shards", SHARDS[:1])
     _shard_run(instance, SHARDS[0], passed=False)
     result = _tick(instance)
@@ -138,8 +138,7 @@ def test_a_shard_failing_a_blocking_check_holds_training_back_until_it_passes() 
     assert result.get_num_requested(dg.AssetKey("drafter_checkpoint")) == 1
 
 
-def test_one_failing_shard_among_passing_ones_holds_training_back() -> None:
-    instance = dg.DagsterInstance.ephemeral()
+def test_one_failing_shard_among_passing_ones_holds_training_back(instance: dg.DagsterInstance) -> None:
     instance.add_dynamic_partitions("shards", SHARDS)
     for shard in SHARDS:
         _shard_run(instance, shard, passed=shard != SHARDS[1])

@@ -13,6 +13,7 @@ from eagle3_core.draft.vocab import build_vocab_mapping, save_vocab_mapping
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.checks import reject_rate, shard_complete, shard_integrity, vocab_coverage
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import ShardWriter, read_header
 from tests.conftest import FIXTURES, write_config
 
@@ -37,14 +38,14 @@ def _extract(root: Path, key: str, *, skip: int = 0, failed: int = 0, dropped: i
     train = [r["id"] for r in read_jsonl(layout.conversations(key)) if r["split"] == "train"]
     gone, kept = train[:dropped], train[dropped : len(train) - skip]
     lengths = [3 + i for i in range(len(kept))]
-    metadata = {"tokenizer_fingerprint": TOK, "dropped": dict.fromkeys(gone, "template: test")}
+    facts = ShardFacts(tokenizer_fingerprint=TOK, dropped=dict.fromkeys(gone, "template: test"))
     with ShardWriter(
         layout.hidden_states(key),
         sample_ids=kept,
         lengths=lengths,
         hidden_size=H,
         store_dtype="float32",
-        metadata=metadata,
+        facts=facts,
     ) as w:
         for i, n in enumerate(lengths):
             if i < failed:

@@ -37,7 +37,7 @@ def test_one_row_of_each_rejection_reason(tmp_path: Path) -> None:
     [shard] = report.new_shards
     samples, manifest = load_conversation_shard(cfg.store_root, shard.key)
     assert [s["source"]["line"] for s in samples] == [1, 9, 11]
-    assert manifest["rejected"] == report.rejected
+    assert manifest.rejected == report.rejected
     rejects = read_jsonl(StoreLayout(cfg.store_root).rejects(shard.key))
     assert {(r["line"], r["reason"]) for r in rejects} == {
         (2, "malformed_json"),

@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from eagle3_core.engines.openai_client import (
     journal_path,
 )
 from eagle3_core.errors import ConfigError
+from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 
 Reply = tuple[int, Any, float, dict[str, str]]  # status, JSON body (or text), delay before answering, headers
 
@@ -69,17 +68,12 @@ class FakeServer:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    fake: FakeServer
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class FakeChatHandler(FakeHandler):
+    server: FakeHTTPServer[FakeServer]
 
     def do_POST(self) -> None:
-        fake = self.server.fake
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        fake = self.server.state
+        body = self.json_body()
         with fake.lock:
             fake.received.append(body)
             fake.headers.append(dict(self.headers))
@@ -88,41 +82,23 @@ class _Handler(BaseHTTPRequestHandler):
             fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
         try:
             if self.path != "/v1/chat/completions":
-                return self._send(404, {"detail": "Not Found"}, {})
+                return self.reply(404, {"detail": "Not Found"})
             status, payload, delay, headers = fake.script(body, n)
             time.sleep(delay)
-            self._send(status, payload, headers)
+            self.reply(status, payload, headers)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout under test)
             pass
         finally:
             with fake.lock:
                 fake.in_flight -= 1
 
-    def _send(self, status: int, payload: Any, headers: dict[str, str]) -> None:
-        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *_: Any) -> None:
-        pass
-
 
 @pytest.fixture
 def fake() -> Iterator[FakeServer]:
     state = FakeServer()
-    server = _Server(("127.0.0.1", 0), _Handler)
-    server.fake = state
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state
-    server.shutdown()
-    server.server_close()
+    with FakeHTTPServer(FakeChatHandler, state) as server:
+        state.url = server.url
+        yield state
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +191,7 @@ def test_a_slow_first_answer_times_out_and_the_retry_succeeds(fake: FakeServer) 
 
 
 def test_connection_refused_is_retried_then_fails() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     with pytest.raises(RequestFailed) as err:
         complete(server_cfg(f"http://127.0.0.1:{port}", retries=2))
     assert err.value.attempts == 3 and "ConnectError" in err.value.reason

@@ -9,9 +9,9 @@ import torch
 
 from eagle3_core.draft.model import FLEX_BLOCK, Eagle3Drafter, Packing, packed_block_masks
 from eagle3_core.train.loss import chunked_ttt_targets, drafted_entries, lean_ttt_loss, step_masks
-from tests.helpers import TINY_DRAFTER
+from tests.fakes import tiny_drafter_config
 
-CFG = TINY_DRAFTER
+CFG = tiny_drafter_config()
 LENGTHS = [100, 90, 40]  # 230 of a 256-entry row, then padding
 WIDTH = 2 * FLEX_BLOCK
 STEPS = 4

@@ -13,16 +13,9 @@ from eagle3_core.train.checkpoint import load_checkpoint, save_checkpoint
 from eagle3_core.train.loss import entry_loss
 from eagle3_core.train.optim import Optimizers, build_optimizer, muon_split
 from eagle3_core.train.schedule import learning_rate
+from tests.fakes import tiny_drafter_config
 
-CFG = DrafterConfig(
-    target_hidden_size=32,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    target_vocab_size=50,
-    draft_vocab_size=40,
-)
+CFG = tiny_drafter_config(target_hidden_size=32, hidden_size=32, intermediate_size=64, draft_vocab_size=40)
 
 
 def _drafter(seed: int = 0, **variant: object) -> Eagle3Drafter:

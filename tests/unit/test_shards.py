@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import (
     DiskSpaceError,
     ShardCorruptError,
@@ -45,7 +46,7 @@ def _write(
         lengths=lengths,
         hidden_size=H,
         store_dtype=dtype,
-        metadata={"aux_layer_ids": [2, 4, 5]},
+        facts=ShardFacts(aux_layer_ids=[2, 4, 5]),
     ) as w:
         for i in order or range(len(lengths)):
             w.write_sample(i, *data[i])
@@ -91,15 +92,13 @@ def test_failed_samples_are_invisible_and_counted(tmp_path: Path) -> None:
     path = tmp_path / "t-00000.safetensors"
     data = _samples([4, 5, 6])
     ids = [f"{i:064x}" for i in range(3)]
-    with ShardWriter(
-        path, sample_ids=ids, lengths=[4, 5, 6], hidden_size=H, store_dtype="float32", metadata={}
-    ) as w:
+    with ShardWriter(path, sample_ids=ids, lengths=[4, 5, 6], hidden_size=H, store_dtype="float32") as w:
         w.write_sample(0, *data[0])
         w.mark_failed(1, "fewer hidden-state rows than tokens")
         w.write_sample(2, *data[2])
         manifest = w.finalize()
-    assert manifest["counts"]["samples"] == 2 and manifest["counts"]["failed"] == 1
-    assert manifest["failed"] == {ids[1]: "fewer hidden-state rows than tokens"}
+    assert manifest.counts.samples == 2 and manifest.counts.failed == 1
+    assert manifest.failed == {ids[1]: "fewer hidden-state rows than tokens"}
     with ShardReader(path) as r:
         assert r.sample_ids == [ids[0], ids[2]]
         assert torch.equal(r.sample(1).aux_hidden_states, data[2][2])
@@ -109,7 +108,7 @@ def test_unfinished_writer_leaves_nothing(tmp_path: Path) -> None:
     path = tmp_path / "t-00000.safetensors"
     with (
         pytest.raises(RuntimeError, match="never written"),
-        ShardWriter(path, sample_ids=["a" * 64, "b" * 64], lengths=[2, 2], hidden_size=H, metadata={}) as w,
+        ShardWriter(path, sample_ids=["a" * 64, "b" * 64], lengths=[2, 2], hidden_size=H) as w,
     ):
         w.write_sample(0, *_samples([2])[0])
         w.finalize()
@@ -156,7 +155,6 @@ def test_disk_preflight_names_bytes_needed_and_free(tmp_path: Path) -> None:
             lengths=[tokens],
             hidden_size=H,
             store_dtype="float32",
-            metadata={},
         )
     assert list(tmp_path.iterdir()) == []
     assert estimate_shard_bytes([tokens], H, 3, "float32") > free
@@ -167,7 +165,7 @@ import sys, time, torch
 from pathlib import Path
 from eagle3_core.store.shards import ShardWriter
 lengths = [50] * 8
-with ShardWriter(Path(sys.argv[1]), sample_ids=[f"{i:064x}" for i in range(8)], lengths=lengths, hidden_size=16, store_dtype="float32", metadata={}) as w:
+with ShardWriter(Path(sys.argv[1]), sample_ids=[f"{i:064x}" for i in range(8)], lengths=lengths, hidden_size=16, store_dtype="float32") as w:
     for i in range(4):
         w.write_sample(i, torch.zeros(50, dtype=torch.int32), torch.ones(50, dtype=torch.uint8), torch.randn(50, 48), torch.randn(50, 16))
     print("half", flush=True)
@@ -195,9 +193,7 @@ def test_verify_reads_the_rows_of_failed_samples_too(tmp_path: Path) -> None:
     """The vocabulary counts a failed sample's (zero) tokens, so a flipped byte there is damage as well."""
     path = tmp_path / "t-00000.safetensors"
     ids = [f"{i:064x}" for i in range(2)]
-    with ShardWriter(
-        path, sample_ids=ids, lengths=[4, 5], hidden_size=H, store_dtype="float32", metadata={}
-    ) as w:
+    with ShardWriter(path, sample_ids=ids, lengths=[4, 5], hidden_size=H, store_dtype="float32") as w:
         w.write_sample(0, *_samples([4])[0])
         w.mark_failed(1, "test")
         w.finalize()

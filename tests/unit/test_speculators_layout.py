@@ -56,7 +56,7 @@ def shards(toy_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> li
             sample_ids=ids,
             lengths=lengths,
             hidden_size=target.info.hidden_size,
-            metadata=shard_metadata(target),
+            facts=shard_metadata(target),
         ) as writer:
             for i, (row, st) in enumerate(zip(rows, states, strict=True)):
                 start = int(torch.randint(1, len(row) - 1, (1,), generator=g))
@@ -176,8 +176,8 @@ def test_token_freq_and_vocab_files_give_speculators_eagle3s_draft_vocabulary(
 
     assert isinstance(offline, OfflineDataset)
     with ShardReader(shards[0]) as reader:
-        fingerprint = reader.metadata["tokenizer_fingerprint"]
-        vocab = int(reader.metadata["target"]["vocab_size"])
+        fingerprint = reader.meta.tokenizer_fingerprint
+        vocab = reader.meta.target_vocab_size(reader.path)
     mapping = build_vocab_mapping(shards, vocab, 64, tokenizer_fingerprint=fingerprint)
     # the frequencies speculators would build its own mapping from select the same K ids
     freq = torch.load(offline.root / TOKEN_FREQ_FILE, weights_only=True)

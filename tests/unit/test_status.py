@@ -5,7 +5,6 @@ GraphQL schema, and the `dagster dev` command line."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -37,6 +36,7 @@ from eagle3_cli.ops import (
     ui_command,
 )
 from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.store.records import ConversationManifest, ShardCounts, ShardManifest
 from eagle3_dagster.defs.partitions import shards
 from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions, runner_alive, runner_tag
 from tests.conftest import REPO, write_config
@@ -51,21 +51,35 @@ def _store(tmp_path: Path, extracted: dict[str, int], ingested: dict[str, int]) 
     (cfg.store_root / "conversations").mkdir(parents=True)
     (cfg.store_root / "hidden_states").mkdir()
     for key, rejected in ingested.items():
-        manifest = {"samples": 10, "heldout_samples": 0, "rejected": {"duplicate": rejected}}
-        (cfg.store_root / "conversations" / f"{key}.json").write_text(json.dumps(manifest))
+        ConversationManifest(
+            key=key,
+            source="rows.jsonl",
+            lines=[1, 10 + rejected],
+            samples=10,
+            train_samples=10,
+            heldout_samples=0,
+            assistant_turns=10,
+            rejected={"duplicate": rejected},
+            sample_ids=[f"{key}-{i}" for i in range(10)],
+        ).write(cfg.store_root / "conversations" / f"{key}.json")
     for key, samples in extracted.items():
-        counts = {"samples": samples, "tokens": 100 * samples, "loss_tokens": 50 * samples, "failed": 1}
-        manifest = {"key": key, "counts": counts, "bytes": 1000 * samples}
-        (cfg.store_root / "hidden_states" / f"{key}.json").write_text(json.dumps(manifest))
+        ShardManifest(
+            key=key,
+            file=f"{key}.safetensors",
+            bytes=1000 * samples,
+            schema="eagle3.hidden_states/1",
+            store_dtype="bfloat16",
+            hidden_size=4,
+            num_aux=3,
+            counts=ShardCounts(samples=samples, tokens=100 * samples, loss_tokens=50 * samples, failed=1),
+            sample_ids=[f"{key}-{i}" for i in range(samples + 1)],
+            lengths=[100] * (samples + 1),
+            failed={f"{key}-{samples}": "test"},
+            checksum="0" * 64,
+            header_checksum="0" * 64,
+        ).write(cfg.store_root / "hidden_states" / f"{key}.json")
         (cfg.store_root / "hidden_states" / f"{key}.safetensors").touch()  # a manifest counts with its shard
     return cfg
-
-
-@pytest.fixture
-def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
-        yield instance
 
 
 def _dead_runner() -> str:

@@ -21,6 +21,7 @@ from eagle3_core.steps import data, drafter
 from eagle3_core.store import shards as shards_module
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import exclusive_lock, writer_lock
+from eagle3_core.store.records import ShardFacts, TargetFacts
 from eagle3_core.store.shards import ShardReader, ShardWriter
 from eagle3_core.store.stats import require_intact, shard_done, store_stats, verify_shard
 from tests.conftest import write_config
@@ -47,7 +48,7 @@ def _write(path: Path, seed: int = 0) -> None:
         lengths=LENGTHS,
         hidden_size=H,
         store_dtype="float32",
-        metadata={"tokenizer_fingerprint": "f" * 64, "target": {"vocab_size": 100}},
+        facts=ShardFacts(tokenizer_fingerprint="f" * 64, target=TargetFacts(vocab_size=100)),
     ) as w:
         for i, n in enumerate(LENGTHS):
             w.write_sample(i, *_rows(n, seed + i))

@@ -183,7 +183,6 @@ def _shard(path: Path, lengths: list[int]) -> Path:
         lengths=lengths,
         hidden_size=4,
         store_dtype="float32",
-        metadata={},
     ) as w:
         for i, n in enumerate(lengths):
             ids, mask = torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.uint8)
@@ -315,9 +314,7 @@ def test_packed_validation_rows_cover_the_split_in_a_fixed_order() -> None:
 def test_a_packed_row_holds_its_samples_back_to_back_then_zeros(tmp_path: Path) -> None:
     lengths = [7, 3, 5]
     path = tmp_path / "train-00000.safetensors"
-    with ShardWriter(
-        path, sample_ids=[f"{i:064x}" for i in range(3)], lengths=lengths, hidden_size=4, metadata={}
-    ) as w:
+    with ShardWriter(path, sample_ids=[f"{i:064x}" for i in range(3)], lengths=lengths, hidden_size=4) as w:
         for i, n in enumerate(lengths):
             ids = torch.arange(n, dtype=torch.int32) + 100 * (i + 1)
             states = torch.full((n, 16), float(i + 1))

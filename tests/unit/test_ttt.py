@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from eagle3_core.draft.model import Eagle3Drafter, merge_chain, rope, ttt_mask
-from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS, TINY_DRAFTER
+from tests.fakes import tiny_drafter_config
+from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
 
-CFG = TINY_DRAFTER
+CFG = tiny_drafter_config()
 
 
 VARIANTS: dict[str, dict[str, object]] = {

@@ -18,6 +18,7 @@ from eagle3_core.draft.vocab import (
 )
 from eagle3_core.errors import ShardCorruptError, StaleVocabMappingError
 from eagle3_core.store.layout import VOCAB_INFO_FILE
+from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import ShardReader, ShardWriter, read_header
 
 H = 4
@@ -30,14 +31,14 @@ def _write(
 ) -> Path:
     """A shard of the given token rows (hidden states random); samples in `failed` are marked failed."""
     ids = [f"{path.stem}-{i}".ljust(64, "0") for i in range(len(samples))]
-    metadata = {} if tokenizer is None else {"tokenizer_fingerprint": tokenizer}
+    facts = ShardFacts(tokenizer_fingerprint=tokenizer)
     with ShardWriter(
         path,
         sample_ids=ids,
         lengths=[len(s[0]) for s in samples],
         hidden_size=H,
         store_dtype="float32",
-        metadata=metadata,
+        facts=facts,
     ) as w:
         for i, (input_ids, mask) in enumerate(samples):
             if i in failed:
