@@ -62,7 +62,8 @@ def _conversations() -> list[dict[str, Any]]:
         if i % 5 == 1:
             turns.append({"role": "user", "content": "and then?"})  # ends with a user turn: answered too
         rows.append({"messages": turns})
-    # The toy's greedy reply to this prompt ends on end-of-turn before the token limit (the others run on).
+    # The toy's greedy reply to this prompt is 17 tokens, then end-of-turn: under the limit of 24 it ends on
+    # end-of-turn (the others run on to the limit), with a margin, not on the limit's edge.
     rows.append({"messages": [{"role": "user", "content": "I love pizza, do you?"}]})
     return rows
 
@@ -88,7 +89,7 @@ def _prepare(root: Path, target_dir: Path) -> tuple[Eagle3Config, bytes, dict[st
         root,
         f"store: store\ndata: {{dataset: srv, holdout_fraction: 0.0, sources: [{{path: c.jsonl}}]}}\n"
         f"target: {{path: {target_dir}, device: cpu}}\n"
-        "regenerate: {temperature: 0.0, max_new_tokens: 17, batch_size: 4}\n",
+        "regenerate: {temperature: 0.0, max_new_tokens: 24, batch_size: 4}\n",
     )
     cfg = load_config(config)
     ingest(cfg)
