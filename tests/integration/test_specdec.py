@@ -1,7 +1,5 @@
 """Greedy speculative decoding reproduces the target's greedy output token for token (transformers target)."""
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -17,16 +15,7 @@ from eagle3_core.evaluate.specdec import (
 from eagle3_core.targets.hf import load_causal_lm
 from tests.helpers import save_tiny_llama
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Every op here is on a few dozen numbers: a second intra-op thread only adds a hand-off per op, and on
-    busy cores (CI's two, shared with other tests' processes) each hand-off waits for a core, so these tests
-    ran up to 20x slower than on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
