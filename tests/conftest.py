@@ -38,6 +38,20 @@ def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
         yield instance
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module whose models are tiny (pytestmark usefixtures). Their ops are on a few
+    dozen numbers, so a second OpenMP thread only adds a hand-off per op, and on a busy 2-core machine (CI's,
+    shared with other tests' processes) each hand-off waits for a core: a greedy generate took 17 s on two
+    threads and 0.13 s on one, a 32x32 linear 0.6 ms."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def write_config(directory: Path, text: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "eagle3.yaml"

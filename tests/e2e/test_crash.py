@@ -16,7 +16,8 @@ from tests.e2e.test_cli import eagle3
 def test_sigkill_mid_extraction_then_resume(tmp_path: Path, toy_target_dir: Path) -> None:
     config = write_config(
         tmp_path,
-        f"store: store\ndata: {{dataset: k, shard_size: 200, sources: [{{kind: chitchat, limit: 300}}]}}\n"
+        # two shards (50 and 25 rows, ~32k tokens): the kill lands 20 samples into the first, with ~30 to go
+        f"store: store\ndata: {{dataset: k, shard_size: 50, sources: [{{kind: chitchat, limit: 75}}]}}\n"
         f"target: {{path: {toy_target_dir}}}\nregenerate: {{enabled: false}}\n"
         "extract: {max_batch_tokens: 1024, max_batch_size: 4}\n",
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from eagle3_cli.main import main
 from eagle3_cli.ops import OperationError, Webserver
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
@@ -113,6 +114,14 @@ def _status(env: dict[str, str], config: Path) -> dict[str, str]:
     return {row["key"]: row["state"] for row in json.loads(result.stdout)["shards"]}
 
 
+def _status_here(config: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """`eagle3 status --json` through the console script's main(), in this process (DAGSTER_HOME set by the
+    caller): the same command as _status without another interpreter importing Dagster."""
+    capsys.readouterr()
+    assert main(["--config", str(config), "status", "--json"]) == 0
+    return {row["key"]: row["state"] for row in json.loads(capsys.readouterr().out)["shards"]}
+
+
 def _materialized_by_run(instance: dg.DagsterInstance, asset: str) -> dict[str, list[str]]:
     """Partition -> the runs that materialized it, from the event log."""
     records = instance.fetch_materializations(dg.AssetKey(asset), limit=1000).records
@@ -132,6 +141,8 @@ def test_killed_shard_run_resumes_through_a_graphql_backfill_then_trains_by_auto
     tmp_path: Path,
     toy_target_dir: Path,
     dagster_dev_factory: Callable[..., DagsterDev],  # noqa: F811 (the fixture imported above)
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started = time.monotonic()
     config = _config(tmp_path, toy_target_dir)
@@ -141,6 +152,7 @@ def test_killed_shard_run_resumes_through_a_graphql_backfill_then_trains_by_auto
     layout = StoreLayout(tmp_path / "store")
     home = dagster_home(tmp_path)
     env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    monkeypatch.setenv("DAGSTER_HOME", str(home))  # for the in-process `eagle3 status`
 
     # 1. A real Dagster run per shard, in a subprocess, killed while the third shard is being extracted.
     _kill_mid_extraction(env, config, layout, done_before_kill=2)
@@ -149,7 +161,7 @@ def test_killed_shard_run_resumes_through_a_graphql_backfill_then_trains_by_auto
         p.stem for p in layout.hidden_states_dir.glob("*.safetensors") if not p.name.startswith(".")
     )
     assert len(whole) == 2, whole
-    states = _status(env, config)
+    states = _status(env, config)  # the real command once, as docs/orchestration.md runs it
     interrupted = [k for k, s in states.items() if s == "interrupted"]
     assert len(interrupted) == 1 and interrupted[0] not in whole, states
     # the killed shard left only its unfinished temporary file, which does not verify
@@ -225,7 +237,7 @@ def test_killed_shard_run_resumes_through_a_graphql_backfill_then_trains_by_auto
             lost += len(shard.meta.dropped or {})
         total_train += len(train_ids)
     assert extracted + lost == total_train == sum(s.samples - s.heldout for s in report.new_shards)
-    assert set(_status(env, config).values()) == {"materialized"}
+    assert set(_status_here(config, capsys).values()) == {"materialized"}
 
     # 4. Training by automation: the sensor requests the drafter half once every shard is whole.
     deadline = time.monotonic() + AUTOMATION_TIMEOUT_S

@@ -23,6 +23,9 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import FIXTURES
 
+# the toy target and drafter decode one prompt at a time: ops small enough that a second thread only waits
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 EVALUATE = "evaluate: {ks: [1, 3], gate_k: 3, max_prompts: 6, per_conversation: 1, max_new_tokens: 24}\n"
 
 

@@ -16,6 +16,8 @@ from eagle3_core.targets.hf import load_causal_lm
 from tests.fakes import tiny_drafter_config
 from tests.helpers import save_tiny_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> object:

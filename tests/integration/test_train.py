@@ -34,7 +34,8 @@ def _config(directory: Path, target: Path, train: str = TRAIN) -> Path:
         directory,
         f"store: store\ndata: {{dataset: t, holdout_fraction: 0.0, shard_size: 60, sources: [{{kind: chitchat, limit: 120}}]}}\n"
         f"target: {{path: {target}}}\nregenerate: {{enabled: false}}\nextract: {{store_dtype: float32}}\n"
-        + train,
+        # every run here trains on at most max_len (256) tokens of a sample: extracting more is never read
+        "tokenize: {max_seq_len: 256}\n" + train,
     )
 
 
@@ -70,6 +71,19 @@ def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def straight_run(
+    shard_store: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """(project, its `eagle3 train`): one uninterrupted run of TRAIN, trained once for the module. The learning
+    test reads it, and the SIGKILL test compares a killed-and-resumed run against it instead of training the
+    same run a second time."""
+    project = tmp_path_factory.mktemp("straight") / "p"
+    done = eagle3(_copy(shard_store, project), "train")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return project, done
+
+
 def _final_weights(project: Path) -> dict[str, torch.Tensor]:
     layout = StoreLayout(project / "store")
     final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
@@ -86,13 +100,13 @@ def _without_timing(records: list[dict]) -> list[dict]:
 
 
 def test_training_learns_and_a_finished_run_is_not_trained_again(
-    shard_store: tuple[Path, Path], tmp_path: Path
+    straight_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
-    cfg = load_config(_copy(shard_store, tmp_path / "p"))
-    vocab = vocab_step(cfg)
-    assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is True
-    first = drafter_checkpoint_step(cfg, log=lambda _: None)
-    records = read_metrics(_run_dir(tmp_path / "p"))
+    project, done = straight_run
+    assert "acc_0" in done.stdout and "tau(3)" in done.stdout
+    cfg = load_config(project / "eagle3.yaml")
+    summary = json.loads((_run_dir(project) / "final" / "summary.json").read_text())
+    records = read_metrics(_run_dir(project))
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
     assert train[-1]["loss"] < 0.9 * train[0]["loss"]
@@ -104,21 +118,19 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(
             expected += running
         assert abs(r["tau_7"] - expected) < 1e-4
         assert all(r[f"full_acc_{k}"] <= r[f"acc_{k}"] + 1e-9 for k in range(7))
+    vocab = vocab_step(cfg)  # the mapping `eagle3 train` built is still current: kept, not rebuilt
+    assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is False
     again = drafter_checkpoint_step(cfg, log=lambda _: None)
-    assert (
-        again.metadata["run"] == first.metadata["run"] and again.metadata["steps"] == first.metadata["steps"]
-    )
-    assert len(read_metrics(_run_dir(tmp_path / "p"))) == len(records)  # nothing trained twice
+    assert again.metadata["run"] == _run_dir(project).name and again.metadata["steps"] == summary["steps"]
+    assert len(read_metrics(_run_dir(project))) == len(records)  # nothing trained twice
 
 
 def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(
-    shard_store: tuple[Path, Path], tmp_path: Path
+    shard_store: tuple[Path, Path],
+    straight_run: tuple[Path, subprocess.CompletedProcess[str]],
+    tmp_path: Path,
 ) -> None:
-    straight = _copy(shard_store, tmp_path / "straight")
-    done = eagle3(straight, "train")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "acc_0" in done.stdout and "tau(3)" in done.stdout
-
+    straight, _ = straight_run
     crashed = _copy(shard_store, tmp_path / "crashed")
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagle3_cli.steps", "--config", str(crashed), "train"],
@@ -141,13 +153,11 @@ def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming run" in resumed.stdout and "from step 10" in resumed.stdout
 
-    a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "crashed")
+    a, b = _final_weights(straight), _final_weights(tmp_path / "crashed")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
-    assert _without_timing(read_metrics(run_dir)) == _without_timing(
-        read_metrics(_run_dir(tmp_path / "straight"))
-    )
+    assert _without_timing(read_metrics(run_dir)) == _without_timing(read_metrics(_run_dir(straight)))
 
 
 def test_two_process_ddp_under_torchrun_matches_one_process(
@@ -213,8 +223,8 @@ def test_a_vocab_mapping_older_than_the_shards_is_refused(
     from eagle3_core.errors import StaleVocabMappingError
 
     cfg = load_config(_copy(shard_store, tmp_path / "p"))
-    vocab_step(cfg)
     layout = StoreLayout(cfg.store_root)
+    assert vocab_step(cfg).metadata["rebuilt"] is True  # a copy of the store without one: built
     removed = layout.hidden_state_shards()[-1]
     removed.unlink()  # the shard set changes after the mapping was built
     with pytest.raises(StaleVocabMappingError):
