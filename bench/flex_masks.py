@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._training import StepClock
 from eagle3_core.draft.model import FLEX_BLOCK, packed_block_masks
 
 
@@ -44,18 +46,15 @@ def packed_doc(length: int, seed: int) -> torch.Tensor:
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Median milliseconds of fn over `repeat` calls, after three warm-up calls."""
+    """Median milliseconds of fn over `repeat` calls (CUDA events between calls), after three warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
+    clock = StepClock(torch.device("cuda"))
+    clock.mark()
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        clock.mark()
+    return statistics.median(clock.seconds()) * 1e3
 
 
 def lse_gradient_check(device: torch.device) -> dict[str, float]:
