@@ -11,7 +11,7 @@ ranks combine exactly by addition; ratios are taken only when a number is report
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
@@ -266,26 +266,22 @@ def lean_ttt_loss(
     compute_dtype: torch.dtype = torch.float32,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, TTTStats]:
-    """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's [B, N, V_draft] logits.
+    """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's float32 [B, N, V_draft] logits.
 
-    states: `steps` x [B, N, H] (the drafter's normed states at targets.entries), lm_head [V_draft, H]. Each step's logits are
-    made `chunk_tokens` entries at a time, and their gradient with them (HeadLoss): a step keeps only its
-    gradients for state and lm_head for backward, not the float32 logits, log-softmax and teacher
-    probabilities the plain form keeps (several GiB a step at 16k tokens and 32k draft ids).
+    states: `steps` x [B, N, H] (the drafter's normed states at targets.entries), lm_head [V_draft, H]. Each
+    step's logits are made `chunk_tokens` entries at a time, and their gradient with them (HeadLoss): the
+    loss keeps each step's gradient for its state and one float32 gradient for lm_head for backward, not the
+    float32 logits, log-softmax and teacher probabilities the plain form keeps (several GiB a step at 16k
+    tokens and 32k draft ids).
     """
+    grads = torch.is_grad_enabled() and (lm_head.requires_grad or any(s.requires_grad for s in states))
+    at = tuple(targets.step(k) for k in range(len(states)))
+    coefs = tuple(_entry_weights(targets, k, a, step_weight, normalizer) for k, a in enumerate(at))
     chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
-    weight = lm_head.detach().to(compute_dtype)  # cast once for every step
-    totals, entries = [], []
-    for k, state in enumerate(states):
-        grads = torch.is_grad_enabled() and (state.requires_grad or lm_head.requires_grad)
-        at = targets.step(k)
-        coef = _entry_weights(targets, k, at, step_weight, normalizer)
-        spec = HeadSpec(targets, at, loss, chunk, grads)
-        total, per_entry, top = HeadLoss.apply(state.to(compute_dtype), lm_head, weight, coef, spec)
-        totals.append(total)
-        entries.append((at, per_entry, top))
-    _, stats = _combine(entries, targets, step_weight, normalizer)
-    return torch.stack(totals).sum(), stats
+    spec = HeadSpec(targets, at, coefs, loss, chunk, grads, compute_dtype)
+    total, per_entry, top = HeadLoss.apply(spec, lm_head, *[s.to(compute_dtype) for s in states])
+    _, stats = _combine(list(zip(at, per_entry, top, strict=True)), targets, step_weight, normalizer)
+    return total, stats
 
 
 def default_chunk_tokens(draft_vocab: int) -> int:
@@ -323,19 +319,6 @@ def _combine(
     return total, TTTStats(sums)
 
 
-def _chunks(rows: int, n: int, chunk: int) -> Iterator[tuple[slice, slice]]:
-    """(rows, entries) blocks covering [rows, n] of about `chunk` entries each: whole rows when they are
-    short, pieces of one row when it is long."""
-    if n >= chunk:
-        for r in range(rows):
-            for p in range(0, n, chunk):
-                yield slice(r, r + 1), slice(p, min(n, p + chunk))
-    else:
-        per = max(1, chunk // max(n, 1))
-        for r in range(0, rows, per):
-            yield slice(r, min(rows, r + per)), slice(0, n)
-
-
 def entry_loss_and_grad(
     teacher_logits: torch.Tensor,
     teacher_lse: torch.Tensor,
@@ -343,9 +326,11 @@ def entry_loss_and_grad(
     coef: torch.Tensor,
     kind: LossKind,
     grads: bool,
+    grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`entry_loss` [m] of draft logits [m, V] against a teacher chunk, the draft's top ids [m], and, if
-    `grads`, the gradient of sum(coef * loss) by the logits [m, V] (float32), written out:
+    `grads`, the gradient of sum(coef * loss) by the logits [m, V] (computed in float32, returned in
+    `grad_dtype`: the cast the plain form's autocast makes too), written out:
 
     kl: d/dz = q * sum(p) - p.  lk_hybrid: lam * (q * sum(p) - p) - (1 - lam) * (m*q - q * sum(m*q)), where
     m = (q < p) is where min(p, q) takes q, and lam is held constant as in `entry_loss`.
@@ -358,7 +343,7 @@ def entry_loss_and_grad(
     top = logits.argmax(-1)
     kl_grad = q * p.sum(-1, keepdim=True) - p
     if kind == "kl":
-        return ce, top, kl_grad * coef[..., None] if grads else None
+        return ce, top, (kl_grad * coef[..., None]).to(grad_dtype) if grads else None
     alpha = torch.minimum(p, q).sum(-1)
     lam = torch.exp(-LK_ETA * alpha)
     entry = lam * (ce + (p * teacher_logp).sum(-1)) + (1.0 - lam) * (1.0 - alpha)
@@ -366,7 +351,8 @@ def entry_loss_and_grad(
         return entry, top, None
     mq = q * (q < p)
     tv_grad = -(mq - q * mq.sum(-1, keepdim=True))
-    return entry, top, (lam[..., None] * kl_grad + (1.0 - lam)[..., None] * tv_grad) * coef[..., None]
+    grad = (lam[..., None] * kl_grad + (1.0 - lam)[..., None] * tv_grad) * coef[..., None]
+    return entry, top, grad.to(grad_dtype)
 
 
 @cache
@@ -378,76 +364,90 @@ def _entry_fn(compiled: bool) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """What HeadLoss reads besides tensors: the teacher, where the step's entries find theirs, the loss kind,
-    the chunk size and whether gradients are wanted."""
+    """What HeadLoss reads besides tensors: the teacher, where each step's entries find theirs and what they
+    weigh, the loss kind, the chunk size, whether gradients are wanted, and the dtype logits are made in."""
 
     targets: TTTTargets
-    at: StepEntries
+    at: tuple[StepEntries, ...]
+    coefs: tuple[torch.Tensor, ...]  # steps x [B, N] float32 (`_entry_weights`)
     kind: LossKind
     chunk: int
     grads: bool
+    dtype: torch.dtype
 
 
 class HeadLoss(torch.autograd.Function):
-    """sum(coef * entry loss) of logits = state @ lm_head.T against each entry's teacher (`spec.at`), with the
-    per-entry loss [B, N] and draft top ids [B, N] (not differentiable) beside it.
+    """sum_k sum(coef_k * entry loss) of logits = states[k] @ lm_head.T against each entry's teacher, with
+    the per-entry losses [steps, B, N] and draft top ids [steps, B, N] (not differentiable) beside it.
 
-    Computed chunk by chunk, with the gradients for state and lm_head made in the same pass from each
-    chunk's logits (the loss is linear in coef, and backward only scales them by the incoming gradient).
-    lm_head's gradient per step is kept in the compute dtype, as the plain form's bf16 product gives it.
+    Computed chunk by chunk, with the gradients made in the same pass from each chunk's logits (the loss is
+    linear in coef, and backward only scales them by the incoming gradient). A step's logit gradients
+    [B * N, V] are gathered in the compute dtype (the size of the teacher's logits), so that its state's and
+    lm_head's gradients are each one matrix product; lm_head's sums over the steps in float32.
     """
 
     @staticmethod
     def forward(
-        ctx: Any,
-        state: torch.Tensor,
-        lm_head: torch.Tensor,
-        weight: torch.Tensor,
-        coef: torch.Tensor,
-        spec: HeadSpec,
+        ctx: Any, spec: HeadSpec, lm_head: torch.Tensor, *states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, n, h = state.shape
-        teacher_logits = spec.targets.teacher_logits.flatten(0, 1)  # [B * T, V]
-        teacher_lse = spec.targets.teacher_lse.flatten()
+        b, n, h = states[0].shape
+        device = states[0].device
+        weight = lm_head.detach().to(spec.dtype)  # cast once for every step
         # float32 losses (float64 for a float64 check, so that it compares exactly)
         per_entry = torch.zeros(
-            b, n, dtype=torch.promote_types(state.dtype, torch.float32), device=state.device
+            len(states), b * n, dtype=torch.promote_types(spec.dtype, torch.float32), device=device
         )
-        top = torch.zeros(b, n, dtype=torch.long, device=state.device)
-        grad_state = torch.zeros_like(state) if spec.grads else None
-        grad_head = (
-            torch.zeros(lm_head.shape, dtype=torch.float32, device=state.device) if spec.grads else None
-        )
-        entry_fn = _entry_fn(state.is_cuda)
-        with torch.autocast(state.device.type, enabled=False):
-            for rows, cols in _chunks(b, n, spec.chunk):
-                x = state[rows, cols].reshape(-1, h)  # [m, H]
-                where = spec.at.teacher[rows, cols].reshape(-1)  # [m]
-                teacher, lse = teacher_logits.index_select(0, where), teacher_lse.index_select(0, where)
-                entry, best, grad = entry_fn(
-                    teacher, lse, x @ weight.T, coef[rows, cols].reshape(-1), spec.kind, spec.grads
+        top = torch.zeros(len(states), b * n, dtype=torch.long, device=device)
+        grad_states = []
+        grad_head = torch.zeros(lm_head.shape, dtype=torch.float32, device=device) if spec.grads else None
+        entry_fn = _entry_fn(states[0].is_cuda)
+        with torch.autocast(device.type, enabled=False):
+            for k, state in enumerate(states):
+                x = state.reshape(b * n, h)
+                where, coef = spec.at[k].teacher.reshape(-1), spec.coefs[k].reshape(-1)
+                grad_logits = (  # [B * N, V]
+                    torch.empty(b * n, weight.shape[0], dtype=spec.dtype, device=device)
+                    if spec.grads
+                    else None
                 )
-                shape = per_entry[rows, cols].shape
-                per_entry[rows, cols] = entry.view(shape)
-                top[rows, cols] = best.view(shape)
-                if grad is not None and grad_state is not None and grad_head is not None:
-                    g = grad.to(weight.dtype)  # [m, V]: the cast the plain form's autocast makes too
-                    grad_state[rows, cols] = (g @ weight).view(*shape, h)
-                    grad_head += (g.T @ x).float()
-        total = (per_entry * coef).sum()
-        if grad_state is not None and grad_head is not None:
-            ctx.save_for_backward(grad_state, grad_head.to(weight.dtype))
+                for start in range(0, b * n, spec.chunk):
+                    rows = slice(start, start + spec.chunk)
+                    entry, best, grad = entry_fn(
+                        *_teacher_rows(spec.targets, where[rows]),
+                        x[rows] @ weight.T,
+                        coef[rows],
+                        spec.kind,
+                        spec.grads,
+                        spec.dtype,
+                    )
+                    per_entry[k, rows], top[k, rows] = entry, best
+                    if grad_logits is not None:
+                        grad_logits[rows] = grad
+                if grad_logits is not None and grad_head is not None:
+                    grad_states.append((grad_logits @ weight).view(b, n, h))
+                    grad_head += (grad_logits.T @ x).float()
+                del grad_logits
+        total = (per_entry * torch.stack(spec.coefs).view(len(states), -1)).sum()
+        if grad_head is not None:
+            ctx.save_for_backward(grad_head, *grad_states)
         ctx.head_dtype = lm_head.dtype
+        per_entry, top = per_entry.view(-1, b, n), top.view(-1, b, n)
         ctx.mark_non_differentiable(per_entry, top)
         return total, per_entry, top
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _entry: Any, _top: Any) -> tuple[Any, ...]:
-        grad_state, grad_head = ctx.saved_tensors
+        grad_head, *grad_states = ctx.saved_tensors
         return (
-            grad_state * grad_total.to(grad_state.dtype),
+            None,
             grad_head.to(ctx.head_dtype) * grad_total.to(ctx.head_dtype),
-            None,
-            None,
-            None,
+            *(g * grad_total.to(g.dtype) for g in grad_states),
         )
+
+
+def _teacher_rows(targets: TTTTargets, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's logits [m, V] and log-sum-exp [m] at flat rows `where` [m] of its [B * T] entries."""
+    return (
+        targets.teacher_logits.flatten(0, 1).index_select(0, where),
+        targets.teacher_lse.flatten().index_select(0, where),
+    )

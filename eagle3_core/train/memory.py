@@ -11,9 +11,10 @@ linear in the tokens a rank holds per step:
 - per step and token: the activations one TTT step keeps for backward. Counted from the tensors the layer
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
   reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md);
-- per step: lm_head's gradient for that step, kept in the compute dtype (train/loss.py, HeadLoss);
 - teacher: the target's logits over the draft vocabulary in the compute dtype, their log-sum-exp and top id;
-- transient: the float32 [chunk, V_draft] temporaries of one loss chunk.
+- transient: the loss's float32 lm_head gradient (summed over the steps), one step's logit gradients
+  [tokens, V_draft] in the compute dtype (train/loss.py, HeadLoss), and the float32 [chunk, V_draft]
+  temporaries of one loss chunk.
 On an H200 (bf16, flex attention, 16,384 tokens a step, draft vocabulary 32,000) the estimate reads 3-12%
 above the measured peaks at hidden 4096 and 7168, TTT 3 and 7.
 """
@@ -39,8 +40,10 @@ class MemoryEstimate:
     """Bytes of a run's peak on one rank, split as the module docstring says."""
 
     fixed: float
-    per_token: float  # all TTT steps' activations plus the teacher, per token on a rank
-    per_run: float  # the per-step lm_head gradients and the loss chunk's temporaries
+    per_token: (
+        float  # all TTT steps' activations, the teacher and a step's logit gradients, per token on a rank
+    )
+    per_run: float  # the loss's lm_head gradient and one loss chunk's temporaries
     world_size: int
 
     def peak(self, batch_tokens: int) -> float:
@@ -86,11 +89,13 @@ def estimate_training_memory(
     fixed = 12 * params + (4 * params if world_size > 1 else 0)
     fixed += 4 * d.target_vocab_size * d.hidden_size + compute_bytes * rows * d.target_hidden_size
     teacher = compute_bytes * d.draft_vocab_size + 4 + 8 + ttt_steps
+    logit_grads = compute_bytes * d.draft_vocab_size
     sdpa = 2 * 4 * d.num_heads * sdpa_keys  # scores and softmax weights, per query
-    per_token = ttt_steps * (CALIBRATION * counted_step_bytes(d, compute_bytes) + sdpa) + teacher
+    per_token = (
+        ttt_steps * (CALIBRATION * counted_step_bytes(d, compute_bytes) + sdpa) + teacher + logit_grads
+    )
     chunk = default_chunk_tokens(d.draft_vocab_size)
-    per_run = ttt_steps * compute_bytes * d.draft_vocab_size * d.hidden_size
-    per_run += LOSS_TEMPORARIES * 4 * chunk * d.draft_vocab_size
+    per_run = 4 * d.draft_vocab_size * d.hidden_size + LOSS_TEMPORARIES * 4 * chunk * d.draft_vocab_size
     return MemoryEstimate(fixed, per_token, per_run, world_size)
 
 

@@ -13,7 +13,9 @@ from eagle3_core.train.data import SampleRef
 from eagle3_core.train.memory import GIB, check_training_memory, estimate_training_memory
 from eagle3_core.train.schedule import resolve_batch_tokens
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "vs_speculators_gpu_h200_widths.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+# the current trainer's runs on the H200: hidden 4096 and 7168, TTT 3 and 7, 16,384 tokens a step
+MEASURED = ("vs_speculators_gpu_h200_same_run.json", "vs_speculators_gpu_h200_7168_eagle3.json")
 
 
 def _bench_drafter(hidden: int, intermediate: int, vocab: int) -> DrafterConfig:
@@ -32,23 +34,27 @@ def _bench_drafter(hidden: int, intermediate: int, vocab: int) -> DrafterConfig:
     )
 
 
-def test_the_estimate_is_at_or_a_little_above_every_peak_measured_on_the_h200() -> None:
-    """The estimate (its CALIBRATION fitted on these runs) against each measured peak: a change to what the
-    estimate counts, or to the trainer's memory that a new measurement records, moves these ratios."""
-    results = json.loads(RESULTS.read_text())
-    tokens = int(results["settings"]["batch_tokens"])
+def test_the_estimate_is_never_below_a_peak_measured_on_the_h200_nor_far_above() -> None:
+    """The estimate (which assumes every entry is drafted) against each measured peak of the current trainer.
+    Those runs loss-mask 30% of each sample, so they draft from about 70% of entries and hold less: the
+    estimate reads above them, and must never read below (the preflight would let an out-of-memory run
+    start). A change to what the estimate counts, or to the trainer's memory that a new measurement
+    records, moves these ratios."""
     ratios: dict[tuple[int, int], float] = {}
-    for width in results["widths"].values():
-        spec = width["data"]["spec"]
-        drafter = _bench_drafter(spec["hidden"], spec["intermediate"], spec["vocab"])
-        for name, row in width.items():
-            if name.startswith("ttt"):
-                ttt = int(name.removeprefix("ttt"))
-                estimate = estimate_training_memory(drafter, ttt).peak(tokens) / GIB
-                ratios[(spec["hidden"], ttt)] = estimate / row["eagle3"]["peak_allocated_gib"]
+    for name in MEASURED:
+        results = json.loads((RESULTS / name).read_text())
+        tokens = int(results["settings"]["batch_tokens"])
+        for width in results["widths"].values():
+            spec = width["data"]["spec"]
+            drafter = _bench_drafter(spec["hidden"], spec["intermediate"], spec["vocab"])
+            for run, row in width.items():
+                if run.startswith("ttt"):
+                    ttt = int(run.removeprefix("ttt"))
+                    estimate = estimate_training_memory(drafter, ttt).peak(tokens) / GIB
+                    ratios[(spec["hidden"], ttt)] = estimate / row["eagle3"]["peak_allocated_gib"]
     assert set(ratios) == {(4096, 3), (4096, 7), (7168, 3), (7168, 7)}
-    outside = {run: round(r, 3) for run, r in ratios.items() if not 1.0 <= r <= 1.15}
-    assert outside == {}, f"estimate / measured peak outside [1.0, 1.15]: {outside}"
+    outside = {run: round(r, 3) for run, r in ratios.items() if not 1.0 <= r <= 1.35}
+    assert outside == {}, f"estimate / measured peak outside [1.0, 1.35]: {outside}"
 
 
 def test_an_impossible_run_is_refused_with_the_estimate_the_free_memory_and_what_fits() -> None:

@@ -92,7 +92,7 @@ def _lean_case(seed: int, rows: int, length: int) -> tuple[torch.Tensor, ...]:
 def test_the_lean_loss_equals_the_plain_one_with_its_gradients(
     kind: LossKind, rows: int, length: int, chunk: int
 ) -> None:
-    # chunks of whole rows, pieces of long rows, and one chunk for everything
+    # chunks that span rows, chunks inside a row, and one chunk for everything
     t2d, target_logits, loss_mask, states, lm_head = _lean_case(3, rows, length)
     targets = ttt_targets(target_logits, loss_mask, t2d, steps=3)
     norm = targets.counts() * 2  # a global normaliser, as under DDP
@@ -130,12 +130,11 @@ def test_the_lean_loss_in_bf16_matches_the_plain_one_under_autocast() -> None:
     lean_loss.backward()
     torch.testing.assert_close(lean_loss, plain_loss, rtol=1e-5, atol=1e-5)
     assert torch.equal(lean.sums[1:], plain.sums[1:])
-    # bf16 products: the plain form rounds each step's whole product once, the lean one each chunk's, then
-    # adds in float32; both within bf16's 3 significant digits of the gradient's scale
-    for lean_grad, plain_grad in ((x.grad, plain_dx), (w.grad, plain_dw)):
-        torch.testing.assert_close(
-            lean_grad, plain_grad, rtol=2e-2, atol=8e-3 * float(plain_grad.abs().max())
-        )
+    # the state's gradient is the same bf16 product of the step's whole logit gradients in both forms
+    torch.testing.assert_close(x.grad, plain_dx, rtol=1e-3, atol=1e-4 * float(plain_dx.abs().max()))
+    # lm_head's: the plain form adds the steps' bf16 products in bf16 (autocast's one cast of the weight),
+    # the lean one in float32; both within bf16's 3 significant digits of the gradient's scale
+    torch.testing.assert_close(w.grad, plain_dw, rtol=2e-2, atol=8e-3 * float(plain_dw.abs().max()))
 
 
 def test_the_chunked_teacher_equals_the_whole_one() -> None:
