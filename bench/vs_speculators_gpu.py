@@ -61,11 +61,19 @@ from bench._training import (
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Packing
+from eagle3_core.errors import ConfigError
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World
 from eagle3_core.train.loss import TTTStats, lean_ttt_loss, ttt_loss
-from eagle3_core.train.trainer import Setup, build_setup, drafter_config_for, teacher_targets, train_step
+from eagle3_core.train.trainer import (
+    Setup,
+    build_setup,
+    drafter_config_for,
+    teacher_targets,
+    train_drafter,
+    train_step,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16
@@ -115,6 +123,14 @@ def parse_args() -> argparse.Namespace:
         "--check-attention",
         action="store_true",
         help="flex attention's loss and gradients against SDPA's, float32, one batch's first 4,096 entries",
+    )
+    p.add_argument(
+        "--check-preflight",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="first, train_drafter at TTT 7 with batch_tokens=TOKENS, which the GPU cannot hold: the refusal, "
+        "its time and the memory allocated by then",
     )
     p.add_argument("--speculators-loss", choices=["fused", "eager"], default="eager")
     p.add_argument(
@@ -242,6 +258,33 @@ def eagle3_run(
         return result
     finally:
         data.close()
+
+
+def preflight_run(args: argparse.Namespace, ts: TrainingSet, root: Path) -> dict[str, Any]:
+    """The real entry point, train_drafter, asked for a run the GPU cannot hold: it must refuse before
+    anything is allocated or a run directory made, with the estimate, the free memory and what fits."""
+    runs = root / "preflight-runs"
+    cfg = TrainConfig(
+        draft_vocab_size=args.k,
+        batch_tokens=args.check_preflight,
+        max_len=args.max_len,
+        ttt_steps=7,
+        precision="bfloat16",
+        attention="flex",
+        device=args.device,
+    )
+    free_memory()
+    started = time.perf_counter()
+    try:
+        train_drafter(ts.shard_paths, ts.target_dir, ts.mapping(), runs, cfg, log=log)
+    except ConfigError as refused:
+        return {
+            "refused": str(refused),
+            "seconds": round(time.perf_counter() - started, 2),
+            "peak_allocated_gib": gib(torch.cuda.max_memory_allocated()),
+            "run_dirs_made": sorted(p.name for p in runs.iterdir()) if runs.exists() else [],
+        }
+    return {"error": f"batch_tokens={args.check_preflight} was not refused"}
 
 
 def warm_up(s: Setup, batches: list[Batch]) -> dict[str, Any]:
@@ -457,6 +500,10 @@ def run_width(
     root = ts.target_dir.parent
     rows: dict[str, Any] = {"data": {"tokens": ts.tokens, "samples": ts.samples, "spec": spec.__dict__}}
     try:
+        if args.check_preflight and args.device == "cuda":
+            rows["preflight"] = guarded_run("preflight", partial(preflight_run, args, ts, root))
+            log(f"  preflight: {rows['preflight']}")
+            save(rows)
         if args.warm_only:
             rows.update(warm_width(args, ts, head, root))
             save(rows)
