@@ -175,7 +175,11 @@ class Attention(nn.Module):
         # chain entry j sits at position p + j, the query at p + k: seen within a window iff k - j < window
         seen = [kv for j, kv in enumerate(chain, start=1) if window is None or j > step - window]
         if seen:
-            out = _chain_merge(compiled)(q, out, lse, [k for k, _ in seen], [v for _, v in seen])
+            # stacked here, outside the compiled merge: one graph serves every chain length (a list's
+            # length is a guard, and 6 lengths times a few shape bounds passed dynamo's recompile limit)
+            chain_k = torch.stack([k for k, _ in seen], dim=3)  # [B, kv_heads, M, j, d]
+            chain_v = torch.stack([v for _, v in seen], dim=3)
+            out = _chain_merge(compiled)(q, out, lse, chain_k, chain_v)
         return self._out(out)
 
     def attend_ttt(
@@ -434,29 +438,30 @@ def merge_chain(
     q: torch.Tensor,
     prefix_out: torch.Tensor,
     prefix_lse: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    chain_k: torch.Tensor,
+    chain_v: torch.Tensor,
 ) -> torch.Tensor:
     """Attention over the prefix and each query's own chain, from the prefix's output and log-sum-exp.
 
     q, prefix_out [B, heads, M, d]; prefix_lse [B, heads, M] (natural log; -inf where the prefix is empty);
-    keys, values: j x [B, kv_heads, M, d], entry m's own keys. The chain's scores are per-entry dot products;
+    chain_k, chain_v [B, kv_heads, M, j, d]: entry m's own keys and values of its j chain steps. The chain's
+    scores are per-entry dot products;
     the softmax over [prefix lse, chain scores] weighs the prefix's output against the chain's values. At least
     float32 throughout; gradients reach q and the prefix's keys through the lse as through the scores.
     """
     b, h, m, d = q.shape
-    kvh = keys[0].shape[1]
+    kvh = chain_k.shape[1]
     g = h // kvh  # GQA: each kv head's group of query heads
     wide = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the exactness tests)
     # products and sums rather than einsum: compiled, they fuse into a few reductions, where einsum's batched
     # [G, d] x [d, j] products run as a slow bmm over B * kv_heads * M tiny matrices
-    chain_k = torch.stack(keys, dim=3).to(wide).unsqueeze(2)  # [B, kv_heads, 1, M, j, d]
-    chain_v = torch.stack(values, dim=3).to(wide).unsqueeze(2)
-    scores = (q.to(wide).view(b, kvh, g, m, 1, d) * chain_k).sum(-1) * d**-0.5  # [B, kv_heads, G, M, j]
+    keys = chain_k.to(wide).unsqueeze(2)  # [B, kv_heads, 1, M, j, d]
+    values = chain_v.to(wide).unsqueeze(2)
+    scores = (q.to(wide).view(b, kvh, g, m, 1, d) * keys).sum(-1) * d**-0.5  # [B, kv_heads, G, M, j]
     lse = prefix_lse.to(wide).view(b, kvh, g, m, 1)
     weights = torch.softmax(torch.cat([lse, scores], dim=-1), dim=-1)  # [B, kv_heads, G, M, 1 + j]
     out = weights[..., :1] * prefix_out.to(wide).view(b, kvh, g, m, d)
-    out = out + (weights[..., 1:, None] * chain_v).sum(-2)
+    out = out + (weights[..., 1:, None] * values).sum(-2)
     return out.view(b, h, m, d).to(q.dtype)
 
 

@@ -189,7 +189,8 @@ def test_merging_the_chain_through_the_prefix_lse_gives_attention_over_all_keys_
 
     prefix_scores = (q @ grouped(pk).transpose(-1, -2) * d**-0.5).masked_fill(~causal, float("-inf"))
     prefix_out = torch.softmax(prefix_scores, -1) @ grouped(pv)
-    merged = merge_chain(q, prefix_out, torch.logsumexp(prefix_scores, -1), ck, cv)
+    lse = torch.logsumexp(prefix_scores, -1)
+    merged = merge_chain(q, prefix_out, lse, torch.stack(ck, dim=3), torch.stack(cv, dim=3))
     inputs = [q, pk, pv, *ck, *cv]
     got = torch.autograd.grad((merged * weight).sum(), inputs, retain_graph=True)
 
