@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.config import TrainConfig
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary
 
 
 def summary_dict(run: str = "r1") -> dict[str, Any]:
@@ -95,3 +95,14 @@ def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: 
         "gate": gate_dict(run, **gate),
         "pictures": {"acceptance": "/s/acceptance-sglang.png", "training_curves": "/s/training_curves.png"},
     }
+
+
+def run_progress(tokens: int = 0, steps: int = 3) -> RunProgress:
+    """A checkpoint's progress as the trainer records it: an empty log interval of `steps` TTT steps."""
+    return RunProgress(
+        tokens=tokens,
+        interval_sums=[[0.0] * steps for _ in range(4)],
+        interval_tokens=0,
+        metrics_bytes=0,
+        rng_cpu=[0, 1, 255],
+    )

@@ -397,3 +397,25 @@ class LedgerRecord(Record):
     shard_size: int
     next_index: int
     sources: dict[str, LedgerSource]
+
+
+# ---- training checkpoints ------------------------------------------------------------------------------------
+class RunProgress(Record):
+    """Where a training run stands at a checkpoint, besides its step: the tokens logged so far, the open log
+    interval (its TTTStats sums, [4, steps], over all ranks, and its tokens), the metric log's size (a resume
+    cuts the log back to it) and the CPU RNG state."""
+
+    tokens: int
+    interval_sums: list[list[float]]
+    interval_tokens: int
+    metrics_bytes: int
+    rng_cpu: list[int]
+
+
+class CheckpointState(RunProgress):
+    """checkpoints/step-*/state.json: the run's progress at the step, then the step and the optimizer's
+    param groups (its hyper-parameters; the moments are in optimizer.safetensors). Written by
+    `train.checkpoint.save_checkpoint` with `json.dumps(indent=1)`, no final newline, as it always was."""
+
+    step: int
+    param_groups: list[dict[str, Any]]

@@ -34,7 +34,7 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
@@ -504,12 +504,13 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
     if ckpt is not None:
         load_trainable_state(s.drafter, ckpt.weights, ckpt.path)
         s.optimizer.load_state_dict(ckpt.optimizer)
-        torch.set_rng_state(torch.tensor(ckpt.state["rng_cpu"], dtype=torch.uint8))
-        progress = Progress(ckpt.step, ckpt.state["tokens"], progress.interval, 0, resumed_from=ckpt.step)
+        saved = ckpt.state
+        torch.set_rng_state(torch.tensor(saved.rng_cpu, dtype=torch.uint8))
+        progress = Progress(ckpt.step, saved.tokens, progress.interval, 0, resumed_from=ckpt.step)
         if world.is_main:  # the saved sums are over all ranks already: one rank carries them on
-            sums = torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64, device=world.device)
-            progress.interval, progress.interval_tokens = TTTStats(sums), ckpt.state["interval_tokens"]
-        metrics.cut_to(ckpt.state["metrics_bytes"])
+            sums = torch.tensor(saved.interval_sums, dtype=torch.float64, device=world.device)
+            progress.interval, progress.interval_tokens = TTTStats(sums), saved.interval_tokens
+        metrics.cut_to(saved.metrics_bytes)
         log(f"resuming run {run_dir.name} from step {ckpt.step}")
     elif world.is_main:
         metrics.cut_to(0)  # a run that never checkpointed starts its log afresh
@@ -650,13 +651,13 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
     if s.world.is_main:
-        state = {
-            "tokens": progress.tokens,
-            "interval_sums": reduced.sums.tolist(),
-            "interval_tokens": n,
-            "metrics_bytes": metrics.durable_size(),
-            "rng_cpu": torch.get_rng_state().tolist(),
-        }
+        state = RunProgress(
+            tokens=progress.tokens,
+            interval_sums=reduced.sums.tolist(),
+            interval_tokens=n,
+            metrics_bytes=metrics.durable_size(),
+            rng_cpu=torch.get_rng_state().tolist(),
+        )
         save_checkpoint(
             run_dir,
             progress.step,
