@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
@@ -30,12 +31,20 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def validation_message(path: Path, err: ValidationError) -> str:
+FIELD = "field"  # the context key of a `field_error`: the field a model validator's error is about
+
+
+def field_error(name: str, message: str) -> PydanticCustomError:
+    """An error about field `name` of the model being validated (a model validator's errors sit at the model)."""
+    return PydanticCustomError("eagle3", message.replace("{", "{{").replace("}", "}}"), {FIELD: name})
+
+
+def validation_message(where: Path | str, err: ValidationError) -> str:
     first = err.errors()[0]
+    ctx = first.get("ctx") or {}
+    path = field_path((*first["loc"], *([ctx[FIELD]] if FIELD in ctx else [])))
     more = err.error_count() - 1
-    return f"{path}: {field_path(first['loc']) or '(top level)'}: {first['msg']}" + (
-        f" (and {more} more)" if more else ""
-    )
+    return f"{where}: {path or '(top level)'}: {first['msg']}" + (f" (and {more} more)" if more else "")
 
 
 class Record(BaseModel):
