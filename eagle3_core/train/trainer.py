@@ -34,7 +34,7 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.records import RunProgress, RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
@@ -255,7 +255,7 @@ def _validate_and_log(
     if val.counted[0] == 0:
         log(f"validation at step {step}: no loss-masked tokens in the {len(refs)} validation samples")
         return
-    metrics.write({"kind": "val", "step": step, **val.report()})
+    metrics.write(ValRow(step=step, **val.metrics().model_dump()))
     log(
         f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
         f"tau_{s.cfg.ttt_steps} {val.tau(s.cfg.ttt_steps):.2f}"
@@ -584,17 +584,16 @@ def _log_interval(
     weighted = sum(cfg.step_weight**k * x for k, x in enumerate(reduced.step_losses))
     tokens_per_s = n / max(now - progress.interval_started, 1e-9)
     metrics.write(
-        {
-            "kind": "train",
-            "step": progress.step,
-            "epoch": epoch,
-            "lr": lr,
-            "loss": round(weighted, 6),
-            **reduced.report(),
-            "tokens": progress.tokens,
-            "tokens_per_s": round(tokens_per_s, 1),
-            "elapsed_s": round(now - started, 2),
-        }
+        TrainRow(
+            step=progress.step,
+            epoch=epoch,
+            lr=lr,
+            loss=round(weighted, 6),
+            **reduced.metrics().model_dump(),
+            tokens=progress.tokens,
+            tokens_per_s=round(tokens_per_s, 1),
+            elapsed_s=round(now - started, 2),
+        )
     )
     log(
         f"step {progress.step}/{total_steps} loss {weighted:.3f} acc_0 {reduced.acc[0]:.3f} "
@@ -616,8 +615,8 @@ def _summary(
 ) -> RunSummary:
     """final/summary.json: what the run was trained from and with, and its last validation."""
     facts = s.data.facts.trained_from()
-    final_val = [r for r in read_metrics(run_dir) if r["kind"] == "val"] if s.world.is_main else []
-    val_report = {k: v for k, v in final_val[-1].items() if k not in ("kind", "step")} if final_val else {}
+    final_val = [r for r in read_metrics(run_dir) if isinstance(r, ValRow)] if s.world.is_main else []
+    val_report = final_val[-1].metrics().flat() if final_val else {}
     return RunSummary(
         run=run_dir.name,
         steps=progress.step,
