@@ -16,7 +16,15 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from eagle3_core.conventions import FinalStateConvention
@@ -115,11 +123,109 @@ class GateDecision(Record):
     prompts: int = 0
 
 
+# ---- evaluation reports ----------------------------------------------------------------------------------
+class PromptResult(Record):
+    """One prompt decoded at one K, beside the target alone on it."""
+
+    al: float | None  # None without a verification round
+    rounds: int
+    accepted: int  # emitted drafts
+    speedup: (
+        float | None
+    )  # speculative over the target's tokens/s on this prompt; None when either was not timed
+    id: str | None = None  # the prompt's (a report names every prompt); absent only before it is named
+    category: str | None = None  # absent when the prompt has none
+
+    @model_serializer(mode="wrap")
+    def _named_only_when_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k not in ("id", "category")}
+
+
+ACCEPT_KEY = re.compile(r"accept_(\d+)")
+
+
+class KMeasurement(Record):
+    """A prompt set decoded at one K (`evaluate.measure.Measurement.k_measurement`): the pooled acceptance,
+    its bootstrap interval, the speed, and each prompt's result. `accept_i`, the unconditional acceptance of
+    draft position i, is written flat after acceptance_rate, as reports always had it: the
+    same numbers as `per_position`, which this record holds them as."""
+
+    k: int
+    rounds: int
+    acceptance_length: float  # NaN without a verification round
+    acceptance_rate: float
+    al_ci95: list[float]  # [low, high]
+    per_position: list[float]
+    tokens_per_s: float
+    speedup: float  # the median over prompts of the per-prompt ratio
+    speedup_statistic: str
+    per_prompt: list[PromptResult]
+    greedy_mismatches: int | None = (
+        None  # prompts whose output was not the target's; absent when not compared
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accepts_are_the_per_position(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        accepts = {int(m[1]): v for key, v in data.items() if (m := ACCEPT_KEY.fullmatch(key))}
+        per_position = data.get("per_position")
+        if isinstance(per_position, list):
+            for i, value in enumerate(per_position):
+                if accepts.pop(i, value) != value:
+                    raise field_error(
+                        f"accept_{i}", f"{data[f'accept_{i}']!r} disagrees with per_position[{i}]"
+                    )
+            if accepts:
+                raise field_error(f"accept_{min(accepts)}", f"beyond the {len(per_position)} draft positions")
+        return {key: v for key, v in data.items() if not ACCEPT_KEY.fullmatch(key)}
+
+    @model_serializer(mode="wrap")
+    def _flat_accepts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in handler(self).items():
+            if key == "greedy_mismatches" and value is None:
+                continue
+            out[key] = value
+            if key == "acceptance_rate":
+                out |= {f"accept_{i}": a for i, a in enumerate(self.per_position)}
+        return out
+
+
+class CategoryMeasurement(Record):
+    """The prompts of one category at one K: how many, their pooled AL and its bootstrap interval."""
+
+    prompts: int
+    acceptance_length: float
+    al_ci95: list[float]
+
+
+class SetMeasurement(Record):
+    """One prompt set's measurement as a report holds it: per K (by its number as text), per prompt (named),
+    the prompts the set refused by reason, and per category when the prompts carry one."""
+
+    prompts: int
+    device: str
+    target_tokens_per_s: float
+    by_k: dict[str, KMeasurement]
+    rejected: dict[str, int]
+    by_category: dict[str, dict[str, CategoryMeasurement]] | None = None  # absent without categories
+
+    @model_serializer(mode="wrap")
+    def _categories_only_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k != "by_category"}
+
+    def at(self, k: int) -> KMeasurement:
+        return self.by_k[str(k)]
+
+
 class EvalReport(Record):
     """export/<run>/eval/report-<format>.json: an export measured by speculative decoding, and the gate.
 
-    `sets` holds each prompt set's measurement as the evaluator's Measurement dumps it, with the prompts
-    named and grouped by category; it stays a plain mapping, its shape owned by the evaluate layer.
+    `sets` holds each prompt set's measurement (`SetMeasurement`), by the set's name.
     """
 
     run: str
@@ -130,7 +236,7 @@ class EvalReport(Record):
     settings: dict[str, Any]
     tau: dict[str, float | None]  # the training estimate per K, None where validation did not measure it
     primary: str  # the set the gate compares and the page leads with
-    sets: dict[str, dict[str, Any]]
+    sets: dict[str, SetMeasurement]
     gate: GateDecision
     pictures: dict[str, str]
 
@@ -148,7 +254,7 @@ class DrafterDirReport(Record):
     settings: dict[str, Any]
     tau: dict[str, float | None]
     primary: str
-    sets: dict[str, dict[str, Any]]
+    sets: dict[str, SetMeasurement]
 
 
 class DrafterLatest(Record):
