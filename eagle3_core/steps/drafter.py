@@ -258,7 +258,7 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
 
 def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
-    from eagle3_core.export import ExportTarget, export_sglang, export_speculators
+    from eagle3_core.export import ExportTarget, export_sglang, export_speculators, written_layer_ids
     from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.run_dir import load_trained
 
@@ -273,9 +273,7 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     speculators = export_speculators(
         drafter, mapping, facts, out / "speculators", dtype=dtype, speculative_tokens=cfg.evaluate.gate_k
     )  # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
-    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"
-    ]
+    sglang_ids = written_layer_ids(sglang)
     log(f"exported run {summary.run}: {sglang} and {speculators}")
     return StepResult(
         "drafter_export",
