@@ -250,9 +250,10 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
     """The dtype the target is served in (engines/sglang_models.py `serving_dtype`), which the drafter is
     exported in: an fp16 target gets an fp16 drafter."""
     from eagle3_core.engines.sglang_models import serving_dtype
+    from eagle3_core.targets.model_config import read_text_config
 
-    raw = json.loads((target / "config.json").read_text())
-    name = serving_dtype(cfg.target.dtype, raw.get("text_config", raw))
+    # the fields as the file gives them (serving_dtype reads a config dict, as SGLang does)
+    name = serving_dtype(cfg.target.dtype, read_text_config(target).model_dump(exclude_unset=True))
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 

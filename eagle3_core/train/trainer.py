@@ -17,7 +17,6 @@ loss is normalised by the global count, so N processes take the same steps as on
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -36,6 +35,7 @@ from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.records import RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
+from eagle3_core.targets.model_config import read_text_config
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
     Batch,
@@ -88,20 +88,17 @@ def drafter_config_for(
     target_dir: Path, draft_vocab_size: int, variant: DrafterVariant | None = None
 ) -> DrafterConfig:
     """One decoder layer shaped like the target's (what SGLang and SpecForge configure by default)."""
-    raw = json.loads((target_dir / "config.json").read_text())
-    cfg = raw.get("text_config", raw)
-    rope = cfg.get("rope_parameters") or {}
-    heads = int(cfg["num_attention_heads"])
+    cfg = read_text_config(target_dir)  # TargetError naming the file and the field
     return DrafterConfig(
-        target_hidden_size=int(cfg["hidden_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=cfg.get("head_dim") or int(cfg["hidden_size"]) // heads,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        target_vocab_size=int(cfg["vocab_size"]),
+        target_hidden_size=cfg.hidden_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.theta,
+        target_vocab_size=cfg.vocab_size,
         draft_vocab_size=draft_vocab_size,
         **(variant or DrafterVariant()).model_dump(),
     )
