@@ -31,7 +31,8 @@ class RopeParameters(HFFields):
 
 
 class TextConfig(HFFields):
-    """The language model's config: what the drafter's one decoder layer is shaped from, and the serving dtype."""
+    """The language model's config: what the drafter's one decoder layer is shaped from, the target's head, and
+    the serving dtype."""
 
     hidden_size: PositiveInt
     intermediate_size: PositiveInt
@@ -43,6 +44,7 @@ class TextConfig(HFFields):
     rope_theta: PositiveFloat | None = None  # transformers 4's place for it
     rope_parameters: RopeParameters | None = None  # transformers 5's
     model_type: str | None = None
+    tie_word_embeddings: bool = False  # lm_head is the embedding (and may be absent from the weights)
 
     @property
     def kv_heads(self) -> int:
