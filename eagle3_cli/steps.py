@@ -294,8 +294,8 @@ def print_training(summary: RunSummary) -> None:
         + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
     )
     console.print(
-        f"estimated acceptance length: tau(3) {summary.val.get('tau_3', float('nan')):.2f}, "
-        f"tau({steps}) {summary.val.get(f'tau_{steps}', float('nan')):.2f}"
+        f"estimated acceptance length: tau(3) {_or_nan(summary.tau(3)):.2f}, "
+        f"tau({steps}) {_or_nan(summary.tau(steps)):.2f}"
     )
 
 
@@ -332,6 +332,10 @@ def print_evaluation(report: EvalReport | DrafterDirReport, ks: Sequence[int]) -
             f"training estimate tau({k}) {'n/a' if tau is None else f'{tau:.2f}'}), acceptance rate "
             f"{r.acceptance_rate:.2f}, {speedup_text(r.speedup, report.device)}; per position {accepts}"
         )
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def speedup_text(median: float, device: str) -> str:

@@ -194,6 +194,8 @@ def _torchrun_training(config_path: Path, processes: int, log: Log) -> StepResul
 def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -> StepResult:
     summary = RunSummary.read(final / SUMMARY)
     val, steps = summary.val, cfg.train.ttt_steps
+    figures = {"acc_0": val.acc[0], "full_acc_0": val.full_acc[0]} if val else {}
+    taus = {f"tau_{k}": summary.tau(k) for k in (3, steps)}
     meta: dict[str, Any] = {
         "run": summary.run,
         "steps": summary.steps,
@@ -205,18 +207,15 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         "val_samples": summary.val_samples,
         "vocab_mapping": summary.vocab_mapping[:12],
         "acc_per_position": json.dumps(accuracy_per_position(summary, steps)),
-        **{
-            f"val_{name}": val[name]
-            for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}")
-            if name in val
-        },
+        **{f"val_{name}": value for name, value in (figures | taus).items() if value is not None},
     }
     return StepResult("drafter_checkpoint", final, meta, record=summary)
 
 
 def accuracy_per_position(summary: RunSummary, steps: int) -> list[float | None]:
     """The last validation's top-1 accuracy at each TTT position (None where nothing was validated)."""
-    return [summary.val.get(f"acc_{k}") for k in range(steps)]
+    measured = summary.val.acc if summary.val else []
+    return [measured[k] if k < len(measured) else None for k in range(steps)]
 
 
 def promoted_final(layout: StoreLayout) -> Path:

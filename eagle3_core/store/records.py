@@ -22,6 +22,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_serializer,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -78,6 +80,131 @@ class Record(BaseModel):
             raise RecordError(validation_message(path, err)) from None
 
 
+# ---- the training metric log -------------------------------------------------------------------------------
+STEP_KEY = re.compile(r"(loss|acc|full_acc|tau)_(\d+)")
+# each per-step family's field, and the number its first key has (tau_1 is the AL estimate at one draft)
+STEP_FAMILIES = {
+    "loss": ("step_losses", 0),
+    "acc": ("acc", 0),
+    "full_acc": ("full_acc", 0),
+    "tau": ("tau", 1),
+}
+
+
+def gather_steps(data: dict[str, Any]) -> dict[str, Any]:
+    """Flat per-step keys (loss_0, acc_0, full_acc_0, ..., tau_1, ...) as one list per family; the other keys as
+    they are. Every family has one value per step, the steps being counted by loss_k."""
+    found: dict[str, dict[int, Any]] = {family: {} for family in STEP_FAMILIES}
+    rest: dict[str, Any] = {}
+    for key, value in data.items():
+        if match := STEP_KEY.fullmatch(key):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise field_error(key, f"Input should be a number, got {value!r}")
+            found[match[1]][int(match[2])] = value
+        else:
+            rest[key] = value
+    steps = len(found["loss"])
+    for family, (_, first) in STEP_FAMILIES.items():
+        expected = range(first, first + steps)
+        if missing := [k for k in expected if k not in found[family]]:
+            raise field_error(f"{family}_{missing[0]}", "Field required")
+        if beyond := sorted(set(found[family]) - set(expected)):
+            raise field_error(f"{family}_{beyond[0]}", f"beyond the {steps} TTT steps that loss_k counts")
+    return rest | {
+        name: [found[family][k] for k in sorted(found[family])] for family, (name, _) in STEP_FAMILIES.items()
+    }
+
+
+class TTTMetrics(Record):
+    """What `train.loss.TTTStats` measures over a log interval or a validation, per TTT step k, written flat as
+    the metric log and the run summary always held it: loss_k, acc_k, full_acc_k for each k, then tau_1 to
+    tau_steps, then counted."""
+
+    step_losses: list[float]  # loss_k: the soft cross-entropy at step k
+    acc: list[float]  # acc_k: top-1 agreement at step k (earlier steps teacher-forced)
+    full_acc: list[float]  # full_acc_k: steps 0..k all right
+    tau: list[float]  # tau[j] is tau_{j+1}: the estimated acceptance length at j+1 drafts
+    counted: int  # the loss-masked positions measured at step 0
+
+    STEP_FIELDS: ClassVar[tuple[str, ...]] = ("step_losses", "acc", "full_acc", "tau", "counted")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather(cls, data: Any) -> Any:
+        return gather_steps(data) if isinstance(data, dict) and "acc" not in data else data
+
+    def tau_at(self, k: int) -> float | None:
+        """tau_k, None beyond the steps measured."""
+        return self.tau[k - 1] if 1 <= k <= len(self.tau) else None
+
+    def flat(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {}
+        for k, (loss, acc, full) in enumerate(zip(self.step_losses, self.acc, self.full_acc, strict=True)):
+            out |= {f"loss_{k}": loss, f"acc_{k}": acc, f"full_acc_{k}": full}
+        out |= {f"tau_{j + 1}": tau for j, tau in enumerate(self.tau)}
+        return out | {"counted": self.counted}
+
+    def metrics(self) -> TTTMetrics:
+        """The measured figures alone (of a metric log row: without its kind, step and the like)."""
+        return TTTMetrics.model_validate({name: getattr(self, name) for name in self.STEP_FIELDS})
+
+    LEAD: ClassVar[tuple[str, ...]] = ()  # a row's fields written before the flat figures; the rest follow
+
+    @model_serializer(mode="wrap")
+    def _written_flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        for name in self.STEP_FIELDS:
+            del fields[name]
+        lead = {k: fields.pop(k) for k in self.LEAD}
+        return lead | self.flat() | fields
+
+
+class ValRow(TTTMetrics):
+    """runs/<run>/metrics.jsonl: a validation's row."""
+
+    kind: Literal["val"] = "val"
+    step: int
+
+    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step")
+
+
+class TrainRow(TTTMetrics):
+    """runs/<run>/metrics.jsonl: a log interval's row (its figures summed over the ranks)."""
+
+    kind: Literal["train"] = "train"
+    step: int
+    epoch: int
+    lr: float
+    loss: float  # the step-weighted sum of the step losses, what the optimizer minimised
+    tokens: int  # logged so far, this interval's included
+    tokens_per_s: float
+    elapsed_s: float
+
+    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
+
+
+MetricsRow = TrainRow | ValRow
+ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
+
+
+def metrics_row(line: str, where: str) -> MetricsRow:
+    """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
+    field."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if (kind := data.get("kind")) not in ROW_KINDS:
+        raise RecordError(f"{where}: kind: expected 'train' or 'val', got {kind!r}")
+    try:
+        return ROW_KINDS[kind].model_validate(data)
+    except ValidationError as err:
+        raise RecordError(validation_message(where, err)) from None
+
+
+# ---- runs, their evaluations and the drafter pointers --------------------------------------------------------
 class RunSummary(Record):
     """runs/<run>/final/summary.json: what a finished run was trained from and with, and its last validation."""
 
@@ -85,7 +212,7 @@ class RunSummary(Record):
     steps: int
     tokens: int
     seconds: float
-    val: dict[str, int | float]  # the last validation's metrics, {} without one; `counted` is an int
+    val: TTTMetrics | None  # the last validation's figures, written {} without one
     drafter_config: dict[str, Any]
     vocab_mapping: str
     target_fingerprint: str
@@ -100,9 +227,17 @@ class RunSummary(Record):
     train_config: dict[str, Any]
     warm_from: str | None = None  # absent from summaries written before train.init_from existed
 
+    @field_validator("val", mode="before")
+    @classmethod
+    def _no_validation(cls, value: Any) -> Any:
+        return None if value == {} else value
+
+    @field_serializer("val")
+    def _written_empty(self, val: TTTMetrics | None) -> dict[str, Any]:
+        return {} if val is None else val.flat()
+
     def tau(self, k: int) -> float | None:
-        value = self.val.get(f"tau_{k}")
-        return None if value is None else float(value)
+        return None if self.val is None else self.val.tau_at(k)
 
 
 class GateDecision(Record):
@@ -123,7 +258,6 @@ class GateDecision(Record):
     prompts: int = 0
 
 
-# ---- evaluation reports ----------------------------------------------------------------------------------
 class PromptResult(Record):
     """One prompt decoded at one K, beside the target alone on it."""
 
@@ -536,124 +670,3 @@ class CheckpointState(RunProgress):
 
     step: int
     param_groups: list[dict[str, Any]]
-
-
-# ---- the training metric log -------------------------------------------------------------------------------
-STEP_KEY = re.compile(r"(loss|acc|full_acc|tau)_(\d+)")
-# each per-step family's field, and the number its first key has (tau_1 is the AL estimate at one draft)
-STEP_FAMILIES = {
-    "loss": ("step_losses", 0),
-    "acc": ("acc", 0),
-    "full_acc": ("full_acc", 0),
-    "tau": ("tau", 1),
-}
-
-
-def gather_steps(data: dict[str, Any]) -> dict[str, Any]:
-    """Flat per-step keys (loss_0, acc_0, full_acc_0, ..., tau_1, ...) as one list per family; the other keys as
-    they are. Every family has one value per step, the steps being counted by loss_k."""
-    found: dict[str, dict[int, Any]] = {family: {} for family in STEP_FAMILIES}
-    rest: dict[str, Any] = {}
-    for key, value in data.items():
-        if match := STEP_KEY.fullmatch(key):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise field_error(key, f"Input should be a number, got {value!r}")
-            found[match[1]][int(match[2])] = value
-        else:
-            rest[key] = value
-    steps = len(found["loss"])
-    for family, (_, first) in STEP_FAMILIES.items():
-        expected = range(first, first + steps)
-        if missing := [k for k in expected if k not in found[family]]:
-            raise field_error(f"{family}_{missing[0]}", "Field required")
-        if beyond := sorted(set(found[family]) - set(expected)):
-            raise field_error(f"{family}_{beyond[0]}", f"beyond the {steps} TTT steps that loss_k counts")
-    return rest | {
-        name: [found[family][k] for k in sorted(found[family])] for family, (name, _) in STEP_FAMILIES.items()
-    }
-
-
-class TTTMetrics(Record):
-    """What `train.loss.TTTStats` measures over a log interval or a validation, per TTT step k, written flat as
-    the metric log and the run summary always held it: loss_k, acc_k, full_acc_k for each k, then tau_1 to
-    tau_steps, then counted."""
-
-    step_losses: list[float]  # loss_k: the soft cross-entropy at step k
-    acc: list[float]  # acc_k: top-1 agreement at step k (earlier steps teacher-forced)
-    full_acc: list[float]  # full_acc_k: steps 0..k all right
-    tau: list[float]  # tau[j] is tau_{j+1}: the estimated acceptance length at j+1 drafts
-    counted: int  # the loss-masked positions measured at step 0
-
-    STEP_FIELDS: ClassVar[tuple[str, ...]] = ("step_losses", "acc", "full_acc", "tau", "counted")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _gather(cls, data: Any) -> Any:
-        return gather_steps(data) if isinstance(data, dict) and "acc" not in data else data
-
-    def tau_at(self, k: int) -> float | None:
-        """tau_k, None beyond the steps measured."""
-        return self.tau[k - 1] if 1 <= k <= len(self.tau) else None
-
-    def flat(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {}
-        for k, (loss, acc, full) in enumerate(zip(self.step_losses, self.acc, self.full_acc, strict=True)):
-            out |= {f"loss_{k}": loss, f"acc_{k}": acc, f"full_acc_{k}": full}
-        out |= {f"tau_{j + 1}": tau for j, tau in enumerate(self.tau)}
-        return out | {"counted": self.counted}
-
-    def metrics(self) -> TTTMetrics:
-        """The measured figures alone (of a metric log row: without its kind, step and the like)."""
-        return TTTMetrics.model_validate({name: getattr(self, name) for name in self.STEP_FIELDS})
-
-    def dump(self) -> dict[str, Any]:
-        fields = self.model_dump(exclude=set(self.STEP_FIELDS))
-        lead = {k: fields.pop(k) for k in self.LEAD}
-        return lead | self.flat() | fields
-
-    LEAD: ClassVar[tuple[str, ...]] = ()  # the row's fields written before the flat figures; the rest follow
-
-
-class ValRow(TTTMetrics):
-    """runs/<run>/metrics.jsonl: a validation's row."""
-
-    kind: Literal["val"] = "val"
-    step: int
-
-    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step")
-
-
-class TrainRow(TTTMetrics):
-    """runs/<run>/metrics.jsonl: a log interval's row (its figures summed over the ranks)."""
-
-    kind: Literal["train"] = "train"
-    step: int
-    epoch: int
-    lr: float
-    loss: float  # the step-weighted sum of the step losses, what the optimizer minimised
-    tokens: int  # logged so far, this interval's included
-    tokens_per_s: float
-    elapsed_s: float
-
-    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
-
-
-MetricsRow = TrainRow | ValRow
-ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
-
-
-def metrics_row(line: str, where: str) -> MetricsRow:
-    """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
-    field."""
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise RecordError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    if (kind := data.get("kind")) not in ROW_KINDS:
-        raise RecordError(f"{where}: kind: expected 'train' or 'val', got {kind!r}")
-    try:
-        return ROW_KINDS[kind].model_validate(data)
-    except ValidationError as err:
-        raise RecordError(validation_message(where, err)) from None

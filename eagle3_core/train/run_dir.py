@@ -158,7 +158,7 @@ def finished_result(run_dir: Path, resumed_from: int | None) -> TrainResult:
         summary.steps,
         summary.tokens,
         summary.seconds,
-        dict(summary.val),
+        summary.val.flat() if summary.val else {},
         resumed_from,
         DrafterConfig(**summary.drafter_config),
         summary,

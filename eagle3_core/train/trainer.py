@@ -252,7 +252,7 @@ def _validate_and_log(
     if val.counted[0] == 0:
         log(f"validation at step {step}: no loss-masked tokens in the {len(refs)} validation samples")
         return
-    metrics.write(ValRow(step=step, **val.metrics().model_dump()))
+    metrics.write(ValRow(step=step, **dict(val.metrics())))
     log(
         f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
         f"tau_{s.cfg.ttt_steps} {val.tau(s.cfg.ttt_steps):.2f}"
@@ -454,7 +454,7 @@ def _train(
         progress.step,
         progress.tokens,
         seconds,
-        dict(summary.val),
+        summary.val.flat() if summary.val else {},
         progress.resumed_from,
         dcfg,
         summary,
@@ -586,7 +586,7 @@ def _log_interval(
             epoch=epoch,
             lr=lr,
             loss=round(weighted, 6),
-            **reduced.metrics().model_dump(),
+            **dict(reduced.metrics()),
             tokens=progress.tokens,
             tokens_per_s=round(tokens_per_s, 1),
             elapsed_s=round(now - started, 2),
@@ -613,13 +613,12 @@ def _summary(
     """final/summary.json: what the run was trained from and with, and its last validation."""
     facts = s.data.facts.trained_from()
     final_val = [r for r in read_metrics(run_dir) if isinstance(r, ValRow)] if s.world.is_main else []
-    val_report = final_val[-1].metrics().flat() if final_val else {}
     return RunSummary(
         run=run_dir.name,
         steps=progress.step,
         tokens=progress.tokens,
         seconds=seconds,
-        val=val_report,
+        val=final_val[-1].metrics() if final_val else None,
         drafter_config=dcfg.model_dump(),
         vocab_mapping=s.mapping.fingerprint,
         target_fingerprint=facts.target_fingerprint,

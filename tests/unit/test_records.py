@@ -48,8 +48,16 @@ def test_a_run_summary_round_trips_and_writes_todays_bytes(tmp_path: Path) -> No
     _same_bytes(tmp_path, summary, summary_dict())
     read = RunSummary.read(tmp_path / "record.json")
     assert read == summary
-    assert isinstance(read.val["counted"], int) and isinstance(read.val["acc_0"], float)
+    assert read.val is not None and read.val.counted == 96 and read.val.acc == [0.5]
     assert read.tau(1) == 1.5 and read.tau(3) is None
+
+
+def test_a_summary_without_validation_writes_an_empty_val_as_before(tmp_path: Path) -> None:
+    today = {**summary_dict(), "val": {}, "val_samples": 0}
+    summary = RunSummary(**today)
+    assert summary.val is None and summary.tau(1) is None
+    _same_bytes(tmp_path, summary, today)
+    assert RunSummary.read(tmp_path / "record.json") == summary
 
 
 def test_a_summary_from_before_warm_starts_still_reads(tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ def test_the_figures_tttstats_measures_are_a_rows_figures() -> None:
     metrics = stats.metrics()
     assert metrics.step_losses == [0.75, 2.25] and metrics.acc == [0.5, 0.5] and metrics.counted == 4
     assert metrics.tau == [round(stats.tau(1), 6), round(stats.tau(2), 6)]
-    row = ValRow(step=2, **metrics.model_dump())
+    row = ValRow(step=2, **dict(metrics))
     per_step = [f"{family}_{k}" for k in (0, 1) for family in ("loss", "acc", "full_acc")]
     assert list(row.dump()) == ["kind", "step", *per_step, "tau_1", "tau_2", "counted"]
 
