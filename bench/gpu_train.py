@@ -47,6 +47,7 @@ from bench._training import (
 )
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import AttentionBackend
+from eagle3_core.store.records import TrainRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World, pick_device
@@ -319,15 +320,15 @@ def summary_line(r: dict[str, Any]) -> str:
 # ---- DDP -----------------------------------------------------------------------------------------------------
 def steady_rate(run_dir: Path) -> dict[str, Any]:
     """Tokens/s from the run's own log, from the end of the first log interval on (compile and start-up out)."""
-    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    train = [r for r in read_metrics(run_dir) if isinstance(r, TrainRow)]
     first, last = train[0], train[-1]
-    rate = (last["tokens"] - first["tokens"]) / max(last["elapsed_s"] - first["elapsed_s"], 1e-9)
+    rate = (last.tokens - first.tokens) / max(last.elapsed_s - first.elapsed_s, 1e-9)
     return {
         "tokens_per_s": round(rate, 1),
-        "from_step": first["step"],
-        "to_step": last["step"],
-        "train_loss": [r["loss"] for r in train],
-        "interval_tokens_per_s": [r["tokens_per_s"] for r in train],
+        "from_step": first.step,
+        "to_step": last.step,
+        "train_loss": [r.loss for r in train],
+        "interval_tokens_per_s": [r.tokens_per_s for r in train],
     }
 
 

@@ -294,8 +294,8 @@ def print_training(summary: RunSummary) -> None:
         + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
     )
     console.print(
-        f"estimated acceptance length: tau(3) {summary.val.get('tau_3', float('nan')):.2f}, "
-        f"tau({steps}) {summary.val.get(f'tau_{steps}', float('nan')):.2f}"
+        f"estimated acceptance length: tau(3) {_or_nan(summary.tau(3)):.2f}, "
+        f"tau({steps}) {_or_nan(summary.tau(steps)):.2f}"
     )
 
 
@@ -319,18 +319,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 def print_evaluation(report: EvalReport | DrafterDirReport, ks: Sequence[int]) -> None:
     primary = report.sets[report.primary]
     console.print(
-        f"drafter {report.run}: measured on {primary['prompts']} {report.primary.replace('heldout', 'held-out')} "
-        f"prompts ({report.device}, batch 1; target alone {primary['target_tokens_per_s']} tokens/s)"
+        f"drafter {report.run}: measured on {primary.prompts} {report.primary.replace('heldout', 'held-out')} "
+        f"prompts ({report.device}, batch 1; target alone {primary.target_tokens_per_s} tokens/s)"
     )
     for k in ks:
-        r = primary["by_k"][str(k)]
-        accepts = "  ".join(f"{a:.2f}" for a in r["per_position"])
+        r = primary.at(k)
+        accepts = "  ".join(f"{a:.2f}" for a in r.per_position)
+        low, high = r.al_ci95
         tau = report.tau[str(k)]
         console.print(
-            f"  K={k}: AL {r['acceptance_length']:.2f} (95% CI {r['al_ci95'][0]:.2f}-{r['al_ci95'][1]:.2f}; "
+            f"  K={k}: AL {r.acceptance_length:.2f} (95% CI {low:.2f}-{high:.2f}; "
             f"training estimate tau({k}) {'n/a' if tau is None else f'{tau:.2f}'}), acceptance rate "
-            f"{r['acceptance_rate']:.2f}, {speedup_text(float(r['speedup']), report.device)}; per position {accepts}"
+            f"{r.acceptance_rate:.2f}, {speedup_text(r.speedup, report.device)}; per position {accepts}"
         )
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def speedup_text(median: float, device: str) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.config import TrainConfig
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary
 
 
 def summary_dict(run: str = "r1") -> dict[str, Any]:
@@ -60,19 +60,26 @@ def gate_dict(run: str = "r1", **change: Any) -> dict[str, Any]:
 
 
 def set_dict() -> dict[str, Any]:
-    """One prompt set's measurement as the evaluation step writes it (one K, one prompt)."""
-    per_prompt = {"id": "p0", "rounds": 4, "accepted": 6, "acceptance_length": 2.5, "category": "chat"}
+    """One prompt set's measurement as the evaluation step writes it (one K, one prompt), key for key."""
+    per_prompt = {"al": 2.5, "rounds": 4, "accepted": 6, "speedup": 1.8, "id": "p0", "category": "chat"}
     by_k = {
+        "k": 3,
+        "rounds": 4,
         "acceptance_length": 2.5,
-        "al_ci95": [2.25, 2.75],
         "acceptance_rate": 0.5,
+        "accept_0": 0.75,
+        "accept_1": 0.5,
+        "accept_2": 0.25,
+        "al_ci95": [2.25, 2.75],
         "per_position": [0.75, 0.5, 0.25],
-        "speedup": 1.8,
         "tokens_per_s": 40.0,
+        "speedup": 1.8,
+        "speedup_statistic": "median over prompts of the per-prompt ratio",
         "per_prompt": [per_prompt],
     }
     return {
         "prompts": 1,
+        "device": "cpu",
         "target_tokens_per_s": 22.0,
         "by_k": {"3": by_k},
         "rejected": {"too_long": 0},
@@ -95,3 +102,14 @@ def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: 
         "gate": gate_dict(run, **gate),
         "pictures": {"acceptance": "/s/acceptance-sglang.png", "training_curves": "/s/training_curves.png"},
     }
+
+
+def run_progress(tokens: int = 0, steps: int = 3) -> RunProgress:
+    """A checkpoint's progress as the trainer records it: an empty log interval of `steps` TTT steps."""
+    return RunProgress(
+        tokens=tokens,
+        interval_sums=[[0.0] * steps for _ in range(4)],
+        interval_tokens=0,
+        metrics_bytes=0,
+        rng_cpu=[0, 1, 255],
+    )

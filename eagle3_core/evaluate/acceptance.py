@@ -31,16 +31,6 @@ class Acceptance:
     def acceptance_rate(self) -> float:
         return (self.acceptance_length - 1.0) / self.k
 
-    def as_metadata(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {
-            "k": self.k,
-            "rounds": self.rounds,
-            "acceptance_length": round(self.acceptance_length, 4),
-            "acceptance_rate": round(self.acceptance_rate, 4),
-        }
-        out.update({f"accept_{i}": round(a, 4) for i, a in enumerate(self.per_position)})
-        return out
-
 
 def acceptance(accepted_per_round: Iterable[int], k: int) -> Acceptance:
     """Pool rounds (from any number of prompts) into AL and per-position acceptance at K drafts."""

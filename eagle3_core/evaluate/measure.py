@@ -35,7 +35,9 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import Acceptance, acceptance
+from eagle3_core.evaluate.prompts import EvalPrompt
 from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, speculative_generate, target_generate
+from eagle3_core.store.records import KMeasurement, PromptResult
 
 
 @dataclass(frozen=True)
@@ -183,35 +185,44 @@ class Measurement:
         return bootstrap_al_interval(self.runs[k])
 
     def as_dict(self) -> dict[str, Any]:
+        """The measurement as a report's set holds it, less the set's own facts (bench results write it)."""
         return {
             "prompts": self.prompts,
             "device": self.device,
             "target_tokens_per_s": round(self.target.tokens_per_s, 2),
-            "by_k": {str(k): self._k_dict(k, a) for k, a in self.acceptance.items()},
+            "by_k": {str(k): self.k_measurement(k).dump() for k in self.runs},
         }
 
-    def _k_dict(self, k: int, a: Acceptance) -> dict[str, Any]:
+    def k_measurement(self, k: int, prompts: Sequence[EvalPrompt] | None = None) -> KMeasurement:
+        """The rounds at K pooled, with each prompt's result (named by `prompts`, in the order decoded)."""
+        a = acceptance((a for r in self.runs[k] for a in r.accepted), k)
         lo, hi = self.al_interval(k)
-        out: dict[str, Any] = {
-            **a.as_metadata(),
-            "al_ci95": [round(lo, 4), round(hi, 4)],
-            "per_position": [round(x, 4) for x in a.per_position],
-            "tokens_per_s": round(self.speculative(k).tokens_per_s, 2),
-            "speedup": round(self.speedup(k), 4),
-            "speedup_statistic": "median over prompts of the per-prompt ratio",
-            "per_prompt": [
-                {
-                    "al": round(1 + sum(r.accepted) / len(r.accepted), 4) if r.accepted else None,
-                    "rounds": len(r.accepted),
-                    "accepted": sum(r.accepted),
-                    "speedup": None if math.isnan(r.speedup) else round(r.speedup, 4),
-                }
-                for r in self.runs[k]
+        names = (
+            [(None, None)] * len(self.runs[k]) if prompts is None else [(p.id, p.category) for p in prompts]
+        )
+        return KMeasurement(
+            k=a.k,
+            rounds=a.rounds,
+            acceptance_length=round(a.acceptance_length, 4),
+            acceptance_rate=round(a.acceptance_rate, 4),
+            al_ci95=[round(lo, 4), round(hi, 4)],
+            per_position=[round(x, 4) for x in a.per_position],
+            tokens_per_s=round(self.speculative(k).tokens_per_s, 2),
+            speedup=round(self.speedup(k), 4),
+            speedup_statistic="median over prompts of the per-prompt ratio",
+            per_prompt=[
+                PromptResult(
+                    al=round(1 + sum(r.accepted) / len(r.accepted), 4) if r.accepted else None,
+                    rounds=len(r.accepted),
+                    accepted=sum(r.accepted),
+                    speedup=None if math.isnan(r.speedup) else round(r.speedup, 4),
+                    id=prompt_id,
+                    category=category,
+                )
+                for r, (prompt_id, category) in zip(self.runs[k], names, strict=True)
             ],
-        }
-        if k in self.greedy_mismatches:
-            out["greedy_mismatches"] = self.greedy_mismatches[k]
-        return out
+            greedy_mismatches=self.greedy_mismatches.get(k),
+        )
 
 
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:

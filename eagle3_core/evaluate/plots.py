@@ -10,11 +10,11 @@ import base64
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from matplotlib.figure import Figure
 
 from eagle3_core.store.atomic import atomic_write_bytes
+from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
 
 
 def _save(fig: Figure, out: Path) -> Path:
@@ -45,16 +45,17 @@ def acceptance_bars(
     return _save(fig, out)
 
 
-def training_curves(records: Sequence[Mapping[str, Any]], steps: int, out: Path, title: str) -> Path:
+def training_curves(records: Sequence[MetricsRow], steps: int, out: Path, title: str) -> Path:
     """Loss of step 0 and accuracy per TTT position over optimizer steps (train and validation), and tau."""
-    train = [r for r in records if r.get("kind") == "train"]
-    val = [r for r in records if r.get("kind") == "val"]
+    train = [r for r in records if isinstance(r, TrainRow)]
+    val = [r for r in records if isinstance(r, ValRow)]
     fig = Figure(figsize=(11, 3.8))
     loss_ax, acc_ax = fig.subplots(1, 2)
+    rows: Sequence[MetricsRow]
     for rows, style, name in ((train, "-", "train"), (val, "o--", "val")):
         if rows:
             loss_ax.plot(
-                [r["step"] for r in rows], [r["loss_0"] for r in rows], style, label=f"{name} loss_0"
+                [r.step for r in rows], [r.step_losses[0] for r in rows], style, label=f"{name} loss_0"
             )
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("soft cross-entropy (nats)")
@@ -63,8 +64,8 @@ def training_curves(records: Sequence[Mapping[str, Any]], steps: int, out: Path,
     for k in range(steps):  # train as thin lines, validation as dots, one colour per TTT position
         if train:
             acc_ax.plot(
-                [r["step"] for r in train],
-                [r[f"acc_{k}"] for r in train],
+                [r.step for r in train],
+                [r.acc[k] for r in train],
                 "-",
                 color=f"C{k}",
                 alpha=0.5,
@@ -72,9 +73,7 @@ def training_curves(records: Sequence[Mapping[str, Any]], steps: int, out: Path,
                 label=None if val else f"acc_{k}",
             )
         if val:
-            acc_ax.plot(
-                [r["step"] for r in val], [r[f"acc_{k}"] for r in val], "o", color=f"C{k}", label=f"acc_{k}"
-            )
+            acc_ax.plot([r.step for r in val], [r.acc[k] for r in val], "o", color=f"C{k}", label=f"acc_{k}")
     acc_ax.set_xlabel("step")
     acc_ax.set_ylabel("top-1 accuracy (conditional; dots: val)")
     acc_ax.set_ylim(0, 1)

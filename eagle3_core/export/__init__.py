@@ -22,7 +22,7 @@ from eagle3_core.export.common import (
     read_config_file,
 )
 from eagle3_core.export.sglang import ARCHITECTURE as SGLANG_ARCHITECTURE
-from eagle3_core.export.sglang import SGLANG, export_sglang
+from eagle3_core.export.sglang import SGLANG, export_sglang, written_layer_ids
 from eagle3_core.export.speculators import SPECULATORS, export_speculators
 
 FORMATS: dict[FormatName, ExportFormat] = {"sglang": SGLANG, "speculators": SPECULATORS}
@@ -102,4 +102,5 @@ __all__ = [
     "load_drafter_dir",
     "load_export",
     "validate_export",
+    "written_layer_ids",
 ]

@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from eagle3_core.errors import ExportError
-from eagle3_core.store.records import field_path
+from eagle3_core.store.records import FIELD, field_error, field_path
 
 FormatName = Literal["sglang", "speculators"]
 DtypeName = Literal["float32", "bfloat16", "float16"]  # the dtypes a drafter is exported in
@@ -35,19 +35,12 @@ SCHEMA = "eagle3.export/2"
 # exports written before the variant flags: their drafter had none (all false, no window), and their SGLang
 # config names no flag, so they are read as the engine reads them and checked against that all-false variant
 LEGACY_SCHEMA = "eagle3.export/1"
-# a field error raised by a model's own validator names its field here; the formatter appends it to the path
-FIELD = "field"
 
 M = TypeVar("M", bound=BaseModel)
 
 
 def is_ours(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("ours"))
-
-
-def field_error(name: str, message: str) -> PydanticCustomError:
-    """An error about field `name` of the model being validated (a model validator's errors sit at the model)."""
-    return PydanticCustomError("eagle3", message.replace("{", "{{").replace("}", "}}"), {FIELD: name})
 
 
 def _not_null(value: Any) -> Any:

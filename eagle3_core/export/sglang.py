@@ -240,3 +240,16 @@ def export_sglang(
     ExportError for a drafter SGLang cannot run as trained (norm_before_residual, a window of 1).
     """
     return common.write_export(SGLANG, drafter, mapping, target, out_dir, dtype)
+
+
+def written_layer_ids(export_dir: Path) -> list[int]:
+    """The aux layer ids our SGLang export's config.json gives SGLang, in SGLang's numbering: read back and
+    validated as written (ExportError naming the file and the field)."""
+    where = f"{export_dir} (sglang export)"
+    config = validated(SGLangConfig, common.read_config_file(export_dir, where), where, ours=True)
+    ids = config.eagle_config.eagle_aux_hidden_state_layer_ids if config.eagle_config else None
+    if ids is None:
+        raise ExportError(
+            f"{where}: {common.CONFIG_FILE}: eagle_config.eagle_aux_hidden_state_layer_ids: missing"
+        )
+    return ids

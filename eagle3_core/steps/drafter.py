@@ -194,6 +194,8 @@ def _torchrun_training(config_path: Path, processes: int, log: Log) -> StepResul
 def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -> StepResult:
     summary = RunSummary.read(final / SUMMARY)
     val, steps = summary.val, cfg.train.ttt_steps
+    figures = {"acc_0": val.acc[0], "full_acc_0": val.full_acc[0]} if val else {}
+    taus = {f"tau_{k}": summary.tau(k) for k in (3, steps)}
     meta: dict[str, Any] = {
         "run": summary.run,
         "steps": summary.steps,
@@ -205,18 +207,15 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         "val_samples": summary.val_samples,
         "vocab_mapping": summary.vocab_mapping[:12],
         "acc_per_position": json.dumps(accuracy_per_position(summary, steps)),
-        **{
-            f"val_{name}": val[name]
-            for name in ("acc_0", "full_acc_0", "tau_3", f"tau_{steps}")
-            if name in val
-        },
+        **{f"val_{name}": value for name, value in (figures | taus).items() if value is not None},
     }
     return StepResult("drafter_checkpoint", final, meta, record=summary)
 
 
 def accuracy_per_position(summary: RunSummary, steps: int) -> list[float | None]:
     """The last validation's top-1 accuracy at each TTT position (None where nothing was validated)."""
-    return [summary.val.get(f"acc_{k}") for k in range(steps)]
+    measured = summary.val.acc if summary.val else []
+    return [measured[k] if k < len(measured) else None for k in range(steps)]
 
 
 def promoted_final(layout: StoreLayout) -> Path:
@@ -250,15 +249,16 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
     """The dtype the target is served in (engines/sglang_models.py `serving_dtype`), which the drafter is
     exported in: an fp16 target gets an fp16 drafter."""
     from eagle3_core.engines.sglang_models import serving_dtype
+    from eagle3_core.targets.model_config import read_text_config
 
-    raw = json.loads((target / "config.json").read_text())
-    name = serving_dtype(cfg.target.dtype, raw.get("text_config", raw))
+    # the fields as the file gives them (serving_dtype reads a config dict, as SGLang does)
+    name = serving_dtype(cfg.target.dtype, read_text_config(target).model_dump(exclude_unset=True))
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
-    from eagle3_core.export import ExportTarget, export_sglang, export_speculators
+    from eagle3_core.export import ExportTarget, export_sglang, export_speculators, written_layer_ids
     from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.run_dir import load_trained
 
@@ -273,9 +273,7 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     speculators = export_speculators(
         drafter, mapping, facts, out / "speculators", dtype=dtype, speculative_tokens=cfg.evaluate.gate_k
     )  # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
-    sglang_ids = json.loads((sglang / "config.json").read_text())["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"
-    ]
+    sglang_ids = written_layer_ids(sglang)
     log(f"exported run {summary.run}: {sglang} and {speculators}")
     return StepResult(
         "drafter_export",

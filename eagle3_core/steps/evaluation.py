@@ -42,11 +42,13 @@ from eagle3_core.steps.drafter import latest_final, latest_summary
 from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import (
+    CategoryMeasurement,
     DrafterCurrent,
     DrafterDirReport,
     EvalReport,
     GateDecision,
     RunSummary,
+    SetMeasurement,
 )
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import SUMMARY, read_metrics
@@ -337,46 +339,42 @@ def set_reports(
     sets: list[PromptSet],
     fitting: dict[str, list[tuple[EvalPrompt, list[int]]]],
     measured: dict[str, Measurement],
-) -> dict[str, Any]:
+) -> dict[str, SetMeasurement]:
     """Each prompt set's measurement as the report holds it: per K, per prompt (named), per category."""
-    out: dict[str, Any] = {}
+    out: dict[str, SetMeasurement] = {}
     for s in sets:
         prompts = [p for p, _ in fitting[s.name]]
-        out[s.name] = {
-            **with_prompt_ids(measured[s.name].as_dict(), prompts),
-            "rejected": s.reject_counts,
-            **by_category(prompts, measured[s.name]),
-        }
+        m = measured[s.name]
+        out[s.name] = SetMeasurement(
+            prompts=m.prompts,
+            device=m.device,
+            target_tokens_per_s=round(m.target.tokens_per_s, 2),
+            by_k={str(k): m.k_measurement(k, prompts) for k in m.runs},
+            rejected=s.reject_counts,
+            by_category=by_category(prompts, m),
+        )
     return out
 
 
-def with_prompt_ids(measured: dict[str, Any], prompts: list[EvalPrompt]) -> dict[str, Any]:
-    """Each per-prompt result named by its prompt (and category), so a reader can find the hard ones."""
-    for by_k in measured["by_k"].values():
-        for row, prompt in zip(by_k["per_prompt"], prompts, strict=True):
-            row["id"] = prompt.id
-            if prompt.category is not None:
-                row["category"] = prompt.category
-    return measured
-
-
-def by_category(prompts: list[EvalPrompt], measured: Measurement) -> dict[str, Any]:
-    """{"by_category": {category: {K: AL, its interval, prompts}}} when the prompts carry a category, else {}."""
+def by_category(
+    prompts: list[EvalPrompt], measured: Measurement
+) -> dict[str, dict[str, CategoryMeasurement]] | None:
+    """{category: {K: AL, its interval, prompts}} when the prompts carry a category, else None."""
     categories = sorted({p.category for p in prompts if p.category is not None})
     if not categories:
-        return {}
-    out: dict[str, Any] = {}
+        return None
+    out: dict[str, dict[str, CategoryMeasurement]] = {}
     for category in categories:
         picked = [i for i, p in enumerate(prompts) if p.category == category]
         out[category] = {
-            str(k): {
-                "prompts": len(picked),
-                "acceptance_length": round(pooled_runs_al([runs[i] for i in picked], k), 4),
-                "al_ci95": _rounded(bootstrap_al_interval([runs[i] for i in picked])),
-            }
+            str(k): CategoryMeasurement(
+                prompts=len(picked),
+                acceptance_length=round(pooled_runs_al([runs[i] for i in picked], k), 4),
+                al_ci95=_rounded(bootstrap_al_interval([runs[i] for i in picked])),
+            )
             for k, runs in measured.runs.items()
         }
-    return {"by_category": out}
+    return out
 
 
 def eval_drafter_dir_step(
@@ -467,24 +465,24 @@ def _metadata(report: EvalReport | DrafterDirReport, gate_passed: bool | None, g
     meta: dict[str, Any] = {
         "run": report.run,
         "prompt_set": report.primary,
-        "prompts": heldout["prompts"],
+        "prompts": heldout.prompts,
         "device": report.device,
-        "target_tokens_per_s": heldout["target_tokens_per_s"],
+        "target_tokens_per_s": heldout.target_tokens_per_s,
     }
-    for k, r in heldout["by_k"].items():
-        meta[f"al_k{k}"] = r["acceptance_length"]
-        meta[f"al_k{k}_ci95_low"], meta[f"al_k{k}_ci95_high"] = r["al_ci95"]
-        meta[f"acceptance_rate_k{k}"] = r["acceptance_rate"]
-        meta[f"speedup_k{k}"] = r["speedup"]
+    for k, r in heldout.by_k.items():
+        meta[f"al_k{k}"] = r.acceptance_length
+        meta[f"al_k{k}_ci95_low"], meta[f"al_k{k}_ci95_high"] = r.al_ci95
+        meta[f"acceptance_rate_k{k}"] = r.acceptance_rate
+        meta[f"speedup_k{k}"] = r.speedup
         tau = report.tau[k]
         meta[f"tau_k{k}"] = tau if tau is not None else -1.0
-        if "greedy_mismatches" in r:
-            meta[f"greedy_mismatches_k{k}"] = r["greedy_mismatches"]
-    meta["per_position"] = json.dumps({k: r["per_position"] for k, r in heldout["by_k"].items()})
+        if r.greedy_mismatches is not None:
+            meta[f"greedy_mismatches_k{k}"] = r.greedy_mismatches
+    meta["per_position"] = json.dumps({k: r.per_position for k, r in heldout.by_k.items()})
     for name, s in report.sets.items():
         if name != report.primary:
-            meta[f"{name}_al_k{gate_k}"] = s["by_k"][str(gate_k)]["acceptance_length"]
-            meta[f"{name}_speedup_k{gate_k}"] = s["by_k"][str(gate_k)]["speedup"]
+            meta[f"{name}_al_k{gate_k}"] = s.at(gate_k).acceptance_length
+            meta[f"{name}_speedup_k{gate_k}"] = s.at(gate_k).speedup
     meta["gate_passed"] = gate_passed
     return meta
 

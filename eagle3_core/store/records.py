@@ -11,10 +11,23 @@ their dumped dicts (their models live in higher layers), and the caller builds t
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
@@ -30,12 +43,20 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def validation_message(path: Path, err: ValidationError) -> str:
+FIELD = "field"  # the context key of a `field_error`: the field a model validator's error is about
+
+
+def field_error(name: str, message: str) -> PydanticCustomError:
+    """An error about field `name` of the model being validated (a model validator's errors sit at the model)."""
+    return PydanticCustomError("eagle3", message.replace("{", "{{").replace("}", "}}"), {FIELD: name})
+
+
+def validation_message(where: Path | str, err: ValidationError) -> str:
     first = err.errors()[0]
+    ctx = first.get("ctx") or {}
+    path = field_path((*first["loc"], *([ctx[FIELD]] if FIELD in ctx else [])))
     more = err.error_count() - 1
-    return f"{path}: {field_path(first['loc']) or '(top level)'}: {first['msg']}" + (
-        f" (and {more} more)" if more else ""
-    )
+    return f"{where}: {path or '(top level)'}: {first['msg']}" + (f" (and {more} more)" if more else "")
 
 
 class Record(BaseModel):
@@ -59,6 +80,131 @@ class Record(BaseModel):
             raise RecordError(validation_message(path, err)) from None
 
 
+# ---- the training metric log -------------------------------------------------------------------------------
+STEP_KEY = re.compile(r"(loss|acc|full_acc|tau)_(\d+)")
+# each per-step family's field, and the number its first key has (tau_1 is the AL estimate at one draft)
+STEP_FAMILIES = {
+    "loss": ("step_losses", 0),
+    "acc": ("acc", 0),
+    "full_acc": ("full_acc", 0),
+    "tau": ("tau", 1),
+}
+
+
+def gather_steps(data: dict[str, Any]) -> dict[str, Any]:
+    """Flat per-step keys (loss_0, acc_0, full_acc_0, ..., tau_1, ...) as one list per family; the other keys as
+    they are. Every family has one value per step, the steps being counted by loss_k."""
+    found: dict[str, dict[int, Any]] = {family: {} for family in STEP_FAMILIES}
+    rest: dict[str, Any] = {}
+    for key, value in data.items():
+        if match := STEP_KEY.fullmatch(key):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise field_error(key, f"Input should be a number, got {value!r}")
+            found[match[1]][int(match[2])] = value
+        else:
+            rest[key] = value
+    steps = len(found["loss"])
+    for family, (_, first) in STEP_FAMILIES.items():
+        expected = range(first, first + steps)
+        if missing := [k for k in expected if k not in found[family]]:
+            raise field_error(f"{family}_{missing[0]}", "Field required")
+        if beyond := sorted(set(found[family]) - set(expected)):
+            raise field_error(f"{family}_{beyond[0]}", f"beyond the {steps} TTT steps that loss_k counts")
+    return rest | {
+        name: [found[family][k] for k in sorted(found[family])] for family, (name, _) in STEP_FAMILIES.items()
+    }
+
+
+class TTTMetrics(Record):
+    """What `train.loss.TTTStats` measures over a log interval or a validation, per TTT step k, written flat as
+    the metric log and the run summary always held it: loss_k, acc_k, full_acc_k for each k, then tau_1 to
+    tau_steps, then counted."""
+
+    step_losses: list[float]  # loss_k: the soft cross-entropy at step k
+    acc: list[float]  # acc_k: top-1 agreement at step k (earlier steps teacher-forced)
+    full_acc: list[float]  # full_acc_k: steps 0..k all right
+    tau: list[float]  # tau[j] is tau_{j+1}: the estimated acceptance length at j+1 drafts
+    counted: int  # the loss-masked positions measured at step 0
+
+    STEP_FIELDS: ClassVar[tuple[str, ...]] = ("step_losses", "acc", "full_acc", "tau", "counted")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather(cls, data: Any) -> Any:
+        return gather_steps(data) if isinstance(data, dict) and "acc" not in data else data
+
+    def tau_at(self, k: int) -> float | None:
+        """tau_k, None beyond the steps measured."""
+        return self.tau[k - 1] if 1 <= k <= len(self.tau) else None
+
+    def flat(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {}
+        for k, (loss, acc, full) in enumerate(zip(self.step_losses, self.acc, self.full_acc, strict=True)):
+            out |= {f"loss_{k}": loss, f"acc_{k}": acc, f"full_acc_{k}": full}
+        out |= {f"tau_{j + 1}": tau for j, tau in enumerate(self.tau)}
+        return out | {"counted": self.counted}
+
+    def metrics(self) -> TTTMetrics:
+        """The measured figures alone (of a metric log row: without its kind, step and the like)."""
+        return TTTMetrics.model_validate({name: getattr(self, name) for name in self.STEP_FIELDS})
+
+    LEAD: ClassVar[tuple[str, ...]] = ()  # a row's fields written before the flat figures; the rest follow
+
+    @model_serializer(mode="wrap")
+    def _written_flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        for name in self.STEP_FIELDS:
+            del fields[name]
+        lead = {k: fields.pop(k) for k in self.LEAD}
+        return lead | self.flat() | fields
+
+
+class ValRow(TTTMetrics):
+    """runs/<run>/metrics.jsonl: a validation's row."""
+
+    kind: Literal["val"] = "val"
+    step: int
+
+    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step")
+
+
+class TrainRow(TTTMetrics):
+    """runs/<run>/metrics.jsonl: a log interval's row (its figures summed over the ranks)."""
+
+    kind: Literal["train"] = "train"
+    step: int
+    epoch: int
+    lr: float
+    loss: float  # the step-weighted sum of the step losses, what the optimizer minimised
+    tokens: int  # logged so far, this interval's included
+    tokens_per_s: float
+    elapsed_s: float
+
+    LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
+
+
+MetricsRow = TrainRow | ValRow
+ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
+
+
+def metrics_row(line: str, where: str) -> MetricsRow:
+    """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
+    field."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if (kind := data.get("kind")) not in ROW_KINDS:
+        raise RecordError(f"{where}: kind: expected 'train' or 'val', got {kind!r}")
+    try:
+        return ROW_KINDS[kind].model_validate(data)
+    except ValidationError as err:
+        raise RecordError(validation_message(where, err)) from None
+
+
+# ---- runs, their evaluations and the drafter pointers --------------------------------------------------------
 class RunSummary(Record):
     """runs/<run>/final/summary.json: what a finished run was trained from and with, and its last validation."""
 
@@ -66,7 +212,7 @@ class RunSummary(Record):
     steps: int
     tokens: int
     seconds: float
-    val: dict[str, int | float]  # the last validation's metrics, {} without one; `counted` is an int
+    val: TTTMetrics | None  # the last validation's figures, written {} without one
     drafter_config: dict[str, Any]
     vocab_mapping: str
     target_fingerprint: str
@@ -81,9 +227,17 @@ class RunSummary(Record):
     train_config: dict[str, Any]
     warm_from: str | None = None  # absent from summaries written before train.init_from existed
 
+    @field_validator("val", mode="before")
+    @classmethod
+    def _no_validation(cls, value: Any) -> Any:
+        return None if value == {} else value
+
+    @field_serializer("val")
+    def _written_empty(self, val: TTTMetrics | None) -> dict[str, Any]:
+        return {} if val is None else val.flat()
+
     def tau(self, k: int) -> float | None:
-        value = self.val.get(f"tau_{k}")
-        return None if value is None else float(value)
+        return None if self.val is None else self.val.tau_at(k)
 
 
 class GateDecision(Record):
@@ -104,11 +258,108 @@ class GateDecision(Record):
     prompts: int = 0
 
 
+class PromptResult(Record):
+    """One prompt decoded at one K, beside the target alone on it."""
+
+    al: float | None  # None without a verification round
+    rounds: int
+    accepted: int  # emitted drafts
+    speedup: (
+        float | None
+    )  # speculative over the target's tokens/s on this prompt; None when either was not timed
+    id: str | None = None  # the prompt's (a report names every prompt); absent only before it is named
+    category: str | None = None  # absent when the prompt has none
+
+    @model_serializer(mode="wrap")
+    def _named_only_when_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k not in ("id", "category")}
+
+
+ACCEPT_KEY = re.compile(r"accept_(\d+)")
+
+
+class KMeasurement(Record):
+    """A prompt set decoded at one K (`evaluate.measure.Measurement.k_measurement`): the pooled acceptance,
+    its bootstrap interval, the speed, and each prompt's result. `accept_i`, the unconditional acceptance of
+    draft position i, is written flat after acceptance_rate, as reports always had it: the
+    same numbers as `per_position`, which this record holds them as."""
+
+    k: int
+    rounds: int
+    acceptance_length: float  # NaN without a verification round
+    acceptance_rate: float
+    al_ci95: list[float]  # [low, high]
+    per_position: list[float]
+    tokens_per_s: float
+    speedup: float  # the median over prompts of the per-prompt ratio
+    speedup_statistic: str
+    per_prompt: list[PromptResult]
+    greedy_mismatches: int | None = (
+        None  # prompts whose output was not the target's; absent when not compared
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accepts_are_the_per_position(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        accepts = {int(m[1]): v for key, v in data.items() if (m := ACCEPT_KEY.fullmatch(key))}
+        per_position = data.get("per_position")
+        if isinstance(per_position, list):
+            for i, value in enumerate(per_position):
+                if accepts.pop(i, value) != value:
+                    raise field_error(
+                        f"accept_{i}", f"{data[f'accept_{i}']!r} disagrees with per_position[{i}]"
+                    )
+            if accepts:
+                raise field_error(f"accept_{min(accepts)}", f"beyond the {len(per_position)} draft positions")
+        return {key: v for key, v in data.items() if not ACCEPT_KEY.fullmatch(key)}
+
+    @model_serializer(mode="wrap")
+    def _flat_accepts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in handler(self).items():
+            if key == "greedy_mismatches" and value is None:
+                continue
+            out[key] = value
+            if key == "acceptance_rate":
+                out |= {f"accept_{i}": a for i, a in enumerate(self.per_position)}
+        return out
+
+
+class CategoryMeasurement(Record):
+    """The prompts of one category at one K: how many, their pooled AL and its bootstrap interval."""
+
+    prompts: int
+    acceptance_length: float
+    al_ci95: list[float]
+
+
+class SetMeasurement(Record):
+    """One prompt set's measurement as a report holds it: per K (by its number as text), per prompt (named),
+    the prompts the set refused by reason, and per category when the prompts carry one."""
+
+    prompts: int
+    device: str
+    target_tokens_per_s: float
+    by_k: dict[str, KMeasurement]
+    rejected: dict[str, int]
+    by_category: dict[str, dict[str, CategoryMeasurement]] | None = None  # absent without categories
+
+    @model_serializer(mode="wrap")
+    def _categories_only_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k != "by_category"}
+
+    def at(self, k: int) -> KMeasurement:
+        return self.by_k[str(k)]
+
+
 class EvalReport(Record):
     """export/<run>/eval/report-<format>.json: an export measured by speculative decoding, and the gate.
 
-    `sets` holds each prompt set's measurement as the evaluator's Measurement dumps it, with the prompts
-    named and grouped by category; it stays a plain mapping, its shape owned by the evaluate layer.
+    `sets` holds each prompt set's measurement (`SetMeasurement`), by the set's name.
     """
 
     run: str
@@ -119,7 +370,7 @@ class EvalReport(Record):
     settings: dict[str, Any]
     tau: dict[str, float | None]  # the training estimate per K, None where validation did not measure it
     primary: str  # the set the gate compares and the page leads with
-    sets: dict[str, dict[str, Any]]
+    sets: dict[str, SetMeasurement]
     gate: GateDecision
     pictures: dict[str, str]
 
@@ -137,7 +388,7 @@ class DrafterDirReport(Record):
     settings: dict[str, Any]
     tau: dict[str, float | None]
     primary: str
-    sets: dict[str, dict[str, Any]]
+    sets: dict[str, SetMeasurement]
 
 
 class DrafterLatest(Record):
@@ -397,3 +648,25 @@ class LedgerRecord(Record):
     shard_size: int
     next_index: int
     sources: dict[str, LedgerSource]
+
+
+# ---- training checkpoints ------------------------------------------------------------------------------------
+class RunProgress(Record):
+    """Where a training run stands at a checkpoint, besides its step: the tokens logged so far, the open log
+    interval (its TTTStats sums, [4, steps], over all ranks, and its tokens), the metric log's size (a resume
+    cuts the log back to it) and the CPU RNG state."""
+
+    tokens: int
+    interval_sums: list[list[float]]
+    interval_tokens: int
+    metrics_bytes: int
+    rng_cpu: list[int]
+
+
+class CheckpointState(RunProgress):
+    """checkpoints/step-*/state.json: the run's progress at the step, then the step and the optimizer's
+    param groups (its hyper-parameters; the moments are in optimizer.safetensors). Written by
+    `train.checkpoint.save_checkpoint` with `json.dumps(indent=1)`, no final newline, as it always was."""
+
+    step: int
+    param_groups: list[dict[str, Any]]

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_core.conventions import FinalStateConvention
+from eagle3_core.targets.model_config import read_text_config
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,15 +71,13 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
 
 
 def load_target_head(model_dir: Path) -> TargetHead:
-    config = json.loads((model_dir / "config.json").read_text())
-    config = config.get("text_config", config)  # multimodal wrappers keep the language model's config inside
+    config = read_text_config(model_dir)  # multimodal wrappers keep the language model's config inside
     files = _weight_files(model_dir)
     embed_name = _find(files, "embed_tokens.weight")
     if embed_name is None:
         raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor")
     head_name = _find(files, "lm_head.weight")
-    tied = bool(config.get("tie_word_embeddings", False))
-    if head_name is None and not tied:
+    if head_name is None and not config.tie_word_embeddings:
         raise ValueError(f"{model_dir}: no 'lm_head.weight' and tie_word_embeddings is false")
     norm_name = _find(files, "norm.weight")
     embed = _read(files, embed_name)
@@ -86,5 +85,5 @@ def load_target_head(model_dir: Path) -> TargetHead:
         embed=embed,
         lm_head=embed if head_name is None else _read(files, head_name),
         final_norm=None if norm_name is None else _read(files, norm_name),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=config.rms_norm_eps,
     )

@@ -7,7 +7,7 @@ safetensors or JSON:
     step-00000200/
       drafter.safetensors     trainable weights (the frozen target embedding is not repeated)
       optimizer.safetensors   AdamW moments and step counts, one tensor per (parameter, field)
-      state.json              step, optimizer hyper-parameters, metric-log size, RNG state, run identity
+      state.json              the run's progress, step, optimizer hyper-parameters (store.records.CheckpointState)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_core.store.atomic import atomic_directory
+from eagle3_core.store.records import CheckpointState, RunProgress
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "drafter.safetensors"
@@ -33,10 +34,13 @@ STATE = "state.json"
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
-    step: int
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, Any]  # an optimizer state_dict
-    state: dict[str, Any]
+    state: CheckpointState
+
+    @property
+    def step(self) -> int:
+        return self.state.step
 
 
 def _flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -76,26 +80,26 @@ def save_checkpoint(
     step: int,
     weights: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
-    state: dict[str, Any],
+    progress: RunProgress,
     keep: int,
 ) -> Path:
     final = checkpoints_dir(run_dir) / f"step-{step:08d}"
     opt_tensors, groups = _flatten_optimizer(optimizer_state)
+    state = CheckpointState(**dict(progress), step=step, param_groups=groups)
     # replace: the same step saved again (a resumed run re-reaching it) replaces it whole
     with atomic_directory(final, replace=True) as temp:
         save_file({n: t.detach().cpu().contiguous() for n, t in weights.items()}, str(temp / WEIGHTS))
         save_file(opt_tensors, str(temp / OPTIMIZER))
-        (temp / STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=1))
+        (temp / STATE).write_text(json.dumps(state.dump(), indent=1))
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    state = json.loads((path / STATE).read_text())
-    groups = state.pop("param_groups")
-    optimizer = _unflatten_optimizer(load_file(str(path / OPTIMIZER)), groups)
-    return Checkpoint(path, int(state["step"]), load_file(str(path / WEIGHTS)), optimizer, state)
+    state = CheckpointState.read(path / STATE)  # RecordError naming the file and the field
+    optimizer = _unflatten_optimizer(load_file(str(path / OPTIMIZER)), state.param_groups)
+    return Checkpoint(path, load_file(str(path / WEIGHTS)), optimizer, state)
 
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_core.draft.model import shift_left
+from eagle3_core.store.records import TTTMetrics
 
 
 @dataclass(frozen=True)
@@ -197,17 +198,16 @@ class TTTStats:
             total += running
         return total
 
-    def report(self, prefix: str = "") -> dict[str, float]:
-        """Flat metrics for a log line: loss_k, acc_k, full_acc_k, tau_1..tau_steps, counted."""
-        out: dict[str, float] = {}
-        for k, (loss, acc, full) in enumerate(zip(self.step_losses, self.acc, self.full_acc, strict=True)):
-            out[f"{prefix}loss_{k}"] = round(loss, 6)
-            out[f"{prefix}acc_{k}"] = round(acc, 6)
-            out[f"{prefix}full_acc_{k}"] = round(full, 6)
-        for k in range(1, len(self.counted) + 1):
-            out[f"{prefix}tau_{k}"] = round(self.tau(k), 6)
-        out[f"{prefix}counted"] = self.counted[0]
-        return out
+    def metrics(self) -> TTTMetrics:
+        """The figures a metric log row and the run summary record: loss_k, acc_k, full_acc_k, tau_1..tau_steps,
+        counted (rounded to 6 places)."""
+        return TTTMetrics(
+            step_losses=[round(x, 6) for x in self.step_losses],
+            acc=[round(x, 6) for x in self.acc],
+            full_acc=[round(x, 6) for x in self.full_acc],
+            tau=[round(self.tau(k), 6) for k in range(1, len(self.counted) + 1)],
+            counted=self.counted[0],
+        )
 
 
 LossKind = Literal["kl", "lk_hybrid"]

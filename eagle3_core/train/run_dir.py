@@ -15,7 +15,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import atomic_directory, atomic_write_json
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import MetricsRow, RunSummary, metrics_row
 
 FINAL = "final"
 SUMMARY = "summary.json"  # in final/: a run is finished once it exists
@@ -83,10 +82,10 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path, self.enabled = path, enabled
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, row: MetricsRow) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(row.dump()) + "\n")
 
     def durable_size(self) -> int:
         if not self.enabled or not self.path.exists():
@@ -101,9 +100,12 @@ class MetricsLog:
                 f.truncate(size)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path) -> list[MetricsRow]:
+    """The run's metric log, a row per line (RecordError naming the file, the line and the field)."""
     path = run_dir / METRICS
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    return [metrics_row(line, f"{path} line {n}") for n, line in enumerate(path.read_text().splitlines(), 1)]
 
 
 @dataclass
@@ -156,7 +158,7 @@ def finished_result(run_dir: Path, resumed_from: int | None) -> TrainResult:
         summary.steps,
         summary.tokens,
         summary.seconds,
-        dict(summary.val),
+        summary.val.flat() if summary.val else {},
         resumed_from,
         DrafterConfig(**summary.drafter_config),
         summary,

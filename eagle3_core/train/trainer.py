@@ -17,7 +17,6 @@ loss is normalised by the global count, so N processes take the same steps as on
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -34,8 +33,9 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.records import RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
+from eagle3_core.targets.model_config import read_text_config
 from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
     Batch,
@@ -88,20 +88,17 @@ def drafter_config_for(
     target_dir: Path, draft_vocab_size: int, variant: DrafterVariant | None = None
 ) -> DrafterConfig:
     """One decoder layer shaped like the target's (what SGLang and SpecForge configure by default)."""
-    raw = json.loads((target_dir / "config.json").read_text())
-    cfg = raw.get("text_config", raw)
-    rope = cfg.get("rope_parameters") or {}
-    heads = int(cfg["num_attention_heads"])
+    cfg = read_text_config(target_dir)  # TargetError naming the file and the field
     return DrafterConfig(
-        target_hidden_size=int(cfg["hidden_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=cfg.get("head_dim") or int(cfg["hidden_size"]) // heads,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        target_vocab_size=int(cfg["vocab_size"]),
+        target_hidden_size=cfg.hidden_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.theta,
+        target_vocab_size=cfg.vocab_size,
         draft_vocab_size=draft_vocab_size,
         **(variant or DrafterVariant()).model_dump(),
     )
@@ -255,7 +252,7 @@ def _validate_and_log(
     if val.counted[0] == 0:
         log(f"validation at step {step}: no loss-masked tokens in the {len(refs)} validation samples")
         return
-    metrics.write({"kind": "val", "step": step, **val.report()})
+    metrics.write(ValRow(step=step, **dict(val.metrics())))
     log(
         f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
         f"tau_{s.cfg.ttt_steps} {val.tau(s.cfg.ttt_steps):.2f}"
@@ -457,7 +454,7 @@ def _train(
         progress.step,
         progress.tokens,
         seconds,
-        dict(summary.val),
+        summary.val.flat() if summary.val else {},
         progress.resumed_from,
         dcfg,
         summary,
@@ -504,12 +501,13 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
     if ckpt is not None:
         load_trainable_state(s.drafter, ckpt.weights, ckpt.path)
         s.optimizer.load_state_dict(ckpt.optimizer)
-        torch.set_rng_state(torch.tensor(ckpt.state["rng_cpu"], dtype=torch.uint8))
-        progress = Progress(ckpt.step, ckpt.state["tokens"], progress.interval, 0, resumed_from=ckpt.step)
+        saved = ckpt.state
+        torch.set_rng_state(torch.tensor(saved.rng_cpu, dtype=torch.uint8))
+        progress = Progress(ckpt.step, saved.tokens, progress.interval, 0, resumed_from=ckpt.step)
         if world.is_main:  # the saved sums are over all ranks already: one rank carries them on
-            sums = torch.tensor(ckpt.state["interval_sums"], dtype=torch.float64, device=world.device)
-            progress.interval, progress.interval_tokens = TTTStats(sums), ckpt.state["interval_tokens"]
-        metrics.cut_to(ckpt.state["metrics_bytes"])
+            sums = torch.tensor(saved.interval_sums, dtype=torch.float64, device=world.device)
+            progress.interval, progress.interval_tokens = TTTStats(sums), saved.interval_tokens
+        metrics.cut_to(saved.metrics_bytes)
         log(f"resuming run {run_dir.name} from step {ckpt.step}")
     elif world.is_main:
         metrics.cut_to(0)  # a run that never checkpointed starts its log afresh
@@ -583,17 +581,16 @@ def _log_interval(
     weighted = sum(cfg.step_weight**k * x for k, x in enumerate(reduced.step_losses))
     tokens_per_s = n / max(now - progress.interval_started, 1e-9)
     metrics.write(
-        {
-            "kind": "train",
-            "step": progress.step,
-            "epoch": epoch,
-            "lr": lr,
-            "loss": round(weighted, 6),
-            **reduced.report(),
-            "tokens": progress.tokens,
-            "tokens_per_s": round(tokens_per_s, 1),
-            "elapsed_s": round(now - started, 2),
-        }
+        TrainRow(
+            step=progress.step,
+            epoch=epoch,
+            lr=lr,
+            loss=round(weighted, 6),
+            **dict(reduced.metrics()),
+            tokens=progress.tokens,
+            tokens_per_s=round(tokens_per_s, 1),
+            elapsed_s=round(now - started, 2),
+        )
     )
     log(
         f"step {progress.step}/{total_steps} loss {weighted:.3f} acc_0 {reduced.acc[0]:.3f} "
@@ -615,14 +612,13 @@ def _summary(
 ) -> RunSummary:
     """final/summary.json: what the run was trained from and with, and its last validation."""
     facts = s.data.facts.trained_from()
-    final_val = [r for r in read_metrics(run_dir) if r["kind"] == "val"] if s.world.is_main else []
-    val_report = {k: v for k, v in final_val[-1].items() if k not in ("kind", "step")} if final_val else {}
+    final_val = [r for r in read_metrics(run_dir) if isinstance(r, ValRow)] if s.world.is_main else []
     return RunSummary(
         run=run_dir.name,
         steps=progress.step,
         tokens=progress.tokens,
         seconds=seconds,
-        val=val_report,
+        val=final_val[-1].metrics() if final_val else None,
         drafter_config=dcfg.model_dump(),
         vocab_mapping=s.mapping.fingerprint,
         target_fingerprint=facts.target_fingerprint,
@@ -650,13 +646,13 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
     if s.world.is_main:
-        state = {
-            "tokens": progress.tokens,
-            "interval_sums": reduced.sums.tolist(),
-            "interval_tokens": n,
-            "metrics_bytes": metrics.durable_size(),
-            "rng_cpu": torch.get_rng_state().tolist(),
-        }
+        state = RunProgress(
+            tokens=progress.tokens,
+            interval_sums=reduced.sums.tolist(),
+            interval_tokens=n,
+            metrics_bytes=metrics.durable_size(),
+            rng_cpu=torch.get_rng_state().tolist(),
+        )
         save_checkpoint(
             run_dir,
             progress.step,

@@ -10,7 +10,7 @@ import dagster as dg
 from eagle3_core.evaluate.plots import markdown_image
 from eagle3_core.steps.common import StepResult
 from eagle3_core.steps.drafter import accuracy_per_position
-from eagle3_core.store.records import EvalReport, GateDecision, RunSummary
+from eagle3_core.store.records import CategoryMeasurement, EvalReport, GateDecision, KMeasurement, RunSummary
 
 
 def step_metadata(result: StepResult) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def eval_metadata(result: StepResult) -> dict[str, Any]:
     the gate, drawn from the report the step returned (not read back from its file)."""
     report = result.record_as(EvalReport)
     pictures = {name: Path(p) for name, p in report.pictures.items()}
-    by_category = any("by_category" in s for s in report.sets.values())
+    by_category = any(s.by_category for s in report.sets.values())
     return {
         **step_metadata(result),
         "acceptance_table": dg.MetadataValue.md(acceptance_table(report)),
@@ -68,17 +68,18 @@ def gate_table(gate: GateDecision) -> str:
     return "\n".join(rows)
 
 
-def al_cell(measured: dict[str, Any]) -> str:
+def al_cell(measured: KMeasurement | CategoryMeasurement) -> str:
     """A measured AL with its 95% interval, as both acceptance tables show it."""
-    return f"{measured['acceptance_length']:.3f} ({measured['al_ci95'][0]:.2f}-{measured['al_ci95'][1]:.2f})"
+    low, high = measured.al_ci95
+    return f"{measured.acceptance_length:.3f} ({low:.2f}-{high:.2f})"
 
 
 def category_table(report: EvalReport) -> str:
     rows = ["| prompts | category | K | AL (95% CI) | prompts |", "|---|---|---|---|---|"]
     for name, measured in report.sets.items():
-        for category, by_k in measured.get("by_category", {}).items():
+        for category, by_k in (measured.by_category or {}).items():
             for k, r in by_k.items():
-                rows.append(f"| {name} | {category} | {k} | {al_cell(r)} | {r['prompts']} |")
+                rows.append(f"| {name} | {category} | {k} | {al_cell(r)} | {r.prompts} |")
     return "\n".join(rows)
 
 
@@ -88,13 +89,13 @@ def acceptance_table(report: EvalReport) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, measured in report.sets.items():
-        for k, r in measured["by_k"].items():
+        for k, r in measured.by_k.items():
             tau = report.tau.get(k)
             rows.append(
-                f"| {name} ({measured['prompts']}) | {k} | {al_cell(r)} | "
-                f"{'n/a' if tau is None else f'{tau:.3f}'} | {r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
-                f"{r['tokens_per_s']:.1f} (target {measured['target_tokens_per_s']:.1f}) | "
-                f"{' '.join(f'{a:.2f}' for a in r['per_position'])} |"
+                f"| {name} ({measured.prompts}) | {k} | {al_cell(r)} | "
+                f"{'n/a' if tau is None else f'{tau:.3f}'} | {r.acceptance_rate:.3f} | {r.speedup:.2f}x | "
+                f"{r.tokens_per_s:.1f} (target {measured.target_tokens_per_s:.1f}) | "
+                f"{' '.join(f'{a:.2f}' for a in r.per_position)} |"
             )
     return "\n".join(rows)
 

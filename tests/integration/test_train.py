@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from eagle3_core.data.ingest import ingest
 from eagle3_core.steps.data import extract_step
 from eagle3_core.steps.drafter import drafter_checkpoint_step, vocab_step
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.checkpoint import list_checkpoints
 from eagle3_core.train.run_dir import TIMING_FIELDS, read_metrics
@@ -95,8 +97,8 @@ def _run_dir(project: Path) -> Path:
     return run
 
 
-def _without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+def _without_timing(records: list[MetricsRow]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.dump().items() if k not in TIMING_FIELDS} for r in records]
 
 
 def test_training_learns_and_a_finished_run_is_not_trained_again(
@@ -107,17 +109,17 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(
     cfg = load_config(project / "eagle3.yaml")
     summary = json.loads((_run_dir(project) / "final" / "summary.json").read_text())
     records = read_metrics(_run_dir(project))
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "val"]
-    assert train[-1]["loss"] < 0.9 * train[0]["loss"]
-    assert val[-1]["acc_0"] > 1.5 * train[0]["acc_0"]
+    train = [r for r in records if isinstance(r, TrainRow)]
+    val = [r for r in records if isinstance(r, ValRow)]
+    assert train[-1].loss < 0.9 * train[0].loss
+    assert val[-1].acc[0] > 1.5 * train[0].acc[0]
     for r in val:  # tau is 1 + the running products of the conditional accuracies
         expected, running = 1.0, 1.0
         for k in range(7):
-            running *= r[f"acc_{k}"]
+            running *= r.acc[k]
             expected += running
-        assert abs(r["tau_7"] - expected) < 1e-4
-        assert all(r[f"full_acc_{k}"] <= r[f"acc_{k}"] + 1e-9 for k in range(7))
+        assert abs(r.tau[6] - expected) < 1e-4
+        assert all(r.full_acc[k] <= r.acc[k] + 1e-9 for k in range(7))
     vocab = vocab_step(cfg)  # the mapping `eagle3 train` built is still current: kept, not rebuilt
     assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is False
     again = drafter_checkpoint_step(cfg, log=lambda _: None)
@@ -179,10 +181,11 @@ def test_two_process_ddp_under_torchrun_matches_one_process(
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
     la, lb = read_metrics(_run_dir(tmp_path / "one")), read_metrics(_run_dir(tmp_path / "two"))
-    assert [r["step"] for r in la] == [r["step"] for r in lb]
+    assert [(r.kind, r.step) for r in la] == [(r.kind, r.step) for r in lb]
     for ra, rb in zip(la, lb, strict=True):
-        assert ra["counted"] == rb["counted"] and ra.get("tokens") == rb.get("tokens")
-        assert abs(ra["loss_0"] - rb["loss_0"]) < 1e-4 and abs(ra["acc_0"] - rb["acc_0"]) < 1e-6
+        assert ra.counted == rb.counted
+        assert not isinstance(ra, TrainRow) or (isinstance(rb, TrainRow) and ra.tokens == rb.tokens)
+        assert abs(ra.step_losses[0] - rb.step_losses[0]) < 1e-4 and abs(ra.acc[0] - rb.acc[0]) < 1e-6
 
 
 def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
@@ -198,7 +201,7 @@ def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
     assert "validation: no validation samples" in done.stdout  # the CLI's summary
     assert "tau(3)" not in done.stdout and "tau_3 1.00" not in done.stdout
     run_dir = _run_dir(tmp_path / "p")
-    assert not [r for r in read_metrics(run_dir) if r["kind"] == "val"]
+    assert not [r for r in read_metrics(run_dir) if isinstance(r, ValRow)]
     summary = json.loads((run_dir / "final" / "summary.json").read_text())
     assert summary["val"] == {} and summary["val_samples"] == 0
     assert summary["train_config"]["batch_tokens"] == 1024  # 120 short samples: the bottom of auto's range

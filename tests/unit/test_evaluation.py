@@ -3,6 +3,7 @@
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from eagle3_core.evaluate.measure import PathTiming, PromptRun
 from eagle3_core.evaluate.plots import acceptance_bars, markdown_image, training_curves
 from eagle3_core.evaluate.prompts import encode, file_prompts
 from eagle3_core.steps.evaluation import Incumbent, gate_decision
+from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
 from tests.conftest import FIXTURES
 
 
@@ -141,10 +143,15 @@ def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> 
         tmp_path / "a.png",
         "t",
     )
-    records = [
-        {"kind": "train", "step": s, "loss_0": 5 - s / 10, **{f"acc_{k}": 0.1 * s / 10 for k in range(3)}}
-        for s in range(1, 11)
-    ] + [{"kind": "val", "step": 10, "loss_0": 4.2, "acc_0": 0.5, "acc_1": 0.4, "acc_2": 0.3}]
+
+    def figures(loss: float, acc: list[float]) -> dict[str, Any]:
+        return {"step_losses": [loss] * 3, "acc": acc, "full_acc": acc, "tau": [1.5] * 3, "counted": 9}
+
+    timing = {"epoch": 0, "lr": 1e-3, "loss": 1.0, "tokens": 10, "tokens_per_s": 1.0, "elapsed_s": 1.0}
+    records: list[MetricsRow] = [
+        TrainRow(step=s, **timing, **figures(5 - s / 10, [0.1 * s / 10] * 3)) for s in range(1, 11)
+    ]
+    records.append(ValRow(step=10, **figures(4.2, [0.5, 0.4, 0.3])))
     curves = training_curves(records, 3, tmp_path / "c.png", "t")
     for path in (bars, curves):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,6 +23,7 @@ from eagle3_core.export import (
     load_drafter_dir,
     load_export,
     validate_export,
+    written_layer_ids,
 )
 from eagle3_core.export.common import drafter_shapes
 from tests.exports import LLAMA_8L, drafter_config, hand_mapping, random_drafter
@@ -72,6 +73,27 @@ def test_aux_layer_ids_are_pinned_per_engine(pristine: dict[FormatName, Path]) -
         info = load_export(directory, fmt, embed if fmt == "sglang" else None).info
         assert info.aux_layer_ids == (2, 4, 5), fmt
     assert load_export(pristine["sglang"], "sglang", embed).info.engine_aux_layer_ids == (1, 3, 4)
+
+
+def test_the_layer_ids_an_sglang_export_wrote_read_back_through_its_model(
+    tmp_path: Path, pristine: dict[FormatName, Path]
+) -> None:
+    assert written_layer_ids(pristine["sglang"]) == [1, 3, 4]
+    broken = tmp_path / "sglang"
+    shutil.copytree(pristine["sglang"], broken)
+    config = config_of(broken)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, "x"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ExportError, match=r"config\.json: eagle_config\.eagle_aux_hidden_state_layer_ids\[2\]"
+    ):
+        written_layer_ids(broken)
+    del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ExportError, match=r"config\.json: eagle_config\.eagle_aux_hidden_state_layer_ids: missing"
+    ):
+        written_layer_ids(broken)
 
 
 def test_the_engine_fields_are_written(pristine: dict[FormatName, Path]) -> None:

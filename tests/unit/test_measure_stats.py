@@ -59,12 +59,12 @@ def test_the_speedup_is_the_median_of_per_prompt_ratios() -> None:
 
 def test_a_measurement_reports_its_interval_speedup_and_per_prompt_results() -> None:
     runs = {3: [_run([3, 1], spec_s=0.5), _run([0, 0, 2], spec_s=1.0)]}
-    by_k = Measurement(prompts=2, runs=runs).as_dict()["by_k"]["3"]
-    assert by_k["acceptance_length"] == pytest.approx(1 + 6 / 5)
-    assert by_k["al_ci95"][0] <= by_k["acceptance_length"] <= by_k["al_ci95"][1]
-    assert by_k["speedup"] == pytest.approx(1.5)  # the median of 2.0 and 1.0
-    assert [p["al"] for p in by_k["per_prompt"]] == [3.0, pytest.approx(5 / 3, abs=1e-4)]
-    assert [p["rounds"] for p in by_k["per_prompt"]] == [2, 3]
+    by_k = Measurement(prompts=2, runs=runs).k_measurement(3)
+    assert by_k.acceptance_length == pytest.approx(1 + 6 / 5)
+    assert by_k.al_ci95[0] <= by_k.acceptance_length <= by_k.al_ci95[1]
+    assert by_k.speedup == pytest.approx(1.5)  # the median of 2.0 and 1.0
+    assert [p.al for p in by_k.per_prompt] == [3.0, pytest.approx(5 / 3, abs=1e-4)]
+    assert [p.rounds for p in by_k.per_prompt] == [2, 3]
 
 
 def test_a_speedup_below_one_on_a_cpu_is_explained_not_printed_bare() -> None:

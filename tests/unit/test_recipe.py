@@ -14,6 +14,7 @@ from eagle3_core.train.loss import entry_loss
 from eagle3_core.train.optim import Optimizers, build_optimizer, muon_split
 from eagle3_core.train.schedule import learning_rate
 from tests.fakes import tiny_drafter_config
+from tests.records import run_progress
 
 CFG = tiny_drafter_config(target_hidden_size=32, hidden_size=32, intermediate_size=64, draft_vocab_size=40)
 
@@ -63,7 +64,12 @@ def test_the_muon_pair_resumes_from_a_checkpoint_exactly(tmp_path: Path) -> None
     first = build_optimizer(resumed, cfg)
     _step(resumed, first, 0)
     path = save_checkpoint(
-        tmp_path, 1, {n: p.detach() for n, p in resumed.named_parameters()}, first.state_dict(), {}, keep=2
+        tmp_path,
+        1,
+        {n: p.detach() for n, p in resumed.named_parameters()},
+        first.state_dict(),
+        run_progress(),
+        keep=2,
     )
     ckpt = load_checkpoint(path)
     again = _drafter(seed=5)  # other weights: everything must come from the checkpoint

@@ -7,10 +7,20 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from eagle3_core.errors import RecordError
+from eagle3_core.evaluate.acceptance import acceptance
+from eagle3_core.evaluate.measure import (
+    Measurement,
+    PathTiming,
+    PromptRun,
+    bootstrap_al_interval,
+    pooled_runs_al,
+)
+from eagle3_core.evaluate.prompts import EvalPrompt
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.records import (
     DrafterCurrent,
@@ -21,6 +31,7 @@ from eagle3_core.store.records import (
     InboxRecord,
     Record,
     RunSummary,
+    SetMeasurement,
     field_path,
 )
 from tests.records import gate_dict, report_dict, set_dict, summary_dict
@@ -37,8 +48,16 @@ def test_a_run_summary_round_trips_and_writes_todays_bytes(tmp_path: Path) -> No
     _same_bytes(tmp_path, summary, summary_dict())
     read = RunSummary.read(tmp_path / "record.json")
     assert read == summary
-    assert isinstance(read.val["counted"], int) and isinstance(read.val["acc_0"], float)
+    assert read.val is not None and read.val.counted == 96 and read.val.acc == [0.5]
     assert read.tau(1) == 1.5 and read.tau(3) is None
+
+
+def test_a_summary_without_validation_writes_an_empty_val_as_before(tmp_path: Path) -> None:
+    today = {**summary_dict(), "val": {}, "val_samples": 0}
+    summary = RunSummary(**today)
+    assert summary.val is None and summary.tau(1) is None
+    _same_bytes(tmp_path, summary, today)
+    assert RunSummary.read(tmp_path / "record.json") == summary
 
 
 def test_a_summary_from_before_warm_starts_still_reads(tmp_path: Path) -> None:
@@ -214,3 +233,121 @@ def test_an_inbox_entry_in_an_unknown_state_names_its_field(tmp_path: Path) -> N
         RecordError, match="^" + re.escape(f"{path}: files.inbox/a.jsonl.state: Input should be")
     ):
         InboxRecord.read(path)
+
+
+def _dict_writer_set(
+    measured: Measurement, prompts: list[EvalPrompt], rejected: dict[str, int]
+) -> dict[str, Any]:
+    """A prompt set's block as the evaluation step wrote it before records (Measurement.as_dict with its
+    prompts named, then the rejections and the categories), kept here to compare the bytes against."""
+    by_k = {}
+    for k, runs in measured.runs.items():
+        a = acceptance((x for r in runs for x in r.accepted), k)
+        lo, hi = measured.al_interval(k)
+        out: dict[str, Any] = {
+            "k": a.k,
+            "rounds": a.rounds,
+            "acceptance_length": round(a.acceptance_length, 4),
+            "acceptance_rate": round(a.acceptance_rate, 4),
+            **{f"accept_{i}": round(x, 4) for i, x in enumerate(a.per_position)},
+            "al_ci95": [round(lo, 4), round(hi, 4)],
+            "per_position": [round(x, 4) for x in a.per_position],
+            "tokens_per_s": round(measured.speculative(k).tokens_per_s, 2),
+            "speedup": round(measured.speedup(k), 4),
+            "speedup_statistic": "median over prompts of the per-prompt ratio",
+            "per_prompt": [
+                {
+                    "al": round(1 + sum(r.accepted) / len(r.accepted), 4) if r.accepted else None,
+                    "rounds": len(r.accepted),
+                    "accepted": sum(r.accepted),
+                    "speedup": None if math.isnan(r.speedup) else round(r.speedup, 4),
+                    "id": p.id,
+                    **({"category": p.category} if p.category is not None else {}),
+                }
+                for r, p in zip(runs, prompts, strict=True)
+            ],
+        }
+        if k in measured.greedy_mismatches:
+            out["greedy_mismatches"] = measured.greedy_mismatches[k]
+        by_k[str(k)] = out
+    block = {
+        "prompts": measured.prompts,
+        "device": measured.device,
+        "target_tokens_per_s": round(measured.target.tokens_per_s, 2),
+        "by_k": by_k,
+        "rejected": rejected,
+    }
+    categories = sorted({p.category for p in prompts if p.category is not None})
+    if categories:
+        block["by_category"] = {
+            c: {
+                str(k): {
+                    "prompts": len(
+                        picked := [r for r, p in zip(runs, prompts, strict=True) if p.category == c]
+                    ),
+                    "acceptance_length": round(pooled_runs_al(picked, k), 4),
+                    "al_ci95": [round(x, 4) for x in bootstrap_al_interval(picked)],
+                }
+                for k, runs in measured.runs.items()
+            }
+            for c in categories
+        }
+    return block
+
+
+def _measured(categories: list[str | None]) -> tuple[Measurement, list[EvalPrompt]]:
+    def run(accepted: tuple[int, ...], spec_s: float) -> PromptRun:
+        return PromptRun(accepted, PathTiming(12, spec_s), PathTiming(12, 0.5))
+
+    runs = {
+        3: [run((3, 1, 0), 0.25), run((), 0.0), run((2, 2), 0.4), run((0, 1, 3, 3), 0.3)],
+        5: [run((5, 0), 0.2), run((1,), 0.6), run((4, 4, 1), 0.35), run((), 0.0)],
+    }
+    prompts = [EvalPrompt(f"p{i}", [], c) for i, c in enumerate(categories)]
+    return Measurement(prompts=4, runs=runs, greedy_mismatches={5: 1}), prompts
+
+
+@pytest.mark.parametrize("categories", [["chat", None, "code", "chat"], [None] * 4])
+def test_a_sets_measurement_writes_the_bytes_the_dict_writer_wrote(
+    tmp_path: Path, categories: list[str | None]
+) -> None:
+    from eagle3_core.evaluate.prompts import PromptSet
+    from eagle3_core.steps.evaluation import set_reports
+
+    measured, prompts = _measured(categories)
+    prompt_set = PromptSet("heldout", prompts, [{"id": "x", "reason": "too_long", "detail": ""}])
+    record = set_reports([prompt_set], {"heldout": [(p, []) for p in prompts]}, {"heldout": measured})[
+        "heldout"
+    ]
+    today = _dict_writer_set(measured, prompts, prompt_set.reject_counts)
+    _same_bytes(tmp_path, record, today)
+    read = SetMeasurement.read(tmp_path / "record.json")
+    assert read.model_dump(mode="json") == record.model_dump(mode="json")
+    k3 = read.at(3)
+    assert k3.per_prompt[1].al is None and k3.per_prompt[1].speedup is None and k3.greedy_mismatches is None
+    assert read.at(5).greedy_mismatches == 1 and (read.by_category is None) == (categories == [None] * 4)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"speedup": None}, "sets.heldout.by_k.3.speedup: Field required"),
+        ({"accept_1": 0.4}, "sets.heldout.by_k.3.accept_1: 0.4 disagrees with per_position[1]"),
+        ({"accept_3": 0.1}, "sets.heldout.by_k.3.accept_3: beyond the 3 draft positions"),
+        (
+            {"per_prompt": [{"al": 2.5, "rounds": "four"}]},
+            "sets.heldout.by_k.3.per_prompt[0].rounds: Input should",
+        ),
+    ],
+)
+def test_a_bad_measurement_names_its_field_path(
+    tmp_path: Path, change: dict[str, object], expected: str
+) -> None:
+    report = report_dict()
+    by_k = report["sets"]["heldout"]["by_k"]["3"]
+    report["sets"]["heldout"]["by_k"]["3"] = {k: v for k, v in {**by_k, **change}.items() if v is not None}
+    path = tmp_path / "report-sglang.json"
+    atomic_write_json(path, report)
+    with pytest.raises(RecordError, match="^" + re.escape(f"{path}: {expected}")) as err:
+        EvalReport.read(path)
+    assert "\n" not in str(err.value)

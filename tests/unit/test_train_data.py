@@ -35,6 +35,7 @@ from eagle3_core.train.schedule import (
     row_width,
     schedule,
 )
+from tests.records import run_progress
 
 
 def _refs(n: int, seed: int = 0) -> list[SampleRef]:
@@ -164,15 +165,15 @@ def test_checkpoints_are_whole_or_absent_and_pruned(tmp_path: Path) -> None:
         "param_groups": [{"lr": 0.1, "params": [0]}],
     }
     for step in (10, 20, 30):
-        save_checkpoint(tmp_path, step, w, opt, {"tokens": step}, keep=2)
+        save_checkpoint(tmp_path, step, w, opt, run_progress(step), keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
     (tmp_path / "checkpoints" / f".step-00000040{TEMP_MARK}999").mkdir()  # a save that died half-way
     ckpt = latest_checkpoint(tmp_path)
-    assert ckpt is not None and ckpt.step == 30 and ckpt.state["tokens"] == 30
+    assert ckpt is not None and ckpt.step == 30 and ckpt.state.tokens == 30
     assert torch.equal(ckpt.weights["fc.weight"], w["fc.weight"])
     assert torch.equal(ckpt.optimizer["state"][0]["exp_avg"], opt["state"][0]["exp_avg"])
     assert ckpt.optimizer["param_groups"] == opt["param_groups"]
-    save_checkpoint(tmp_path, 40, w, opt, {"tokens": 40}, keep=2)
+    save_checkpoint(tmp_path, 40, w, opt, run_progress(40), keep=2)
     assert not any(TEMP_MARK in p.name for p in (tmp_path / "checkpoints").iterdir())
 
 

@@ -1,0 +1,77 @@
+"""The fields eagle3 reads of a target's config.json (the user's Hugging Face file, so any other field is
+kept as given): the language model's shape, which the drafter copies, and the dtype it is served in.
+
+A multimodal wrapper keeps its language model's config in `text_config`; `read_text_config` returns that, or
+the file itself. A field missing or of the wrong type is one TargetError line naming the file and the field
+(`text_config.hidden_size: Field required`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
+
+from eagle3_core.errors import TargetError
+from eagle3_core.store.atomic import read_json_object
+from eagle3_core.store.records import validation_message
+
+CONFIG_FILE = "config.json"
+DEFAULT_ROPE_THETA = 10000.0  # transformers' LlamaConfig default
+
+
+class HFFields(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+
+class RopeParameters(HFFields):
+    """transformers 5's `rope_parameters` (one RoPE for every layer; other shapes keep their fields as given)."""
+
+    rope_theta: PositiveFloat | None = None
+
+
+class TextConfig(HFFields):
+    """The language model's config: what the drafter's one decoder layer is shaped from, the target's head, and
+    the serving dtype."""
+
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_attention_heads: PositiveInt
+    vocab_size: PositiveInt
+    num_key_value_heads: PositiveInt | None = None  # absent or null: as many as the attention heads
+    head_dim: PositiveInt | None = None  # absent or null: hidden_size // num_attention_heads
+    rms_norm_eps: PositiveFloat = 1e-6
+    rope_theta: PositiveFloat | None = None  # transformers 4's place for it
+    rope_parameters: RopeParameters | None = None  # transformers 5's
+    model_type: str | None = None
+    tie_word_embeddings: bool = False  # lm_head is the embedding (and may be absent from the weights)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def theta(self) -> float:
+        """RoPE's base: rope_parameters' first, then the top-level field, then transformers' default."""
+        nested = self.rope_parameters.rope_theta if self.rope_parameters else None
+        return nested if nested is not None else self.rope_theta or DEFAULT_ROPE_THETA
+
+
+class MultimodalConfig(HFFields):
+    text_config: TextConfig
+
+
+def read_text_config(model_dir: Path) -> TextConfig:
+    """The language model's config in `model_dir`'s config.json (its `text_config` where it has one)."""
+    path = Path(model_dir) / CONFIG_FILE
+    outer = read_json_object(path, TargetError)
+    try:
+        if "text_config" in outer:
+            return MultimodalConfig.model_validate(outer).text_config
+        return TextConfig.model_validate(outer)
+    except ValidationError as err:
+        raise TargetError(validation_message(path, err)) from None

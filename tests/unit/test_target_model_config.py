@@ -1,0 +1,114 @@
+"""A target's config.json read through its declared fields: the drafter is shaped as it was from the dict,
+the serving dtype sees the file's own fields, and a missing or wrong field is one line naming the file and
+the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3_core.config import DrafterVariant
+from eagle3_core.draft.model import DrafterConfig
+from eagle3_core.errors import TargetError
+from eagle3_core.targets.model_config import read_text_config
+from eagle3_core.train.trainer import drafter_config_for
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 6,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "vocab_size": 300,
+    "torch_dtype": "bfloat16",
+}
+TRANSFORMERS_5 = {  # rope_parameters, dtype, an explicit head_dim, no kv head count
+    **{k: v for k, v in LLAMA.items() if k not in ("rope_theta", "num_key_value_heads", "torch_dtype")},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "head_dim": 32,
+    "dtype": "float16",
+}
+MULTIMODAL = {  # the language model inside text_config; a null head_dim; no rms_norm_eps or rope theta at all
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+        **{k: v for k, v in LLAMA.items() if k not in ("rms_norm_eps", "rope_theta")},
+        "head_dim": None,
+    },
+    "vision_config": {"hidden_size": 32},
+}
+
+
+def _dict_reader(config: dict[str, Any], draft_vocab_size: int) -> DrafterConfig:
+    """drafter_config_for as it read the file before the model, kept here to compare against."""
+    cfg = config.get("text_config", config)
+    rope = cfg.get("rope_parameters") or {}
+    heads = int(cfg["num_attention_heads"])
+    return DrafterConfig(
+        target_hidden_size=int(cfg["hidden_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=cfg.get("head_dim") or int(cfg["hidden_size"]) // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        target_vocab_size=int(cfg["vocab_size"]),
+        draft_vocab_size=draft_vocab_size,
+        **DrafterVariant().model_dump(),
+    )
+
+
+def _target(tmp_path: Path, config: dict[str, Any]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "config", [LLAMA, TRANSFORMERS_5, MULTIMODAL], ids=["llama", "transformers5", "multimodal"]
+)
+def test_the_drafter_is_shaped_as_the_dict_reader_shaped_it(tmp_path: Path, config: dict[str, Any]) -> None:
+    assert drafter_config_for(_target(tmp_path, config), 32) == _dict_reader(config, 32)
+
+
+def test_the_serving_dtype_sees_the_files_own_fields(tmp_path: Path) -> None:
+    text = read_text_config(_target(tmp_path, TRANSFORMERS_5))
+    fields = text.model_dump(exclude_unset=True)
+    assert fields["dtype"] == "float16" and "torch_dtype" not in fields and "rope_theta" not in fields
+    assert fields["rope_parameters"] == TRANSFORMERS_5["rope_parameters"]
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({k: v for k, v in LLAMA.items() if k != "hidden_size"}, "hidden_size: Field required"),
+        ({**LLAMA, "num_attention_heads": "four"}, "num_attention_heads: Input should be a valid integer"),
+        ({**LLAMA, "intermediate_size": 0}, "intermediate_size: Input should be greater than 0"),
+        (
+            {**MULTIMODAL, "text_config": {**LLAMA, "vocab_size": None}},
+            "text_config.vocab_size: Input should be",
+        ),
+        ({**MULTIMODAL, "text_config": [1]}, "text_config: Input should be a valid dictionary"),
+    ],
+)
+def test_a_missing_or_wrong_field_is_one_line_naming_the_file_and_field(
+    tmp_path: Path, config: dict[str, Any], expected: str
+) -> None:
+    target = _target(tmp_path, config)
+    with pytest.raises(TargetError, match="^" + re.escape(f"{target / 'config.json'}: {expected}")) as err:
+        drafter_config_for(target, 32)
+    assert "\n" not in str(err.value)
+
+
+def test_a_torn_config_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "interm')
+    with pytest.raises(TargetError, match=re.escape(f"{tmp_path / 'config.json'}: not valid JSON")):
+        read_text_config(tmp_path)
