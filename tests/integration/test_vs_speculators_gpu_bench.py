@@ -17,7 +17,11 @@ def test_the_gpu_bench_runs_both_trainers_on_the_same_shards_and_reports_the_rat
         "--steps", "3", "--workdir", str(tmp_path / "work"),
     ]  # fmt: skip
     done = subprocess.run(
-        [*common, "--warm-only", "--results", str(warm)], cwd=REPO, capture_output=True, text=True, timeout=600
+        [*common, "--warm-only", "--results", str(warm)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     warmed = json.loads(warm.read_text())["widths"]["64"]["ttt3"]
