@@ -15,8 +15,10 @@ linear in the tokens a rank holds per step:
 - transient: the loss's float32 lm_head gradient (summed over the steps), one step's logit gradients
   [tokens, V_draft] in the compute dtype (train/loss.py, HeadLoss), and the float32 [chunk, V_draft]
   temporaries of one loss chunk.
-On an H200 (bf16, flex attention, 16,384 tokens a step, draft vocabulary 32,000) the estimate reads 3-12%
-above the measured peaks at hidden 4096 and 7168, TTT 3 and 7.
+CALIBRATION was fitted on H200 runs that drafted from every entry (bf16, flex attention, 16,384 tokens a
+step, draft vocabulary 32,000, hidden 4096 and 7168, TTT 3 and 7), where the estimate read 3-12% above the
+peaks. The estimate assumes every entry is drafted; chat data, whose prompts are loss-masked, drafts from
+fewer, and on the current trainer's runs with 30% prompt it reads 12-32% above (docs/training-memory.md).
 """
 
 from __future__ import annotations
