@@ -28,10 +28,17 @@ from eagle3_core.config import Eagle3Config
 from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
 from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
-from eagle3_core.store.atomic import read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout, shard_key
 from eagle3_core.store.locks import exclusive_lock
-from eagle3_core.store.records import ConversationManifest, LedgerRecord, LedgerSource
+from eagle3_core.store.records import (
+    ConversationManifest,
+    ConversationRow,
+    LedgerRecord,
+    LedgerSource,
+    RejectRow,
+    read_rows,
+    write_rows,
+)
 
 LEDGER_VERSION = 1
 MAX_KEPT_RAW = 4000  # characters of a rejected row kept in the rejects file
@@ -146,8 +153,8 @@ class IngestReport:
 class _Pending:
     """The shard being filled: accepted samples and the rejects met since the previous shard."""
 
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    rejects: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[ConversationRow] = field(default_factory=list)
+    rejects: list[RejectRow] = field(default_factory=list)
     first_line: int | None = None
     last_line: int = 0
     digest: Any = None  # the source digest after this shard's last row
@@ -272,24 +279,27 @@ def ingest_source(
         yield _commit_unsharded(layout, ledger, source, entry, pending)
 
 
-def _sample_row(conv: Conversation, row: RawRow, holdout_fraction: float) -> dict[str, Any]:
-    return {
-        "id": conv.sample_id,
-        "split": "heldout" if is_heldout(conv.sample_id, holdout_fraction) else "train",
-        "messages": conv.messages,
-        "source": row.location.as_dict(),
-    }
+def _sample_row(conv: Conversation, row: RawRow, holdout_fraction: float) -> ConversationRow:
+    return ConversationRow.model_validate(
+        {
+            "id": conv.sample_id,
+            "split": "heldout" if is_heldout(conv.sample_id, holdout_fraction) else "train",
+            "messages": conv.messages,
+            "source": row.location.as_dict(),
+        }
+    )
 
 
-def _reject_row(row: RawRow, rej: RowRejected) -> dict[str, Any]:
+def _reject_row(row: RawRow, rej: RowRejected) -> RejectRow:
     text = row.raw.decode("utf-8", errors="backslashreplace")
-    return {
-        **row.location.as_dict(),
-        "reason": rej.reason,
-        "detail": rej.detail,
-        "raw": text[:MAX_KEPT_RAW],
-        "raw_truncated": len(text) > MAX_KEPT_RAW,
-    }
+    return RejectRow(
+        file=row.location.file,
+        line=row.location.line,
+        reason=rej.reason,
+        detail=rej.detail,
+        raw=text[:MAX_KEPT_RAW],
+        raw_truncated=len(text) > MAX_KEPT_RAW,
+    )
 
 
 def _commit_unsharded(
@@ -299,14 +309,14 @@ def _commit_unsharded(
     only counted (the sample each repeats is in the store); other rejects are kept for a look, in a file
     named by the source and first line, so a rerun after a crash before the ledger commit rewrites it."""
     first_line = pending.first_line or 0
-    kept = [r for r in pending.rejects if r["reason"] != "duplicate"]
+    kept = [r for r in pending.rejects if r.reason != "duplicate"]
     rejects_file = layout.unsharded_rejects(source.name, first_line) if kept else None
     if rejects_file is not None:
-        write_jsonl(rejects_file, kept)
+        write_rows(rejects_file, kept)
     entry.rows += len(pending.rejects)
     entry.digest = pending.digest.hexdigest()
     ledger.save(layout.ledger)
-    rejected = dict(Counter(r["reason"] for r in pending.rejects))
+    rejected = dict(Counter(r.reason for r in pending.rejects))
     return UnshardedRows(source.name, rejected, first_line, pending.last_line, rejects_file)
 
 
@@ -314,10 +324,10 @@ def _commit_shard(
     layout: StoreLayout, ledger: Ledger, source: ResolvedSource, entry: SourceEntry, pending: _Pending
 ) -> ShardReport:
     key = shard_key(ledger.dataset, ledger.next_index)
-    rejected = dict(Counter(r["reason"] for r in pending.rejects))
-    heldout = sum(1 for s in pending.samples if s["split"] == "heldout")
-    write_jsonl(layout.rejects(key), pending.rejects)
-    write_jsonl(layout.conversations(key), pending.samples)
+    rejected = dict(Counter(r.reason for r in pending.rejects))
+    heldout = sum(1 for s in pending.samples if s.split == "heldout")
+    write_rows(layout.rejects(key), pending.rejects)
+    write_rows(layout.conversations(key), pending.samples)
     ConversationManifest(
         key=key,
         source=source.name,
@@ -325,9 +335,9 @@ def _commit_shard(
         samples=len(pending.samples),
         train_samples=len(pending.samples) - heldout,
         heldout_samples=heldout,
-        assistant_turns=sum(1 for s in pending.samples for m in s["messages"] if m["role"] == "assistant"),
+        assistant_turns=sum(1 for s in pending.samples for m in s.messages if m.role == "assistant"),
         rejected=rejected,
-        sample_ids=[s["id"] for s in pending.samples],
+        sample_ids=[s.id for s in pending.samples],
     ).write(layout.conversations_manifest(key))
     entry.rows += len(pending.samples) + len(pending.rejects)
     entry.digest = pending.digest.hexdigest()
@@ -339,8 +349,9 @@ def _commit_shard(
     )
 
 
-def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, Any]], ConversationManifest]:
-    """The samples of a conversation shard and its manifest; a clear error if ingest has not made it."""
+def load_conversation_shard(store_root: Path, key: str) -> tuple[list[ConversationRow], ConversationManifest]:
+    """The samples of a conversation shard and its manifest; a clear error if ingest has not made it, one
+    RecordError line naming the file, the line and the field if a row is torn."""
     layout = StoreLayout(store_root)
     manifest_path = layout.conversations_manifest(key)
     if not manifest_path.exists():
@@ -348,7 +359,7 @@ def load_conversation_shard(store_root: Path, key: str) -> tuple[list[dict[str, 
             f"conversation shard {key} is not in the store {store_root}: run `eagle3 ingest`"
         )
     manifest = ConversationManifest.read(manifest_path)
-    samples = read_jsonl(layout.conversations(key))
-    if [s["id"] for s in samples] != manifest.sample_ids:
+    samples = read_rows(layout.conversations(key), ConversationRow.model_validate)
+    if [s.id for s in samples] != manifest.sample_ids:
         raise RuntimeError(f"conversation shard {key} does not match its manifest; re-run `eagle3 ingest`")
     return samples, manifest

@@ -29,10 +29,10 @@ import math
 import os
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
@@ -41,7 +41,14 @@ from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.engines import http
 from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.store.atomic import fsync_path, write_jsonl
+from eagle3_core.store.atomic import fsync_path
+from eagle3_core.store.records import (
+    ConversationRow,
+    JournalEntry,
+    JournalHeader,
+    RegenerationError,
+    write_rows,
+)
 from eagle3_core.targets.regenerate import (
     Dialogue,
     RegenerationResult,
@@ -203,29 +210,29 @@ class RegenerationJournal:
         self._file: IO[str] | None = None
         self.discarded = ""  # why an existing journal was not used, for the log
 
-    def open(self, sample_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    def open(self, sample_ids: Iterable[str]) -> dict[str, JournalEntry]:
         """The usable entries by sample id; the journal is then open for appending."""
         wanted = set(sample_ids)
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, JournalEntry] = {}
         if self.path.exists():
             lines = self.path.read_text(encoding="utf-8").splitlines()
-            header = _json_or_none(lines[0]) if lines else None
-            if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
+            header = _line_as(JournalHeader, lines[0]) if lines else None
+            if header is None or header.fingerprint != self.fingerprint:
                 self.discarded = "written for other settings, tokenizer or samples"
             else:
                 for line in lines[1:]:
-                    entry = _json_or_none(line)
-                    if _is_entry(entry) and entry["id"] in wanted and entry["id"] not in entries:
-                        entries[entry["id"]] = entry
-        header_row = {"journal": JOURNAL_VERSION, "fingerprint": self.fingerprint}
-        write_jsonl(self.path, [header_row, *entries.values()])
+                    entry = _line_as(JournalEntry, line)
+                    if entry is not None and entry.id in wanted and entry.id not in entries:
+                        entries[entry.id] = entry
+        header_row = JournalHeader(journal=JOURNAL_VERSION, fingerprint=self.fingerprint)
+        write_rows(self.path, [header_row, *entries.values()])
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         return entries
 
-    def append(self, entry: dict[str, Any]) -> None:
+    def append(self, entry: JournalEntry) -> None:
         if self._file is None:
             raise RuntimeError("the journal is not open")
-        self._file.write(json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._file.write(json.dumps(entry.dump(), ensure_ascii=False, separators=(",", ":")) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())  # a sample counted as done survives a kill of this process
 
@@ -243,21 +250,15 @@ def remove_journal(shard: Path) -> None:
         fsync_path(path.parent)
 
 
-def _json_or_none(line: str) -> Any:
+J = TypeVar("J", JournalHeader, JournalEntry)
+
+
+def _line_as(record: type[J], line: str) -> J | None:
+    """A journal line as its record; None for a line a kill tore (or that is not one)."""
     try:
-        return json.loads(line)
-    except ValueError:
+        return record.model_validate(json.loads(line))
+    except ValueError:  # not JSON, or not the record (pydantic's ValidationError is a ValueError)
         return None
-
-
-def _is_entry(entry: Any) -> bool:
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("id"), str)
-        and isinstance(entry.get("row"), dict)
-        and isinstance(entry.get("counts"), dict)
-        and isinstance(entry.get("new_tokens"), int)
-    )
 
 
 def journal_fingerprint(
@@ -305,7 +306,7 @@ class ServerRegenerator:
 
     def regenerate(
         self,
-        samples: list[dict[str, Any]],
+        samples: Sequence[ConversationRow],
         journal: RegenerationJournal | None = None,
         progress: Callable[[int, int], None] = lambda _d, _t: None,
         log: Callable[[str], None] = lambda _m: None,
@@ -319,16 +320,16 @@ class ServerRegenerator:
 
     async def _regenerate(
         self,
-        samples: list[dict[str, Any]],
+        samples: Sequence[ConversationRow],
         journal: RegenerationJournal | None,
         progress: Callable[[int, int], None],
         log: Callable[[str], None],
     ) -> ServerRegenerationResult:
-        entries = journal.open([s["id"] for s in samples]) if journal is not None else {}
+        entries = journal.open([s.id for s in samples]) if journal is not None else {}
         if journal is not None and journal.discarded:
             log(f"{journal.path.name}: discarded ({journal.discarded})")
         result = ServerRegenerationResult(rows=[], resumed=len(entries))
-        todo = [s for s in samples if s["id"] not in entries]
+        todo = [s for s in samples if s.id not in entries]
         dialogues = [dialogue_of(s, self.cfg.max_turns) for s in todo]
         total_turns = sum(len(d.pending_users) for d in dialogues)
         allowed = math.floor(self.server.max_failed_fraction * len(samples))
@@ -353,14 +354,14 @@ class ServerRegenerator:
                     try:
                         entry = await self._conversation(client, d, aborted, turn_done)
                     except RequestFailed as err:
-                        result.failures[d.sample["id"]] = err.reason
+                        result.failures[d.sample.id] = err.reason
                         if len(result.failures) > allowed:
                             aborted.set()  # the shard fails anyway: stop spending requests on it
                         continue
                     except _Aborted:
                         continue
-                    entries[d.sample["id"]] = entry
-                    result.fresh_tokens += entry["new_tokens"]
+                    entries[d.sample.id] = entry
+                    result.fresh_tokens += entry.new_tokens
                     if journal is not None:
                         journal.append(entry)
 
@@ -370,17 +371,17 @@ class ServerRegenerator:
         if aborted.is_set():
             raise ServerRegenerationFailed(self._failure_message(samples, entries, result, allowed, journal))
         for s in samples:
-            entry = entries.get(s["id"])
+            entry = entries.get(s.id)
             if entry is None:  # its request failed, within what max_failed_fraction allows
-                entry = _failed_entry(s, result.failures[s["id"]])
-            result.rows.append(entry["row"])
-            result.counts.update(entry["counts"])
-            result.new_tokens += entry["new_tokens"]
+                entry = _failed_entry(s, result.failures[s.id])
+            result.rows.append(entry.row)
+            result.counts.update(entry.counts)
+            result.new_tokens += entry.new_tokens
         return result
 
     async def _conversation(
         self, client: ChatClient, d: Dialogue, aborted: asyncio.Event, turn_done: Callable[[], None]
-    ) -> dict[str, Any]:
+    ) -> JournalEntry:
         counts: Counter[str] = Counter()
         new_tokens = 0
         turn = 0
@@ -391,7 +392,7 @@ class ServerRegenerator:
                 break
             if aborted.is_set():
                 raise _Aborted
-            reply = await client.complete(self._body(messages, d.sample["id"], turn))
+            reply = await client.complete(self._body(messages, d.sample.id, turn))
             text = normalise_content(reply.content)
             new_tokens += self._new_tokens(reply)
             hit_limit = reply.finish_reason == "length"
@@ -399,7 +400,7 @@ class ServerRegenerator:
             turn += 1
             turn_done()
         row = finish_row(d, counts)
-        return {"id": d.sample["id"], "row": row, "counts": dict(counts), "new_tokens": new_tokens}
+        return JournalEntry(id=d.sample.id, row=row, counts=dict(counts), new_tokens=new_tokens)
 
     def _body(self, messages: list[dict[str, str]], sample_id: str, turn: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -424,8 +425,8 @@ class ServerRegenerator:
 
     def _failure_message(
         self,
-        samples: list[dict[str, Any]],
-        entries: dict[str, dict[str, Any]],
+        samples: Sequence[ConversationRow],
+        entries: dict[str, JournalEntry],
         result: ServerRegenerationResult,
         allowed: int,
         journal: RegenerationJournal | None,
@@ -445,22 +446,22 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
-def _failed_entry(sample: dict[str, Any], reason: str) -> dict[str, Any]:
+def _failed_entry(sample: ConversationRow, reason: str) -> JournalEntry:
     """An error row of the in-process shape: no conversation kept, the reason named, counted as an error."""
-    row = {
-        "id": sample["id"],
-        "source": sample.get("source"),
-        "turns_regenerated": 0,
-        "error": f"request_failed: {reason}",
-        "messages": [],
-    }
-    return {"id": sample["id"], "row": row, "counts": {"errors": 1, "request_errors": 1}, "new_tokens": 0}
+    row = RegenerationError(
+        id=sample.id,
+        source=sample.source,
+        turns_regenerated=0,
+        error=f"request_failed: {reason}",
+        messages=[],
+    )
+    return JournalEntry(id=sample.id, row=row, counts={"errors": 1, "request_errors": 1}, new_tokens=0)
 
 
 def regenerate_through_server(
     cfg: Eagle3Config,
     shard: Path,
-    samples: list[dict[str, Any]],
+    samples: Sequence[ConversationRow],
     progress: Callable[[int, int], None] = lambda _d, _t: None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> ServerRegenerationResult:
@@ -477,7 +478,7 @@ def regenerate_through_server(
     model_dir = target_dir(cfg, log=log, weights=False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = journal_fingerprint(
-        cfg.regenerate, cfg.tokenize.max_seq_len, tokenizer_fingerprint(model_dir), [s["id"] for s in samples]
+        cfg.regenerate, cfg.tokenize.max_seq_len, tokenizer_fingerprint(model_dir), [s.id for s in samples]
     )
     journal = RegenerationJournal(journal_path(shard), fingerprint)
     regenerator = ServerRegenerator(tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)

@@ -11,7 +11,6 @@ and kept with their reason, as ingest keeps them.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from eagle3_core.data.sources import decode_record, jsonl_rows, record_turns
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import ConversationRow, read_rows
 
 Messages = list[dict[str, str]]
 
@@ -59,18 +59,14 @@ def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> P
     shards = sorted(layout.root.glob("conversations/*.jsonl"))
     prompts: list[EvalPrompt] = []
     for shard in (s for s in shards if not s.name.endswith(".rejects.jsonl")):
-        with open(shard, encoding="utf-8") as f:
-            for line in f:
-                sample = json.loads(line)
-                if sample.get("split") != "heldout":
-                    continue
-                conv = build_conversation(
-                    [(m["role"], m["content"]) for m in sample["messages"]], require_assistant=False
-                )
-                for turn, messages in enumerate(_user_prefixes(conv, per_conversation)):
-                    prompts.append(EvalPrompt(f"{sample['id'][:16]}/{turn}", messages))
-                    if len(prompts) == limit:
-                        return PromptSet("heldout", prompts)
+        for sample in read_rows(shard, ConversationRow.model_validate):
+            if sample.split != "heldout":
+                continue
+            conv = build_conversation([(m.role, m.content) for m in sample.messages], require_assistant=False)
+            for turn, messages in enumerate(_user_prefixes(conv, per_conversation)):
+                prompts.append(EvalPrompt(f"{sample.id[:16]}/{turn}", messages))
+                if len(prompts) == limit:
+                    return PromptSet("heldout", prompts)
     if not prompts:
         raise Eagle3Error(
             f"{layout.root}: no held-out conversations (data.holdout_fraction is 0, or ingest has not run); "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -23,10 +23,17 @@ from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.engines.openai_client import regenerate_through_server, remove_journal
 from eagle3_core.steps.common import Log, StepResult, quiet
-from eagle3_core.store.atomic import read_jsonl, write_jsonl
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
-from eagle3_core.store.records import RegeneratedManifest, ShardFacts
+from eagle3_core.store.records import (
+    ConversationRow,
+    RegeneratedManifest,
+    RegeneratedRow,
+    ShardFacts,
+    read_rows,
+    regeneration_row,
+    write_rows,
+)
 from eagle3_core.store.shards import DTYPES, ShardWriter
 from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
@@ -73,7 +80,7 @@ def regenerate_step(
 def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log) -> StepResult:
     layout = StoreLayout(cfg.store_root)
     samples, _ = load_conversation_shard(cfg.store_root, key)
-    train = [s for s in samples if s["split"] == "train"]
+    train = [s for s in samples if s.split == "train"]
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
@@ -99,7 +106,7 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
         fresh_tokens = result.new_tokens
         source = {"target": target.info.fingerprint[:16]}
     seconds = time.perf_counter() - started
-    if [r["id"] for r in result.rows] != [s["id"] for s in train]:
+    if [r.id for r in result.rows] != [s.id for s in train]:
         raise RuntimeError(f"{key}: regeneration returned other sample ids than it was given")
     metadata = {
         "samples": len(train) - result.counts["errors"],
@@ -118,45 +125,51 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
     # or absent (what a redo replaces is gone first, so a crash between the two never pairs old and new).
     layout.regenerated(key).unlink(missing_ok=True)
     RegeneratedManifest.model_validate({"key": key, **metadata}).write(layout.regenerated_manifest(key))
-    write_jsonl(layout.regenerated(key), result.rows)
+    write_rows(layout.regenerated(key), result.rows)
     # The shard is committed: a journal of a server run (this one, or an earlier one) has nothing left to give.
     remove_journal(layout.regenerated(key))
     return StepResult(key, layout.regenerated(key), metadata)
 
 
 # ---- hidden_states -----------------------------------------------------------------------------------------
-def _extraction_input(cfg: Eagle3Config, key: str, counts: Counter[str]) -> list[dict[str, Any]]:
+def _extraction_input(
+    cfg: Eagle3Config, key: str, counts: Counter[str]
+) -> Sequence[ConversationRow | RegeneratedRow]:
     """The conversations to extract: regenerated ones when regeneration is on, else the training split."""
     layout = StoreLayout(cfg.store_root)
     if not cfg.regenerate.enabled:
         samples, _ = load_conversation_shard(cfg.store_root, key)
-        counts["heldout_skipped"] = sum(1 for s in samples if s["split"] != "train")
-        return [s for s in samples if s["split"] == "train"]
+        counts["heldout_skipped"] = sum(1 for s in samples if s.split != "train")
+        return [s for s in samples if s.split == "train"]
     path = layout.regenerated(key)
     if not path.exists():
         raise FileNotFoundError(f"{key}: no regenerated shard at {path}; materialize `regenerated` first")
-    rows = read_jsonl(path)
-    counts["regeneration_errors"] = sum(1 for r in rows if "error" in r)
-    return [r for r in rows if "error" not in r]
+    rows = read_rows(path, regeneration_row)
+    regenerated = [r for r in rows if isinstance(r, RegeneratedRow)]
+    counts["regeneration_errors"] = len(rows) - len(regenerated)
+    return regenerated
 
 
 def _tokenize_all(
-    chat: ChatTokenizer, rows: list[dict[str, Any]], counts: Counter[str], dropped: dict[str, str]
+    chat: ChatTokenizer,
+    rows: Sequence[ConversationRow | RegeneratedRow],
+    counts: Counter[str],
+    dropped: dict[str, str],
 ) -> list[TokenizedSample]:
     out = []
     for row in rows:
-        conv = Conversation(tuple((m["role"], m["content"]) for m in row["messages"]))
+        conv = Conversation(tuple((m.role, m.content) for m in row.messages))
         try:
-            sample = replace(chat.tokenize(conv), sample_id=row["id"])
+            sample = replace(chat.tokenize(conv), sample_id=row.id)
         except TemplateError as err:
-            dropped[row["id"]] = f"template: {err}"
+            dropped[row.id] = f"template: {err}"
             continue
         if sample.truncated:
             counts["truncated_samples"] += 1
             counts["truncated_tokens"] += sample.truncated_tokens
             counts["truncated_loss_tokens"] += sample.truncated_loss_tokens
         if sample.loss_tokens == 0:
-            dropped[row["id"]] = "no loss tokens (after truncation)"
+            dropped[row.id] = "no loss tokens (after truncation)"
             continue
         out.append(sample)
     return out

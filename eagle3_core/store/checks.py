@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from eagle3_core.errors import RecordError
-from eagle3_core.store.atomic import TEMP_MARK, read_jsonl
+from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.layout import VOCAB_INFO_FILE, StoreLayout
-from eagle3_core.store.records import ConversationManifest, Record, ShardManifest, VocabInfo
+from eagle3_core.store.records import (
+    ConversationManifest,
+    ConversationRow,
+    Record,
+    ShardManifest,
+    VocabInfo,
+    read_rows,
+)
 from eagle3_core.store.stats import verify_shard
 
 Figure = int | float | str
@@ -66,7 +73,11 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
         return CheckVerdict(False, f"{key}: missing or unreadable: {', '.join(missing)}", figures)
     assert conversations is not None and manifest is not None
     counts = manifest.counts
-    train_ids = {row["id"] for row in read_jsonl(layout.conversations(key)) if row["split"] == "train"}
+    try:
+        rows = read_rows(layout.conversations(key), ConversationRow.model_validate)
+    except RecordError as err:  # a torn row: the check fails naming it, as for a torn manifest
+        return CheckVerdict(False, str(err), figures)
+    train_ids = {row.id for row in rows if row.split == "train"}
     written = manifest.sample_ids
     dropped = list(manifest.dropped or {})
     accounted = counts.samples + counts.errors

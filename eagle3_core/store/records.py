@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -31,7 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
-from eagle3_core.store.atomic import atomic_write_json, read_json_object
+from eagle3_core.store.atomic import atomic_write_json, read_json_object, write_jsonl
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -187,15 +188,21 @@ MetricsRow = TrainRow | ValRow
 ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
 
 
-def metrics_row(line: str, where: str) -> MetricsRow:
-    """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
-    field."""
+def json_row(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line decoded; RecordError naming `where` (the file and line) when it is not a JSON object."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as e:
         raise RecordError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(data, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def metrics_row(line: str, where: str) -> MetricsRow:
+    """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
+    field."""
+    data = json_row(line, where)
     if (kind := data.get("kind")) not in ROW_KINDS:
         raise RecordError(f"{where}: kind: expected 'train' or 'val', got {kind!r}")
     try:
@@ -607,6 +614,136 @@ class RegeneratedManifest(OptionalFields):
         for name, value in super().dump().items():
             out |= value if name == "counts" else {name: value}
         return out
+
+
+class Message(Record):
+    """One turn of a conversation as the store's rows hold it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class RowSource(Record):
+    """Where ingest read a row: the source file (or package resource) and its 1-based record number."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    file: str
+    line: int
+
+
+class ConversationRow(Record):
+    """conversations/<key>.jsonl: one accepted conversation, by its sample id (the digest of its turns)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    id: str
+    split: Literal["train", "heldout"]
+    messages: list[Message]
+    source: RowSource
+
+
+class RejectRow(Record):
+    """conversations/<key>.rejects.jsonl (and the unsharded rejects file): a row ingest refused, where it was,
+    why, and its text (cut at ingest.MAX_KEPT_RAW characters)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    file: str
+    line: int
+    reason: str
+    detail: str
+    raw: str
+    raw_truncated: bool
+
+
+class RegeneratedRow(Record):
+    """regenerated/<key>.jsonl: a training conversation with its assistant turns the target's own, and why
+    it stopped (`complete`, or the rule that ended it early)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    id: str
+    source: RowSource | None  # the conversation row's; written null for a sample without one
+    turns_regenerated: int
+    messages: list[Message]
+    stop: str
+
+
+class RegenerationError(Record):
+    """regenerated/<key>.jsonl: a training conversation of which no turn was regenerated, and why; it has no
+    messages and is counted in the shard's `regeneration_errors`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    id: str
+    source: RowSource | None
+    turns_regenerated: int
+    error: str
+    messages: list[Message]
+
+
+RegenerationRow = RegeneratedRow | RegenerationError
+
+
+def regeneration_row(data: Any) -> RegenerationRow:
+    """A regenerated shard's row as its record: an error row has `error` (ValidationError if it fits neither)."""
+    model = RegenerationError if isinstance(data, dict) and "error" in data else RegeneratedRow
+    return model.model_validate(data)
+
+
+class JournalHeader(Record):
+    """regenerated/<key>.journal.jsonl, its first line: the journal's version and the fingerprint of what
+    produced its entries (the settings, tokenizer and sample ids)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    journal: int
+    fingerprint: str
+
+
+class JournalEntry(Record):
+    """regenerated/<key>.journal.jsonl, every later line: a sample regenerated through a server, its row as
+    the shard will hold it, the regenerator's counts for it and the tokens it generated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    id: str
+    row: RegenerationRow
+    counts: dict[str, int]
+    new_tokens: int
+
+    @field_validator("row", mode="before")
+    @classmethod
+    def _by_error(cls, value: Any) -> Any:
+        return regeneration_row(value) if isinstance(value, dict) else value
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def read_rows(path: Path, parse: Callable[[Any], R]) -> list[R]:
+    """A JSONL file's rows, each given to `parse` (a record's model_validate); blank lines skipped. A row that
+    does not parse is one RecordError line: `<file> line N: <field path>: what is wrong`."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            data = json_row(line, where)
+            try:
+                rows.append(parse(data))
+            except ValidationError as err:
+                raise RecordError(validation_message(where, err)) from None
+    return rows
+
+
+def write_rows(path: Path, rows: Sequence[Record]) -> None:
+    """Rows as `write_jsonl` writes dicts: one compact JSON object a line, UTF-8 as is, atomically."""
+    write_jsonl(path, [row.dump() for row in rows])
 
 
 # ---- the draft vocabulary --------------------------------------------------------------------------------

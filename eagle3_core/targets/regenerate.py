@@ -12,7 +12,7 @@ leaves a duplicated or skipped sample.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +21,14 @@ import torch
 from eagle3_core.config import RegenerateConfig
 from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
+from eagle3_core.store.records import ConversationRow, RegeneratedRow, RegenerationError, RegenerationRow
 
 
 @dataclass
 class Dialogue:
     """One conversation being regenerated: the turns kept so far and the user turns still to answer."""
 
-    sample: dict[str, Any]
+    sample: ConversationRow
     done: list[dict[str, str]]
     pending_users: list[str]
     turns_regenerated: int = 0
@@ -36,16 +37,15 @@ class Dialogue:
 
 @dataclass
 class RegenerationResult:
-    rows: list[dict[str, Any]]
+    rows: list[RegenerationRow]
     counts: Counter[str] = field(default_factory=Counter)
     new_tokens: int = 0
 
 
-def dialogue_of(sample: dict[str, Any], max_turns: int | None) -> Dialogue:
-    messages = sample["messages"]
-    system = [m for m in messages if m["role"] == "system"]
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    return Dialogue(sample, list(system), users[:max_turns] if max_turns else users)
+def dialogue_of(sample: ConversationRow, max_turns: int | None) -> Dialogue:
+    system = [m.model_dump() for m in sample.messages if m.role == "system"]
+    users = [m.content for m in sample.messages if m.role == "user"]
+    return Dialogue(sample, system, users[:max_turns] if max_turns else users)
 
 
 class Regenerator:
@@ -61,7 +61,7 @@ class Regenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     def regenerate(
-        self, samples: list[dict[str, Any]], progress: Callable[[int, int], None] = lambda _d, _t: None
+        self, samples: Sequence[ConversationRow], progress: Callable[[int, int], None] = lambda _d, _t: None
     ) -> RegenerationResult:
         torch.manual_seed(self.cfg.seed)
         dialogues = [dialogue_of(s, self.cfg.max_turns) for s in samples]
@@ -155,19 +155,28 @@ def append_reply(
         counts["replies_cut_at_max_new_tokens"] += 1
 
 
-def finish_row(d: Dialogue, counts: Counter[str]) -> dict[str, Any]:
+def finish_row(d: Dialogue, counts: Counter[str]) -> RegenerationRow:
     """The regenerated row of a dialogue (an error row when no turn was regenerated); counts its stop."""
     if d.stop:
         counts[f"stopped_{d.stop}"] += 1
-    row = {
-        "id": d.sample["id"],
-        "source": d.sample.get("source"),
-        "turns_regenerated": d.turns_regenerated,
-    }
     if d.turns_regenerated == 0:
         counts["errors"] += 1
-        return {**row, "error": d.stop or "no_user_turn", "messages": []}
-    return {**row, "messages": d.done, "stop": d.stop or "complete"}
+        return RegenerationError(
+            id=d.sample.id,
+            source=d.sample.source,
+            turns_regenerated=0,
+            error=d.stop or "no_user_turn",
+            messages=[],
+        )
+    return RegeneratedRow.model_validate(
+        {
+            "id": d.sample.id,
+            "source": d.sample.source,
+            "turns_regenerated": d.turns_regenerated,
+            "messages": d.done,
+            "stop": d.stop or "complete",
+        }
+    )
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -41,18 +41,16 @@ def test_every_assistant_turn_is_the_targets_and_ids_are_kept(setup: tuple[Path,
     config, target = setup
     cfg = load_config(config)
     samples, _ = load_conversation_shard(cfg.store_root, "r-00000")
-    train = [s for s in samples if s["split"] == "train"]
+    train = [s for s in samples if s.split == "train"]
     result = regenerate_step(cfg, "r-00000", target)
     rows = read_jsonl(result.path)
-    assert [r["id"] for r in rows] == [
-        s["id"] for s in train
-    ]  # keyed by sample id: none skipped, none doubled
+    assert [r["id"] for r in rows] == [s.id for s in train]  # keyed by sample id: none skipped, none doubled
     assert result.metadata["heldout_skipped"] == len(samples) - len(train)
     for row, original in zip(rows, train, strict=True):
         if "error" in row:
             continue
         users = [m["content"] for m in row["messages"] if m["role"] == "user"]
-        assert users == [m["content"] for m in original["messages"] if m["role"] == "user"][: len(users)]
+        assert users == [m.content for m in original.messages if m.role == "user"][: len(users)]
         assistants = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         assert "original reply" not in assistants
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * len(users)
@@ -87,7 +85,7 @@ def test_a_regenerated_shard_is_whole_with_its_manifest_or_absent(
     def disk_full(path: Path, rows: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(data, "write_jsonl", disk_full)
+    monkeypatch.setattr(data, "write_rows", disk_full)
     with pytest.raises(OSError, match="No space left"):
         regenerate_step(cfg, "r-00000", target)
     assert not layout.regenerated("r-00000").exists()  # not done: the next run redoes it

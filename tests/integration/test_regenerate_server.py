@@ -188,7 +188,7 @@ def _check_equal_to_in_process(
     assert result.path.read_bytes() == reference  # the stored rows, byte for byte
     rows = read_jsonl(shard)
     samples, _ = load_conversation_shard(cfg.store_root, KEY)
-    assert [r["id"] for r in rows] == [s["id"] for s in samples]
+    assert [r["id"] for r in rows] == [s.id for s in samples]
     assert any(r["turns_regenerated"] == 3 for r in rows)  # later turns saw the server's own replies
     m = result.metadata
     assert m["errors"] == 0 and m["requested_samples"] == N and m["resumed_samples"] == 0

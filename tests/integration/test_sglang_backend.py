@@ -160,9 +160,7 @@ def _tokens(cfg: Eagle3Config, key: str, target_dir: Path) -> dict[str, list[int
     chat = ChatTokenizer.from_config(AutoTokenizer.from_pretrained(target_dir), cfg.tokenize)
     samples, _ = load_conversation_shard(cfg.store_root, key)
     return {
-        s["id"]: chat.tokenize(
-            Conversation(tuple((m["role"], m["content"]) for m in s["messages"]))
-        ).input_ids.tolist()
+        s.id: chat.tokenize(Conversation(tuple((m.role, m.content) for m in s.messages))).input_ids.tolist()
         for s in samples
     }
 

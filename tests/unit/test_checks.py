@@ -10,10 +10,9 @@ import torch
 from eagle3_core.config import ConfigError, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.draft.vocab import build_vocab_mapping, save_vocab_mapping
-from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.checks import reject_rate, shard_complete, shard_integrity, vocab_coverage
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import ShardFacts
+from eagle3_core.store.records import ConversationRow, ShardFacts, read_rows
 from eagle3_core.store.shards import ShardWriter, read_header
 from tests.conftest import FIXTURES, write_config
 
@@ -35,7 +34,8 @@ def _extract(root: Path, key: str, *, skip: int = 0, failed: int = 0, dropped: i
     """A shard of the conversation shard's training rows, as extraction would write it: the first `dropped`
     are dropped at tokenisation (counted), the next `failed` marked failed, the last `skip` lost uncounted."""
     layout = StoreLayout(root)
-    train = [r["id"] for r in read_jsonl(layout.conversations(key)) if r["split"] == "train"]
+    rows = read_rows(layout.conversations(key), ConversationRow.model_validate)
+    train = [r.id for r in rows if r.split == "train"]
     gone, kept = train[:dropped], train[dropped : len(train) - skip]
     lengths = [3 + i for i in range(len(kept))]
     facts = ShardFacts(tokenizer_fingerprint=TOK, dropped=dict.fromkeys(gone, "template: test"))

@@ -17,8 +17,8 @@ from eagle3_core.data.inbox import ingest_inbox
 from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.data.sources import ResolvedSource
 from eagle3_core.errors import StoreBusyError
-from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import RejectRow, read_rows
 from tests.conftest import write_config
 
 NAME = "inbox/a.jsonl"  # as sources are named: relative to the config's directory
@@ -67,11 +67,11 @@ def test_a_new_file_is_sharded_once_and_its_malformed_row_is_counted_with_its_re
     assert report.inbox_shards == report.new_keys
     assert report.ingested == [NAME]
     assert report.rejected == {"malformed_json": 1}
-    assert [s["messages"][0]["content"] for s in _samples(cfg, report.new_keys)] == [
+    assert [s.messages[0].content for s in _samples(cfg, report.new_keys)] == [
         f"question {i}" for i in range(5)
     ]
-    [reject] = read_jsonl(StoreLayout(cfg.store_root).rejects("t-00001"))
-    assert (reject["file"], reject["line"], reject["reason"]) == (NAME, 3, "malformed_json")
+    [reject] = read_rows(StoreLayout(cfg.store_root).rejects("t-00001"), RejectRow.model_validate)
+    assert (reject.file, reject.line, reject.reason) == (NAME, 3, "malformed_json")
     assert _record(cfg)[NAME]["state"] == "done"
 
     again = ingest_inbox(cfg)
@@ -90,7 +90,7 @@ def test_a_restart_mid_file_neither_skips_nor_reingests_a_row(tmp_path: Path) ->
     assert restarted.new_keys == ["t-00001", "t-00002", "t-00003"]
     every = first.new_keys + restarted.new_keys
     assert restarted.inbox_shards == every
-    contents = [s["messages"][0]["content"] for s in _samples(cfg, every)]
+    contents = [s.messages[0].content for s in _samples(cfg, every)]
     assert contents == [f"question {i}" for i in range(7)]  # each row once, in order
 
     (
@@ -117,7 +117,7 @@ def test_a_file_still_being_written_waits_and_temporary_names_are_never_read(tmp
     _age(young, 61)  # quiet for longer than inbox_min_age_seconds: taken as written
     report = ingest_inbox(cfg)
     assert report.new_keys == ["t-00000"] and report.ingested == [NAME]
-    assert [s["messages"][0]["content"] for s in _samples(cfg, report.new_keys)] == [
+    assert [s.messages[0].content for s in _samples(cfg, report.new_keys)] == [
         "question 0",
         "question 1",
     ]
@@ -139,7 +139,7 @@ def test_a_copy_is_not_read_again_appended_rows_add_shards_and_a_changed_file_is
     _age(a, 120)
     appended = ingest_inbox(cfg)
     assert appended.new_keys == ["t-00001"]
-    assert [s["messages"][0]["content"] for s in _samples(cfg, appended.new_keys)] == [
+    assert [s.messages[0].content for s in _samples(cfg, appended.new_keys)] == [
         "question 2",
         "question 3",
     ]

@@ -8,8 +8,8 @@ import pytest
 from eagle3_core.config import load_config
 from eagle3_core.data.conversation import build_conversation, is_heldout
 from eagle3_core.data.ingest import Ledger, SourceChangedError, ingest, load_conversation_shard
-from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import RejectRow, read_rows
 from tests.conftest import FIXTURES, write_config
 
 
@@ -36,10 +36,10 @@ def test_one_row_of_each_rejection_reason(tmp_path: Path) -> None:
     }
     [shard] = report.new_shards
     samples, manifest = load_conversation_shard(cfg.store_root, shard.key)
-    assert [s["source"]["line"] for s in samples] == [1, 9, 11]
+    assert [s.source.line for s in samples] == [1, 9, 11]
     assert manifest.rejected == report.rejected
-    rejects = read_jsonl(StoreLayout(cfg.store_root).rejects(shard.key))
-    assert {(r["line"], r["reason"]) for r in rejects} == {
+    rejects = read_rows(StoreLayout(cfg.store_root).rejects(shard.key), RejectRow.model_validate)
+    assert {(r.line, r.reason) for r in rejects} == {
         (2, "malformed_json"),
         (3, "wrong_shape"),
         (4, "unknown_role"),
@@ -48,7 +48,7 @@ def test_one_row_of_each_rejection_reason(tmp_path: Path) -> None:
         (7, "no_assistant_turn"),
         (8, "duplicate"),
     }
-    assert all(r["file"] == "rows.jsonl" and r["raw"] for r in rejects)
+    assert all(r.file == "rows.jsonl" and r.raw for r in rejects)
 
 
 def test_prompt_only_rows_are_the_point_when_regenerating(tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_formats_normalise_to_the_same_sample_id(tmp_path: Path) -> None:
     samples, _ = load_conversation_shard(
         load_config(tmp_path / "eagle3.yaml").store_root, report.new_shards[0].key
     )
-    assert samples[0]["id"] == expected
+    assert samples[0].id == expected
 
 
 def _jsonl(path: Path, start: int, n: int) -> None:
@@ -138,8 +138,8 @@ def test_heldout_split_is_fixed_by_sample_id(tmp_path: Path) -> None:
     )
     report = ingest(cfg)
     samples, _ = load_conversation_shard(cfg.store_root, report.new_shards[0].key)
-    held = [s for s in samples if s["split"] == "heldout"]
-    assert all(is_heldout(s["id"], 0.1) for s in held)
+    held = [s for s in samples if s.split == "heldout"]
+    assert all(is_heldout(s.id, 0.1) for s in held)
     assert 20 <= len(held) <= 60  # about 10% of 256
 
 
@@ -155,8 +155,8 @@ def test_chitchat_source(tmp_path: Path) -> None:
     total = sum(s.samples for s in report.new_shards) + sum(report.rejected.values())
     assert total == 40
     samples, _ = load_conversation_shard(cfg.store_root, report.all_shards[0])
-    assert samples[0]["messages"][0]["role"] == "user"
-    assert samples[0]["source"]["file"].startswith("chitchat-dataset:")
+    assert samples[0].messages[0].role == "user"
+    assert samples[0].source.file.startswith("chitchat-dataset:")
 
 
 def _message_row(i: int) -> str:
@@ -177,13 +177,13 @@ def test_a_byte_order_mark_at_the_start_of_a_line_is_not_part_of_the_row(tmp_pat
     assert report.rejected == {}
     assert report.rows_read == 4
     samples = [s for key in report.new_keys for s in load_conversation_shard(cfg.store_root, key)[0]]
-    assert [(s["source"]["file"], s["source"]["line"]) for s in samples] == [
+    assert [(s.source.file, s.source.line) for s in samples] == [
         ("rows.jsonl", 1),
         ("rows.jsonl", 2),
         ("rows.jsonl", 3),
         ("more.json", 1),
     ]
-    assert [s["messages"][0]["content"] for s in samples] == ["q 0", "q 1", "q 2", "q 3"]
+    assert [s.messages[0].content for s in samples] == ["q 0", "q 1", "q 2", "q 3"]
     assert not StoreLayout(cfg.store_root).rejects(report.new_keys[0]).read_text()
     # The consumed rows' digests are of the bytes as read, BOM and all: a second ingest finds them unchanged.
     again = ingest(cfg)
@@ -219,7 +219,7 @@ def test_a_copy_under_a_new_name_makes_no_empty_shard_and_counts_its_duplicates(
     appended = ingest(cfg)
     assert appended.new_keys == ["t-00001"] and appended.rejected == {} and appended.unsharded == []
     samples, _ = load_conversation_shard(cfg.store_root, "t-00001")
-    assert [s["source"]["line"] for s in samples] == [4]
+    assert [s.source.line for s in samples] == [4]
 
     # Consumed rows without a shard are pinned by the ledger all the same.
     (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n" + _message_row(50) + "\n")
@@ -254,8 +254,8 @@ def test_a_tail_without_a_new_sample_keeps_its_other_rejects_and_survives_a_cras
     [tail] = resumed.unsharded
     assert tail.rejected == {"duplicate": 1, "malformed_json": 2}
     assert tail.rejects_file == tail_file and tail_file.read_bytes() == left  # rewritten identically
-    kept = read_jsonl(tail_file)
-    assert [(r["file"], r["line"], r["reason"]) for r in kept] == [
+    kept = read_rows(tail_file, RejectRow.model_validate)
+    assert [(r.file, r.line, r.reason) for r in kept] == [
         ("a.jsonl", 4, "malformed_json"),
         ("a.jsonl", 5, "malformed_json"),
     ]

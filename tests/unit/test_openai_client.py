@@ -34,8 +34,10 @@ from eagle3_core.engines.openai_client import (
     journal_path,
 )
 from eagle3_core.errors import ConfigError
+from eagle3_core.store.records import ConversationRow, JournalEntry, RegeneratedRow, RegenerationError
 from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 
+SYSTEM = {"role": "system", "content": "be brief"}
 Reply = tuple[int, Any, float, dict[str, str]]  # status, JSON body (or text), delay before answering, headers
 
 
@@ -121,11 +123,14 @@ def regen_cfg(url: str, server: dict[str, Any] | None = None, **kw: Any) -> Rege
     return RegenerateConfig(max_new_tokens=8, server=server_cfg(url, **(server or {})), **kw)
 
 
-def samples(n: int, users: int = 1) -> list[dict[str, Any]]:
-    return [
+def samples(
+    n: int, users: int = 1, edit: Callable[[list[dict[str, Any]]], object] = lambda _: None
+) -> list[ConversationRow]:
+    """`n` training conversations as a conversation shard holds them; `edit` changes their dicts first."""
+    rows: list[dict[str, Any]] = [
         {
             "id": f"id-{i:02d}",
-            "source": "s.jsonl",
+            "split": "train",
             "messages": [
                 m
                 for u in range(users)
@@ -134,9 +139,12 @@ def samples(n: int, users: int = 1) -> list[dict[str, Any]]:
                     {"role": "assistant", "content": "original"},
                 )
             ],
+            "source": {"file": "s.jsonl", "line": i + 1},
         }
         for i in range(n)
     ]
+    edit(rows)
+    return [ConversationRow.model_validate(row) for row in rows]
 
 
 def complete(cfg: RegenerateServerConfig, body: dict[str, Any] | None = None) -> tuple[Any, int]:
@@ -253,8 +261,7 @@ def test_each_turn_sees_the_conversation_so_far_as_in_process(fake: FakeServer, 
         return 200, completion(f"first reply to {user}", tokens=5), 0.0, {}
 
     fake.script = script
-    convs = samples(2, users=2)
-    convs[0]["messages"].insert(0, {"role": "system", "content": "be brief"})
+    convs = samples(2, users=2, edit=lambda rows: rows[0]["messages"].insert(0, SYSTEM))
     cfg = regen_cfg(fake.url, server={"model": "served-name"}, seed=7)
     result = ServerRegenerator(tokenizer, cfg, 256).regenerate(convs)
 
@@ -268,10 +275,10 @@ def test_each_turn_sees_the_conversation_so_far_as_in_process(fake: FakeServer, 
     assert first["max_tokens"] == 8 and first["temperature"] == 0.0 and first["model"] == "served-name"
     assert "top_p" not in first  # greedy: top_p shapes nothing, as in process
     assert len({b["seed"] for b in fake.received}) == 4  # one seed per (sample, turn)
-    assert [r["id"] for r in result.rows] == ["id-00", "id-01"]
-    assert result.rows[0] == {
+    assert [r.id for r in result.rows] == ["id-00", "id-01"]
+    assert result.rows[0].dump() == {
         "id": "id-00",
-        "source": "s.jsonl",
+        "source": {"file": "s.jsonl", "line": 1},
         "turns_regenerated": 2,
         "messages": first["messages"]
         + [{"role": "assistant", "content": "second\nreply to user 0 turn 1"}],  # normalised, as in process
@@ -286,14 +293,16 @@ def test_each_turn_sees_the_conversation_so_far_as_in_process(fake: FakeServer, 
 def test_empty_reply_and_context_limit_end_as_in_process(fake: FakeServer, tokenizer: Any) -> None:
     fake.script = lambda body, n: (200, completion("   "), 0.0, {})
     result = ServerRegenerator(tokenizer, regen_cfg(fake.url), 256).regenerate(samples(1))
-    assert result.rows[0]["error"] == "empty_reply" and result.rows[0]["messages"] == []
+    [row] = result.rows
+    assert isinstance(row, RegenerationError) and row.error == "empty_reply" and row.messages == []
     assert result.counts == {"errors": 1, "stopped_empty_reply": 1}
 
     fake.received.clear()
-    long = samples(1)
-    long[0]["messages"][0]["content"] = "word " * 300
+    long = samples(1, edit=lambda rows: rows[0]["messages"][0].update(content="word " * 300))
     result = ServerRegenerator(tokenizer, regen_cfg(fake.url), 64).regenerate(long)
-    assert result.rows[0]["error"] == "context_limit" and fake.received == []  # never sent
+    [row] = result.rows
+    assert isinstance(row, RegenerationError) and row.error == "context_limit"
+    assert fake.received == []  # never sent
 
 
 def test_a_400_is_an_error_row_with_its_reason(fake: FakeServer, tokenizer: Any) -> None:
@@ -304,10 +313,11 @@ def test_a_400_is_an_error_row_with_its_reason(fake: FakeServer, tokenizer: Any)
     )
     cfg = regen_cfg(fake.url, server={"max_failed_fraction": 0.5})
     result = ServerRegenerator(tokenizer, cfg, 256).regenerate(samples(3))
-    assert [r["id"] for r in result.rows] == ["id-00", "id-01", "id-02"]
+    assert [r.id for r in result.rows] == ["id-00", "id-01", "id-02"]
     bad = result.rows[1]
-    assert bad["error"].startswith("request_failed: HTTP 400") and "bad prompt" in bad["error"]
-    assert bad["messages"] == [] and bad["turns_regenerated"] == 0
+    assert isinstance(bad, RegenerationError)
+    assert bad.error.startswith("request_failed: HTTP 400") and "bad prompt" in bad.error
+    assert bad.messages == [] and bad.turns_regenerated == 0
     assert result.counts["errors"] == 1 and result.counts["request_errors"] == 1
     assert sum("user 1 " in b["messages"][-1]["content"] for b in fake.received) == 1  # not retried
 
@@ -332,7 +342,7 @@ def test_failures_past_the_threshold_fail_the_shard_and_a_rerun_requests_only_th
     fake.script = script
     convs = samples(10, users=2)
     cfg = regen_cfg(fake.url, server={"concurrency": 2, "retries": 1, "max_failed_fraction": 0.0})
-    fp = journal_fingerprint(cfg, 256, "tok", [s["id"] for s in convs])
+    fp = journal_fingerprint(cfg, 256, "tok", [s.id for s in convs])
     path = journal_path(tmp_path / "r-00000.jsonl")
     with pytest.raises(ServerRegenerationFailed, match=r"1 of 10 samples failed .*HTTP 503.*run again"):
         ServerRegenerator(tokenizer, cfg, 256).regenerate(convs, RegenerationJournal(path, fp))
@@ -345,19 +355,20 @@ def test_failures_past_the_threshold_fail_the_shard_and_a_rerun_requests_only_th
     assert result.resumed == len(journaled) and result.requested == 10 - len(journaled)
     asked = {b["messages"][0]["content"].split(" turn")[0] for b in fake.received}
     assert asked == {f"user {i}" for i in range(10) if f"id-{i:02d}" not in journaled}  # only the missing
-    assert [r["id"] for r in result.rows] == [s["id"] for s in convs]  # each once, in input order
-    assert all("error" not in r and r["turns_regenerated"] == 2 for r in result.rows)
+    assert [r.id for r in result.rows] == [s.id for s in convs]  # each once, in input order
+    assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)
 
 
 def test_the_journal_drops_a_torn_line_and_refuses_another_fingerprint(tmp_path: Path) -> None:
     path = tmp_path / "r-00000.journal.jsonl"
-    entry = {"id": "a", "row": {"id": "a"}, "counts": {"replies": 1}, "new_tokens": 3}
+    row = {"id": "a", "source": None, "turns_regenerated": 0, "error": "empty_reply", "messages": []}
+    entry = {"id": "a", "row": row, "counts": {"replies": 1}, "new_tokens": 3}
     path.write_text(
         json.dumps({"journal": 1, "fingerprint": "f1"}) + "\n" + json.dumps(entry) + "\n" + '{"id": "b", "ro'
     )
     journal = RegenerationJournal(path, "f1")
-    assert journal.open(["a", "b"]) == {"a": entry}
-    journal.append({**entry, "id": "b", "row": {"id": "b"}})
+    assert {k: e.dump() for k, e in journal.open(["a", "b"]).items()} == {"a": entry}
+    journal.append(JournalEntry.model_validate({**entry, "id": "b", "row": {**row, "id": "b"}}))
     journal.close()
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()[1:]] == ["a", "b"]  # clean
 
@@ -372,10 +383,12 @@ import json, sys
 from transformers import AutoTokenizer
 from eagle3_core.config import RegenerateConfig
 from eagle3_core.engines.openai_client import RegenerationJournal, ServerRegenerator
+from eagle3_core.store.records import ConversationRow
 args = json.loads(sys.argv[1])
 cfg = RegenerateConfig.model_validate(args["cfg"])
 regenerator = ServerRegenerator(AutoTokenizer.from_pretrained(args["tokenizer"]), cfg, 256)
-regenerator.regenerate(args["samples"], RegenerationJournal(__import__("pathlib").Path(args["journal"]), "fp"))
+samples = [ConversationRow.model_validate(s) for s in args["samples"]]
+regenerator.regenerate(samples, RegenerationJournal(__import__("pathlib").Path(args["journal"]), "fp"))
 """
 
 
@@ -386,7 +399,12 @@ def test_a_regenerating_process_killed_mid_shard_resumes_each_sample_once(
     convs = samples(16, users=2)
     cfg = regen_cfg(fake.url, server={"concurrency": 2})
     path = journal_path(tmp_path / "r-00000.jsonl")
-    args = {"cfg": cfg.model_dump(), "tokenizer": str(toy_target_dir), "samples": convs, "journal": str(path)}
+    args = {
+        "cfg": cfg.model_dump(),
+        "tokenizer": str(toy_target_dir),
+        "samples": [s.dump() for s in convs],
+        "journal": str(path),
+    }
     child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], cwd=Path(__file__).parents[2])
     try:
         deadline = time.monotonic() + 120
@@ -411,5 +429,5 @@ def test_a_regenerating_process_killed_mid_shard_resumes_each_sample_once(
     assert result.resumed == len(done_before) >= 4 and result.requested == 16 - len(done_before)
     asked = {b["messages"][0]["content"].split(" turn")[0] for b in fake.received}
     assert asked == {f"user {i}" for i in range(16) if f"id-{i:02d}" not in done_before}  # only the rest
-    assert [r["id"] for r in result.rows] == [s["id"] for s in convs]
-    assert all(r["turns_regenerated"] == 2 and "error" not in r for r in result.rows)
+    assert [r.id for r in result.rows] == [s.id for s in convs]
+    assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from eagle3_core.store.records import ConversationRow, RegeneratedRow, RegenerationError
 from eagle3_core.targets.regenerate import append_reply, conversation_length, dialogue_of, finish_row
 from eagle3_core.toy.tokenizer import train_tokenizer
 
@@ -18,11 +19,15 @@ def tok() -> PreTrainedTokenizerFast:
     return train_tokenizer(CORPUS, 300)
 
 
-def _sample() -> dict[str, object]:
-    return {
-        "id": "s1",
-        "messages": [{"role": "user", "content": "hello there"}, {"role": "user", "content": "and?"}],
-    }
+def _sample() -> ConversationRow:
+    return ConversationRow.model_validate(
+        {
+            "id": "s1",
+            "split": "train",
+            "messages": [{"role": "user", "content": "hello there"}, {"role": "user", "content": "and?"}],
+            "source": {"file": "c.jsonl", "line": 1},
+        }
+    )
 
 
 def test_a_reply_that_fits_is_kept(tok: PreTrainedTokenizerFast) -> None:
@@ -30,7 +35,8 @@ def test_a_reply_that_fits_is_kept(tok: PreTrainedTokenizerFast) -> None:
     append_reply(d, "great thanks", True, counts, tok, max_seq_len=10_000)
     assert d.done[-1] == {"role": "assistant", "content": "great thanks"} and d.turns_regenerated == 1
     assert counts == Counter(replies=1, replies_cut_at_max_new_tokens=1)
-    assert finish_row(d, counts)["stop"] == "complete"
+    row = finish_row(d, counts)
+    assert isinstance(row, RegeneratedRow) and row.stop == "complete"
 
 
 def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_reply(
@@ -57,12 +63,14 @@ def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_repl
     assert short.stop == "context_limit" and short.turns_regenerated == 1
     assert short.done == first.done
     row = finish_row(short, counts)
-    assert row["stop"] == "context_limit" and counts["stopped_context_limit"] == 1
-    assert conversation_length(tok, row["messages"]) <= exact - 1
+    assert isinstance(row, RegeneratedRow) and row.stop == "context_limit"
+    assert counts["stopped_context_limit"] == 1
+    assert conversation_length(tok, [m.model_dump() for m in row.messages]) <= exact - 1
 
 
 def test_no_room_for_the_first_reply_is_an_error_row(tok: PreTrainedTokenizerFast) -> None:
     d, counts = dialogue_of(_sample(), None), Counter[str]()
     append_reply(d, "great thanks", False, counts, tok, max_seq_len=3)
     row = finish_row(d, counts)
-    assert row["error"] == "context_limit" and row["messages"] == [] and counts["errors"] == 1
+    assert isinstance(row, RegenerationError) and row.error == "context_limit" and row.messages == []
+    assert counts["errors"] == 1
