@@ -38,21 +38,21 @@ from eagle3_core.conventions import (
 )
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import ExportError
-from eagle3_core.export.engine_config import (
+from eagle3_core.engines.engine_config import (
     CONFIG_FILE,
     LEGACY_SCHEMA,
+    PROVENANCE_KEY,
     SCHEMA,
+    VARIANT_KEY,
     EngineModel,
     FormatName,
     Provenance,
 )
+from eagle3_core.errors import ExportError
 from eagle3_core.store.atomic import atomic_directory
 
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
-PROVENANCE_KEY = "eagle3_export"  # our own block inside config.json; the engines ignore unknown fields
-VARIANT_KEY = "drafter_variant"  # inside the provenance: the variant the drafter was trained as
 OUR_LAYER_PREFIX = "midlayer."
 EMBED_KEY = "embed_tokens.weight"
 # the variant flags of DrafterConfig that engines read from config.json (the sliding window is apart: where it

@@ -45,10 +45,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
-from eagle3_core.errors import ConfigError, ExportError
-from eagle3_core.export import common
-from eagle3_core.export.engine_config import (
+from eagle3_core.engines.engine_config import (
     NOT_NULL,
     NOT_NULL_IN_OURS,
     EngineModel,
@@ -59,6 +56,9 @@ from eagle3_core.export.engine_config import (
     field_error,
     validated,
 )
+from eagle3_core.engines.sglang_models import captured_layer_ids, config_layer_ids, sglang_model
+from eagle3_core.errors import ConfigError, ExportError
+from eagle3_core.export import common
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SGLang's legacy per-aux norm names (its load_weights renames them)

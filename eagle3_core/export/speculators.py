@@ -34,15 +34,11 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import torch
-from annotated_types import MinLen
-from pydantic import AfterValidator, ValidationInfo, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import ValidationInfo, model_validator
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import ExportError
-from eagle3_core.export import common
-from eagle3_core.export.engine_config import (
+from eagle3_core.engines.engine_config import (
     NOT_NULL,
     NOT_NULL_IN_OURS,
     EngineModel,
@@ -50,10 +46,13 @@ from eagle3_core.export.engine_config import (
     LayerIds,
     LlamaLayer,
     Provenance,
+    SpeculatorsBlock,
     field_error,
     is_ours,
     validated,
 )
+from eagle3_core.errors import ExportError
+from eagle3_core.export import common
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes (and whose loader the tests run)
 ARCHITECTURE = "Eagle3Speculator"
@@ -62,44 +61,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 WITHOUT_VOCAB = "vLLM would take the target's vocab, speculators 32000"
 # what speculators' Eagle3DraftModel holds beside the drafter, for its training loss; never part of the network
 VERIFIER_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")
-
-
-def _at_least_one(tokens: int | None) -> int | None:
-    if tokens is not None and tokens < 1:
-        raise PydanticCustomError("eagle3", f"must be >= 1, got {tokens}")
-    return tokens
-
-
-class Proposal(EngineModel):
-    proposal_type: Annotated[str | None, NOT_NULL] = None
-    speculative_tokens: Annotated[int | None, NOT_NULL, AfterValidator(_at_least_one)] = None
-    verifier_accept_k: Annotated[int | None, NOT_NULL] = None
-    accept_tolerance: Annotated[float | None, NOT_NULL] = None
-
-
-class Verifier(EngineModel):
-    # required, as vLLM needs the field; speculators' trainer may save a verifier without a path (null)
-    name_or_path: Annotated[str | None, NOT_NULL_IN_OURS]
-    architectures: Annotated[list[str] | None, NOT_NULL_IN_OURS] = None
-
-
-class SpeculatorsBlock(EngineModel):
-    """`speculators_config`: what vLLM's speculators reader needs (`validate_speculators_config`)."""
-
-    algorithm: Literal["eagle3"]
-    default_proposal_method: str
-    proposal_methods: Annotated[list[Proposal], MinLen(1)]
-    verifier: Verifier
-
-    @model_validator(mode="after")
-    def _proposals(self) -> Self:
-        if self.proposal_methods[0].speculative_tokens is None:
-            raise field_error("proposal_methods[0].speculative_tokens", "missing")
-        if self.default_proposal_method not in [m.proposal_type for m in self.proposal_methods]:
-            raise field_error(
-                "default_proposal_method", f"{self.default_proposal_method!r} is not a listed proposal"
-            )
-        return self
 
 
 class LayerWindow(EngineModel):

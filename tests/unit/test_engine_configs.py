@@ -14,10 +14,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from eagle3_core.engines.engine_config import DtypeName, EngineModel, validated
 from eagle3_core.errors import ExportError
 from eagle3_core.export import ExportTarget, FormatName, export_sglang, export_speculators
 from eagle3_core.export.common import DTYPES
-from eagle3_core.export.engine_config import DtypeName, EngineModel, validated
 from eagle3_core.export.sglang import SGLangConfig, SGLangFields
 from eagle3_core.export.speculators import SpeculatorsConfig, SpeculatorsFields
 from tests.conftest import REPO

@@ -1,6 +1,7 @@
 """What both engines' config.json formats share, declared as strict, frozen pydantic models (the way speculators
 declares its Eagle3SpeculatorConfig): the Llama decoder layer, eagle3's provenance block, and the rules that make
-one model serve both kinds of directory (docs/design.md, section 5).
+one model serve both kinds of directory (docs/design.md, section 5); and speculators' `speculators_config` block.
+No torch: the serve commands (steps/serving.py) read exports through these models without importing it.
 
 A field that an engine reads with a default carries that default, so a drafter made elsewhere validates as its
 engine reads it (unknown keys kept aside, as the engines skip them). Our own exports are validated with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Self, TypeVar
 
+from annotated_types import MinLen
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,6 +33,8 @@ from eagle3_core.store.records import FIELD, field_error, field_path
 FormatName = Literal["sglang", "speculators"]
 DtypeName = Literal["float32", "bfloat16", "float16"]  # the dtypes a drafter is exported in
 CONFIG_FILE = "config.json"
+PROVENANCE_KEY = "eagle3_export"  # our own block inside config.json; the engines ignore unknown fields
+VARIANT_KEY = "drafter_variant"  # inside the provenance: the variant the drafter was trained as
 SCHEMA = "eagle3.export/2"
 # exports written before the variant flags: their drafter had none (all false, no window), and their SGLang
 # config names no flag, so they are read as the engine reads them and checked against that all-false variant
@@ -191,6 +195,46 @@ class Provenance(EngineModel):
     vocab_mapping_fingerprint: str | None = None
     dtype: str | None = None
     target: Annotated[TargetRecord | None, NOT_NULL_IN_OURS] = None
+
+
+def _at_least_one(tokens: int | None) -> int | None:
+    if tokens is not None and tokens < 1:
+        raise PydanticCustomError("eagle3", f"must be >= 1, got {tokens}")
+    return tokens
+
+
+class Proposal(EngineModel):
+    proposal_type: Annotated[str | None, NOT_NULL] = None
+    speculative_tokens: Annotated[int | None, NOT_NULL, AfterValidator(_at_least_one)] = None
+    verifier_accept_k: Annotated[int | None, NOT_NULL] = None
+    accept_tolerance: Annotated[float | None, NOT_NULL] = None
+
+
+class Verifier(EngineModel):
+    # required, as vLLM needs the field; speculators' trainer may save a verifier without a path (null)
+    name_or_path: Annotated[str | None, NOT_NULL_IN_OURS]
+    architectures: Annotated[list[str] | None, NOT_NULL_IN_OURS] = None
+
+
+class SpeculatorsBlock(EngineModel):
+    """`speculators_config` of a speculators config.json: what vLLM's speculators reader needs
+    (`validate_speculators_config`). Here, not in export/speculators.py, so that serving reads the verifier
+    without importing torch."""
+
+    algorithm: Literal["eagle3"]
+    default_proposal_method: str
+    proposal_methods: Annotated[list[Proposal], MinLen(1)]
+    verifier: Verifier
+
+    @model_validator(mode="after")
+    def _proposals(self) -> Self:
+        if self.proposal_methods[0].speculative_tokens is None:
+            raise field_error("proposal_methods[0].speculative_tokens", "missing")
+        if self.default_proposal_method not in [m.proposal_type for m in self.proposal_methods]:
+            raise field_error(
+                "default_proposal_method", f"{self.default_proposal_method!r} is not a listed proposal"
+            )
+        return self
 
 
 def validated(model: type[M], data: Any, where: str, *, ours: bool) -> M:
