@@ -9,7 +9,8 @@ A drafter trained with a sliding window W: vLLM reads it from the speculators co
 the server argument `--speculative-draft-window-size`, which counts the keys left of the query (W - 1; see
 export/sglang.py), so the SGLang command passes it from the export's provenance block.
 
-Reads config.json files only, so printing the commands never imports torch.
+Reads config.json files only, through the export's own models of them (engines/engine_config.py, which imports
+no torch), so printing the commands never imports torch.
 """
 
 from __future__ import annotations
@@ -17,17 +18,41 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+from pydantic import Field
 
 from eagle3_core.config import Eagle3Config
+from eagle3_core.engines.engine_config import (
+    CONFIG_FILE,
+    PROVENANCE_KEY,
+    VARIANT_KEY,
+    EngineModel,
+    Provenance,
+    SpeculatorsBlock,
+    validated,
+)
 from eagle3_core.engines.sglang_server import launch_command
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.layout import StoreLayout
 
-# Mirror eagle3_core.export.common's PROVENANCE_KEY and VARIANT_KEY (that module imports torch; this one must not).
-PROVENANCE_KEY = "eagle3_export"
-VARIANT_KEY = "drafter_variant"
+
+class ServedSGLangConfig(EngineModel):
+    """What serving reads of `<export>/sglang/config.json`: our provenance block (under PROVENANCE_KEY),
+    absent from a drafter made elsewhere. The engine's fields are kept aside unread: the
+    export's check validates them, this only prints commands."""
+
+    provenance: Provenance | None = Field(default=None, alias="eagle3_export")  # PROVENANCE_KEY
+
+
+class ServedSpeculatorsConfig(EngineModel):
+    """What serving reads of `<export>/speculators/config.json`: the `speculators_config` block, its verifier."""
+
+    speculators_config: SpeculatorsBlock | None = None
+
+
+C = TypeVar("C", ServedSGLangConfig, ServedSpeculatorsConfig)
 
 
 def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
@@ -52,19 +77,21 @@ def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
     return exports[-1], "newest export, not promoted"
 
 
-def _config(path: Path) -> dict[str, Any]:
+def _config(model: type[C], directory: Path) -> C:
+    """`directory`'s config.json as `model`; an Eagle3Error (ExportError) naming the file and the field."""
+    path = directory / CONFIG_FILE
     if not path.is_file():
-        raise Eagle3Error(f"{path.parent}: not an export (no config.json)")
-    return read_json_object(path, Eagle3Error)
+        raise Eagle3Error(f"{directory}: not an export (no config.json)")
+    return validated(model, read_json_object(path, Eagle3Error), str(directory), ours=False)
 
 
 def served_target(cfg: Eagle3Config, export_dir: Path) -> str:
     """The target the export drafts for: our provenance block, else speculators' verifier, else the config."""
-    sglang = _config(export_dir / "sglang" / "config.json")
-    name = (sglang.get(PROVENANCE_KEY) or {}).get("target", {}).get("name_or_path")
+    block = _config(ServedSGLangConfig, export_dir / "sglang").provenance
+    name = block.target.name_or_path if block is not None and block.target is not None else None
     if not name and (export_dir / "speculators" / "config.json").is_file():
-        speculators = _config(export_dir / "speculators" / "config.json")
-        name = speculators.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+        speculators = _config(ServedSpeculatorsConfig, export_dir / "speculators").speculators_config
+        name = speculators.verifier.name_or_path if speculators is not None else None
     if not name:
         if cfg.target.path == "toy":
             raise Eagle3Error(f"{export_dir}: the export does not say which target it was made for")
@@ -78,12 +105,12 @@ def sglang_draft_window(export_dir: Path) -> int | None:
     Our window W admits the W keys in (q - W, q]; SGLang's S the keys in [q - S, q]: S = W - 1 (the exporter
     refuses W = 1, which SGLang cannot take).
     """
-    block = _config(export_dir / "sglang" / "config.json").get(PROVENANCE_KEY)
-    variant = block.get(VARIANT_KEY) if isinstance(block, dict) else None
-    window = variant.get("sliding_window") if isinstance(variant, dict) else None
+    block = _config(ServedSGLangConfig, export_dir / "sglang").provenance
+    variant = block.drafter_variant if block is not None else None
+    window = variant.sliding_window if variant is not None else None
     if window is None:
         return None
-    if type(window) is not int or window < 2:
+    if window < 2:
         raise Eagle3Error(
             f"{export_dir / 'sglang' / 'config.json'}: {PROVENANCE_KEY}.{VARIANT_KEY}.sliding_window is "
             f"{window!r}, not a window SGLang can take (an integer >= 2)"

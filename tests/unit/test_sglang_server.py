@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,13 +144,30 @@ def fake_export(
     out = store / "drafter" / "export" / run
     (out / "sglang").mkdir(parents=True)
     (out / "speculators").mkdir(parents=True)
-    sglang = {"architectures": ["LlamaForCausalLMEagle3"]}
+    sglang: dict[str, Any] = {"architectures": ["LlamaForCausalLMEagle3"]}
     if target is not None:
-        sglang["eagle3_export"] = {"target": {"name_or_path": target}}  # type: ignore[assignment]
+        sglang["eagle3_export"] = provenance(target)
     (out / "sglang" / "config.json").write_text(json.dumps(sglang))
-    speculators = {"speculators_config": {"verifier": {"name_or_path": verifier or target}}}
-    (out / "speculators" / "config.json").write_text(json.dumps(speculators))
+    block = {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        "verifier": {"name_or_path": verifier or target},
+    }
+    (out / "speculators" / "config.json").write_text(json.dumps({"speculators_config": block}))
     return out
+
+
+def provenance(target: str | None, **change: Any) -> dict[str, Any]:
+    """Our provenance block as an export of ours writes it, as far as it is required."""
+    return {
+        "schema": "eagle3.export/2",
+        "format": "sglang",
+        "aux_layer_ids": [1, 3, 5],
+        "final_state_convention": "post_norm",
+        "target": {"name_or_path": target},
+        **change,
+    }
 
 
 def test_serve_commands_for_the_newest_export_then_for_the_promoted_one(tmp_path: Path) -> None:
@@ -195,6 +213,61 @@ def test_the_target_comes_from_the_export_else_the_verifier_else_the_config(tmp_
     toy = make_config(tmp_path)  # the toy target has no path to print
     with pytest.raises(Eagle3Error, match="does not say which target"):
         serve_commands(toy, a)
+
+
+@pytest.mark.parametrize(
+    ("sglang", "speculators", "message"),
+    [
+        (
+            {"eagle3_export": provenance("/m", aux_layer_ids=[1, 1, 5])},
+            None,
+            "sglang: config.json: eagle3_export.aux_layer_ids: must be three distinct integers",
+        ),
+        (
+            {"eagle3_export": {**provenance("/m"), "target": {"name_or_path": 7}}},
+            None,
+            "sglang: config.json: eagle3_export.target.name_or_path: input should be a valid string, got 7",
+        ),
+        (
+            {"eagle3_export": provenance(None)},
+            {"speculators_config": {"verifier": {"name_or_path": "/v"}}},
+            "speculators: config.json: speculators_config.algorithm: missing",
+        ),
+    ],
+)
+def test_a_wrong_export_config_is_one_line_naming_the_file_and_the_field(
+    tmp_path: Path, sglang: dict[str, Any], speculators: dict[str, Any] | None, message: str
+) -> None:
+    export = fake_export(tmp_path, "run")
+    (export / "sglang" / "config.json").write_text(json.dumps(sglang))
+    if speculators is not None:
+        (export / "speculators" / "config.json").write_text(json.dumps(speculators))
+    with pytest.raises(Eagle3Error) as err:
+        serve_commands(make_config(tmp_path), export)
+    assert str(err.value).startswith(str(export / message)) and "\n" not in str(err.value)
+
+
+def test_the_sglang_window_is_read_through_the_provenance(tmp_path: Path) -> None:
+    export = fake_export(tmp_path, "run")
+    variant = {
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "norm_before_residual": False,
+        "sliding_window": 8,
+    }
+    sglang = {"eagle3_export": provenance("/m", drafter_variant=variant)}
+    (export / "sglang" / "config.json").write_text(json.dumps(sglang))
+    argv = shlex.split(serve_commands(make_config(tmp_path), export)["sglang"])
+    assert argv[argv.index("--speculative-draft-window-size") + 1] == "7"
+    for window, error in (
+        ("8", "sliding_window: input should be a valid integer"),
+        (1, "is 1, not a window"),
+    ):
+        sglang["eagle3_export"]["drafter_variant"] = {**variant, "sliding_window": window}
+        (export / "sglang" / "config.json").write_text(json.dumps(sglang))
+        with pytest.raises(Eagle3Error, match=error):
+            serve_commands(make_config(tmp_path), export)
 
 
 def test_eagle3_serve_command_prints_both_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -275,3 +348,16 @@ def test_proc_stat_reads_group_and_start_time_past_an_odd_command_name(tmp_path:
         proc.kill()
         proc.wait()
     assert proc_stat(proc.pid) is None
+
+
+def test_the_serve_commands_import_no_torch() -> None:
+    """serving reads the exports through engines/engine_config.py: printing a command loads no torch."""
+    code = "import sys, eagle3_core.steps.serving; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_serving_reads_the_block_the_exporter_writes() -> None:
+    from eagle3_core.engines.engine_config import PROVENANCE_KEY
+    from eagle3_core.steps.serving import ServedSGLangConfig
+
+    assert ServedSGLangConfig.model_fields["provenance"].alias == PROVENANCE_KEY
