@@ -68,6 +68,16 @@ def test_a_whole_shard_is_complete_with_failures_and_drops_accounted(tmp_path: P
     assert f["accounted"] == 4 and f["temporary_files"] == 0
 
 
+def test_a_torn_conversation_row_fails_the_check_naming_the_line(tmp_path: Path) -> None:
+    root, key = _ingested(tmp_path)
+    _extract(root, key)
+    path = StoreLayout(root).conversations(key)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    path.write_text("\n".join([lines[0], lines[1].replace('"split"', '"spilt"'), *lines[2:]]) + "\n")
+    verdict = shard_complete(root, key)  # fails, does not raise
+    assert not verdict.passed and verdict.reason.startswith(f"{path} line 2: split: Field required")
+
+
 def test_a_conversation_lost_without_a_count_fails_completeness(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
     _extract(root, key, skip=1)
