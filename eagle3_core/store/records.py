@@ -3,8 +3,9 @@
 Each record writes itself with `atomic_write_json` (the same keys, order and formatting as the dicts it
 replaced, so files written before and after read alike) and reads with one error naming the file and the
 field. The JSONL rows (conversations, rejects, regenerated rows, the regeneration journal) are written with
-`write_rows` and read with `read_rows`, whose error names the file, the line and the field. `extra="forbid"` where only eagle3 ever wrote the file; a field added later has a default, so a file
-from an earlier version of eagle3 still reads.
+`write_rows` and read with `read_rows`, whose error names the file, the line and the field. `extra="forbid"`
+where only eagle3 ever wrote the file; a field added later has a default, so a file from an earlier version
+of eagle3 still reads.
 
 Records live in the store layer and hold only plain values: the drafter and training configs are kept as
 their dumped dicts (their models live in higher layers), and the caller builds the model from them.
