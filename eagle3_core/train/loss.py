@@ -248,12 +248,14 @@ def ttt_loss(
     that the averaged gradient equals one process's gradient on the whole global batch.
     """
     teacher_logp = targets.logp()
+    total = torch.zeros((), device=targets.teacher_logits.device)
     entries = []
     for k, logits in enumerate(draft_logits):
         at = targets.step(k)
         per_entry = entry_loss(at.rows_of(teacher_logp), logits, loss)  # [B, N]
+        total = total + (per_entry * _entry_weights(targets, k, at, step_weight, normalizer)).sum()
         entries.append((at, per_entry, logits.argmax(-1)))
-    return _combine(entries, targets, step_weight, normalizer)
+    return total, _step_sums(entries, targets)
 
 
 def lean_ttt_loss(
@@ -280,8 +282,7 @@ def lean_ttt_loss(
     chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
     spec = HeadSpec(targets, at, coefs, loss, chunk, grads, compute_dtype)
     total, per_entry, top = HeadLoss.apply(spec, lm_head, *[s.to(compute_dtype) for s in states])
-    _, stats = _combine(list(zip(at, per_entry, top, strict=True)), targets, step_weight, normalizer)
-    return total, stats
+    return total, _step_sums(list(zip(at, per_entry, top, strict=True)), targets)
 
 
 def default_chunk_tokens(draft_vocab: int) -> int:
@@ -297,26 +298,20 @@ def _entry_weights(
     return at.mask.float() * (step_weight**k / norm[k].to(at.mask.device, torch.float32))
 
 
-def _combine(
-    entries: list[tuple[StepEntries, torch.Tensor, torch.Tensor]],
-    targets: TTTTargets,
-    step_weight: float,
-    normalizer: torch.Tensor | None,
-) -> tuple[torch.Tensor, TTTStats]:
-    """The weighted total (differentiable through the per-entry losses) and the per-step sums, from each
-    step's (entries, entry loss [B, N], draft top id [B, N])."""
-    steps, device = len(entries), targets.teacher_logits.device
-    total = torch.zeros((), device=device)
-    sums = torch.zeros(4, steps, dtype=torch.float64, device=device)  # stays on device: no sync per step
-    all_right: torch.Tensor | None = None
+def _step_sums(
+    entries: list[tuple[StepEntries, torch.Tensor, torch.Tensor]], targets: TTTTargets
+) -> TTTStats:
+    """The per-step sums (loss, right, all right, counted) from each step's (entries, entry loss [B, N], draft
+    top id [B, N])."""
+    sums = torch.zeros(4, len(entries), dtype=torch.float64, device=targets.teacher_logits.device)
+    all_right: torch.Tensor | None = None  # the sums stay on the device: no sync per step
     for k, (at, per_entry, top) in enumerate(entries):
-        total = total + (per_entry * _entry_weights(targets, k, at, step_weight, normalizer)).sum()
         right = top == at.rows_of(targets.teacher_top)
         all_right = right if all_right is None else all_right & right
         loss_sum = (per_entry.detach() * at.mask).sum()
         counts = [loss_sum, (right & at.mask).sum(), (all_right & at.mask).sum(), at.mask.sum()]
         sums[:, k] = torch.stack([c.to(torch.float64) for c in counts])
-    return total, TTTStats(sums)
+    return TTTStats(sums)
 
 
 def entry_loss_and_grad(
