@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle3_core.config import TrainConfig
+from eagle3_core.config import TrainConfig, load_config
+from eagle3_core.data.ingest import ingest
+from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import RunProgress, RunSummary
+from tests.conftest import FIXTURES, write_config
 
 
 def summary_dict(run: str = "r1") -> dict[str, Any]:
@@ -113,3 +117,13 @@ def run_progress(tokens: int = 0, steps: int = 3) -> RunProgress:
         metrics_bytes=0,
         rng_cpu=[0, 1, 255],
     )
+
+
+def ingest_bad_rows(tmp_path: Path) -> StoreLayout:
+    """fixtures/bad_rows.jsonl ingested into a store under tmp_path as dataset t (shard t-00000): what the
+    golden files in fixtures/records/ were made from by the dict writers."""
+    shutil.copy(FIXTURES / "bad_rows.jsonl", tmp_path / "rows.jsonl")
+    config = "store: store\ndata:\n  dataset: t\n  shard_size: 256\n  sources: [{path: rows.jsonl}]\n"
+    cfg = load_config(write_config(tmp_path, config))
+    ingest(cfg)
+    return StoreLayout(cfg.store_root)

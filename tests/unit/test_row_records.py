@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_core.config import load_config
-from eagle3_core.data.ingest import MAX_KEPT_RAW, ingest, load_conversation_shard
+from eagle3_core.data.ingest import MAX_KEPT_RAW, load_conversation_shard
 from eagle3_core.engines.openai_client import RegenerationJournal
 from eagle3_core.errors import RecordError
 from eagle3_core.evaluate.prompts import heldout_prompts
@@ -35,7 +34,8 @@ from eagle3_core.store.records import (
     regeneration_row,
     write_rows,
 )
-from tests.conftest import FIXTURES, write_config
+from tests.conftest import FIXTURES
+from tests.records import ingest_bad_rows
 
 RECORDS = FIXTURES / "records"
 SOURCE = {"file": "chitchat-dataset:train", "line": 7}
@@ -149,21 +149,13 @@ def test_the_journal_writes_the_dicts_bytes(tmp_path: Path) -> None:
 
 
 def test_ingest_writes_the_rows_the_dict_writer_wrote(tmp_path: Path) -> None:
-    shutil.copy(FIXTURES / "bad_rows.jsonl", tmp_path / "rows.jsonl")
-    cfg = load_config(
-        write_config(
-            tmp_path,
-            "store: store\ndata:\n  dataset: t\n  shard_size: 256\n  sources: [{path: rows.jsonl}]\n",
-        )
-    )
-    ingest(cfg)
-    layout = StoreLayout(cfg.store_root)
+    layout = ingest_bad_rows(tmp_path)
     for written, golden in (
         (layout.conversations("t-00000"), "conversations-t-00000.jsonl"),
         (layout.rejects("t-00000"), "conversations-t-00000.rejects.jsonl"),
     ):
         assert written.read_bytes() == (RECORDS / golden).read_bytes(), golden
-    samples, manifest = load_conversation_shard(cfg.store_root, "t-00000")
+    samples, manifest = load_conversation_shard(layout.root, "t-00000")
     assert [s.id for s in samples] == manifest.sample_ids
     rejects = read_rows(layout.rejects("t-00000"), RejectRow.model_validate)
     assert [r.reason for r in rejects] == list(manifest.rejected)

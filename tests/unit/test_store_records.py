@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from eagle3_core.config import load_config
-from eagle3_core.data.ingest import Ledger, SourceEntry, ingest
+from eagle3_core.data.ingest import Ledger, SourceEntry
 from eagle3_core.errors import RecordError, ShardCorruptError
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
@@ -32,7 +30,8 @@ from eagle3_core.store.records import (
 )
 from eagle3_core.store.shards import ShardReader, ShardWriter, decode_metadata, read_header
 from eagle3_core.store.stats import store_stats
-from tests.conftest import FIXTURES, write_config
+from tests.conftest import FIXTURES
+from tests.records import ingest_bad_rows
 
 RECORDS = FIXTURES / "records"
 H = 8
@@ -154,15 +153,8 @@ def test_a_conversation_manifest_is_the_bytes_ingest_wrote(tmp_path: Path) -> No
     golden = RECORDS / "conversations-t-00000.json"
     ConversationManifest.read(golden).write(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_bytes() == golden.read_bytes()
-    shutil.copy(FIXTURES / "bad_rows.jsonl", tmp_path / "rows.jsonl")
-    cfg = load_config(
-        write_config(
-            tmp_path,
-            "store: store\ndata:\n  dataset: t\n  shard_size: 256\n  sources: [{path: rows.jsonl}]\n",
-        )
-    )
-    ingest(cfg)
-    assert StoreLayout(cfg.store_root).conversations_manifest("t-00000").read_bytes() == golden.read_bytes()
+    layout = ingest_bad_rows(tmp_path)
+    assert layout.conversations_manifest("t-00000").read_bytes() == golden.read_bytes()
 
 
 def _regenerated(server: bool) -> dict[str, Any]:
