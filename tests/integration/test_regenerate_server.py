@@ -1,4 +1,5 @@
-"""Regeneration through a real `transformers serve` hosting the toy target on 127.0.0.1.
+"""Regeneration through a real `transformers serve` on 127.0.0.1, hosting a Llama whose greedy reply is set
+by its weights (tests/helpers.py `save_scripted_chat_target`), so what the rows must hold is known on any CPU.
 
 Each server is started by the test in its own process group (offline: the model is a local directory) and
 stopped by its PID; one is killed with SIGKILL mid-shard to show that the shard fails resumably, and that a
@@ -31,7 +32,7 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import write_config
 from tests.fakes import free_port
-from tests.helpers import save_tiny_chat_target
+from tests.helpers import SCRIPTED_REPLY, save_scripted_chat_target, save_tiny_chat_target
 
 KEY = "srv-00000"
 TRANSFORMERS_CLI = Path(sys.executable).parent / "transformers"
@@ -62,8 +63,6 @@ def _conversations() -> list[dict[str, Any]]:
         if i % 5 == 1:
             turns.append({"role": "user", "content": "and then?"})  # ends with a user turn: answered too
         rows.append({"messages": turns})
-    # The toy's greedy reply to this prompt is 17 tokens, then end-of-turn: under the limit of 24 it ends on
-    # end-of-turn (the others run on to the limit), with a margin, not on the limit's edge.
     rows.append({"messages": [{"role": "user", "content": "I love pizza, do you?"}]})
     return rows
 
@@ -102,10 +101,15 @@ def _prepare(root: Path, target_dir: Path) -> tuple[Eagle3Config, bytes, dict[st
 
 
 @pytest.fixture(scope="module")
+def scripted_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_scripted_chat_target(tmp_path_factory.mktemp("scripted") / "target")
+
+
+@pytest.fixture(scope="module")
 def setup(
-    tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, scripted_target: Path
 ) -> tuple[Eagle3Config, bytes, dict[str, Any]]:
-    return _prepare(tmp_path_factory.mktemp("regen-server"), toy_target_dir)
+    return _prepare(tmp_path_factory.mktemp("regen-server"), scripted_target)
 
 
 @contextmanager
@@ -201,31 +205,36 @@ def _check_equal_to_in_process(
 
 
 def test_a_shard_through_the_server_equals_in_process_at_temperature_0(
-    setup: tuple[Eagle3Config, bytes, dict[str, Any]], toy_target_dir: Path, tmp_path: Path
+    setup: tuple[Eagle3Config, bytes, dict[str, Any]], scripted_target: Path, tmp_path: Path
 ) -> None:
-    m = _check_equal_to_in_process(*setup, toy_target_dir, tmp_path / "serve.log")
-    # A reply that ended on end-of-turn before the token limit: end-of-turn handling is compared too.
-    assert m["replies"] - m.get("replies_cut_at_max_new_tokens", 0) > 0
+    m = _check_equal_to_in_process(*setup, scripted_target, tmp_path / "serve.log")
+    # Every reply is the scripted one, ended on end-of-turn before the token limit: end-of-turn handling
+    # is compared too, and it is not the end-of-turn token's text that ends the stored reply.
+    assert m["replies"] > 0 and m.get("replies_cut_at_max_new_tokens", 0) == 0
+    rows = read_jsonl(StoreLayout(setup[0].store_root).regenerated(KEY))
+    replies = [t["content"] for r in rows for t in r["messages"] if t["role"] == "assistant"]
+    assert len(replies) == m["replies"] and set(replies) == {SCRIPTED_REPLY}
 
 
 def test_equal_on_a_random_target_whose_replies_depend_on_every_prompt_token(tmp_path: Path) -> None:
-    """The toy's greedy replies hardly depend on the prompt; a random-weight Llama's do, byte-level garbage
-    and all (partial UTF-8, control characters), so the prompts and the decoding must match exactly."""
+    """The scripted target gives every prompt one reply; a random-weight Llama's replies depend on every prompt
+    token, byte-level garbage and all (partial UTF-8, control characters), so the prompts and the decoding
+    must match exactly."""
     model_dir = save_tiny_chat_target(tmp_path / "random-target")
     _check_equal_to_in_process(*_prepare(tmp_path / "store", model_dir), model_dir, tmp_path / "serve.log")
 
 
 def test_a_server_killed_mid_shard_fails_resumably_and_a_rerun_requests_only_the_rest(
-    setup: tuple[Eagle3Config, bytes, dict[str, Any]], toy_target_dir: Path, tmp_path: Path
+    setup: tuple[Eagle3Config, bytes, dict[str, Any]], scripted_target: Path, tmp_path: Path
 ) -> None:
     cfg, reference, _ = setup
     shard = _fresh_shard(cfg)
     transport = {"concurrency": 2, "retries": 1, "backoff_s": 0.05, "max_failed_fraction": 0.0}
     killed: list[int] = []
     failed = pytest.raises(ServerRegenerationFailed, match=r"of 8 samples failed their requests")
-    with transformers_serve(toy_target_dir, tmp_path / "serve1.log") as (proc, url), failed as err:
+    with transformers_serve(scripted_target, tmp_path / "serve1.log") as (proc, url), failed as err:
         regenerate_step(
-            _with_server(cfg, url, toy_target_dir, **transport), KEY, None, _kill_after(proc, 4, killed)
+            _with_server(cfg, url, scripted_target, **transport), KEY, None, _kill_after(proc, 4, killed)
         )
     assert killed, "the server was never killed"
     assert not shard.exists()  # nothing committed
@@ -235,8 +244,8 @@ def test_a_server_killed_mid_shard_fails_resumably_and_a_rerun_requests_only_the
     assert f"{len(journaled)} finished samples are kept" in str(err.value)
 
     # The server back (on another port: the journal is bound to what the replies depend on, not the URL).
-    with transformers_serve(toy_target_dir, tmp_path / "serve2.log") as (_, url):
-        result = regenerate_step(_with_server(cfg, url, toy_target_dir, **transport), KEY, None)
+    with transformers_serve(scripted_target, tmp_path / "serve2.log") as (_, url):
+        result = regenerate_step(_with_server(cfg, url, scripted_target, **transport), KEY, None)
     m = result.metadata
     assert m["resumed_samples"] == len(journaled) and m["requested_samples"] == N - len(journaled)
     assert shard.read_bytes() == reference  # every sample once, in order, as in process
@@ -244,14 +253,14 @@ def test_a_server_killed_mid_shard_fails_resumably_and_a_rerun_requests_only_the
 
 
 def test_a_server_killed_mid_shard_leaves_counted_error_rows_when_tolerated(
-    setup: tuple[Eagle3Config, bytes, dict[str, Any]], toy_target_dir: Path, tmp_path: Path
+    setup: tuple[Eagle3Config, bytes, dict[str, Any]], scripted_target: Path, tmp_path: Path
 ) -> None:
     cfg, reference, _ = setup
     shard = _fresh_shard(cfg)
     killed: list[int] = []
-    with transformers_serve(toy_target_dir, tmp_path / "serve.log") as (proc, url):
+    with transformers_serve(scripted_target, tmp_path / "serve.log") as (proc, url):
         server_cfg = _with_server(
-            cfg, url, toy_target_dir, concurrency=2, retries=1, backoff_s=0.05, max_failed_fraction=1.0
+            cfg, url, scripted_target, concurrency=2, retries=1, backoff_s=0.05, max_failed_fraction=1.0
         )
         result = regenerate_step(server_cfg, KEY, None, _kill_after(proc, 4, killed))
     assert killed
