@@ -94,7 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         toy = ToyTargetReport.of_target(target)
         console.print(
             f"toy target {toy.size}: {toy.params:,} parameters, held-out loss {toy.heldout_loss:.3f} "
-            f"over {toy.heldout_tokens:,} tokens, built in {toy.build_seconds:.0f} s -> {target}"
+            f"over {toy.heldout_tokens:,} tokens, built in {toy.build_seconds:.0f} s on {toy.kernels} -> {target}"
         )
     else:
         console.print(f"target: {target}")

@@ -39,7 +39,7 @@ SAMPLE_MAX_NEW_TOKENS = 32
 EVAL_BATCH = 8
 LOG_EVERY = 20
 # CPU kernels split reductions by thread, so the thread count is part of what a build computes: fixed, a
-# build gives the same files on any machine of the same CPU kind, whatever its core count or load.
+# build gives the same files on one machine whatever its core count or load.
 BUILD_THREADS = 2
 
 Log = Callable[[str], None]
@@ -64,6 +64,7 @@ class ToyTargetReport(Record):
     sample_prompt: str
     sample_reply: str
     device: str
+    kernels: str = "unknown"  # kernel_set() of the build (reports from before it was recorded: unknown)
     build_seconds: float
     fingerprint: str
     code_version: str = TOY_CODE_VERSION
@@ -306,8 +307,11 @@ def build_toy_target(
 ) -> ToyTargetReport:
     """Train the toy target and write it to `out_dir` as a Hugging Face model directory with its report.
 
-    Deterministic on one machine: the same seed, preset and steps give identical files (on CPU; CUDA kernels
-    are not bitwise reproducible). `size` is a preset name or a preset; `steps` overrides the preset's.
+    Reproducible on one machine: the same seed, preset and steps give identical files on its CPU, whatever the
+    core count or load (CUDA kernels are not bitwise reproducible). Under another kernel set (ATen's vector
+    kernels, which `kernel_set` names and the cache key covers; the BLAS library's own choice by CPU model,
+    which it does not) the weights differ, and so do the replies: no test may depend on what the toy says.
+    `size` is a preset name or a preset; `steps` overrides the preset's.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(BUILD_THREADS)
@@ -355,6 +359,7 @@ def _build(out_dir: Path, preset: ToyPreset, seed: int, steps: int | None, log: 
         sample_prompt=SAMPLE_PROMPT,
         sample_reply=reply,
         device=_device().type,
+        kernels=kernel_set(),
         build_seconds=round(time.monotonic() - started, 2),
         fingerprint=_fingerprint(out_dir),
     )
@@ -365,10 +370,26 @@ def _build(out_dir: Path, preset: ToyPreset, seed: int, steps: int | None, log: 
 # ---- the cache --------------------------------------------------------------------------------------------
 
 
+def kernel_set() -> str:
+    """What, beside the recipe, decides the built weights: the device, torch's release and (on a CPU) the
+    vector kernels ATen dispatches to (AVX512, AVX2, or DEFAULT under ATEN_CPU_CAPABILITY=default). Training
+    rounds differently under each, and 170 optimizer steps carry the difference into every weight and into
+    what the target replies."""
+    device = _device().type
+    kernels = torch.backends.cpu.get_cpu_capability() if device == "cpu" else torch.version.cuda
+    return f"{device}-{torch.__version__}-{kernels}"
+
+
 def cache_key(preset: ToyPreset, seed: int, steps: int | None = None) -> str:
     """A short hash of everything that shapes the built target."""
     steps = preset.steps if steps is None else steps
-    spec = {"preset": preset.model_dump(), "seed": seed, "steps": steps, "code": TOY_CODE_VERSION}
+    spec = {
+        "preset": preset.model_dump(),
+        "seed": seed,
+        "steps": steps,
+        "code": TOY_CODE_VERSION,
+        "kernels": kernel_set(),
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 

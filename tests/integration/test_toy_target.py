@@ -235,3 +235,27 @@ def test_cache_key_covers_what_shapes_the_target() -> None:
     }
     assert len(keys) == 5
     assert build.cache_key(xs, 0) == build.cache_key(xs, 0, steps=xs.steps)
+
+
+KEY_IN_A_PROCESS = """
+from eagle3_core.toy import build
+print(build.kernel_set(), build.cache_key(build.get_preset("xs"), 0))
+"""
+
+
+def test_cache_key_covers_the_cpu_kernel_set() -> None:
+    """A toy built under ATen's default kernels is another toy (its weights and replies differ), so it is
+    cached apart from the native build instead of being mistaken for it."""
+    printed = {}
+    for capability in ("", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
+        result = subprocess.run(
+            [sys.executable, "-c", KEY_IN_A_PROCESS], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed[capability] = result.stdout.split()
+    if printed[""][0].endswith("-DEFAULT"):
+        pytest.skip("this CPU has no vector kernels: ATEN_CPU_CAPABILITY=default is its native set")
+    assert printed["default"][0].endswith("-DEFAULT") and printed[""][0] != printed["default"][0]
+    assert printed[""][1] != printed["default"][1]
