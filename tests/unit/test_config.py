@@ -153,3 +153,33 @@ def test_an_override_of_another_backend_kind_replaces_the_file_s(tmp_path: Path)
     )
     moved = load_config(path, "target: {backend: {url: 'http://h:2'}}").target.backend
     assert moved == SGLangHttpBackendConfig(url="http://h:2")  # same kind: merged field by field
+
+
+# ---- what the file itself, and the directories it names, must be -------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "field", "blocked"),
+    [
+        ("store: taken\n", "store", "{root}/taken is a file"),
+        ("store: taken/store\n", "store", "{root}/taken/store cannot be a directory: {root}/taken is a file"),
+        ("cache: taken\n", "cache", "{root}/taken is a file"),
+    ],
+)
+def test_a_store_or_cache_where_a_file_is_is_refused_in_one_line(
+    tmp_path: Path, text: str, field: str, blocked: str
+) -> None:
+    (tmp_path / "taken").write_text("a user's file, never to be touched\n")
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    root = tmp_path.resolve()
+    assert str(err.value) == (
+        f"{path}: {field}: {blocked.format(root=root)}; name a directory (created if absent)"
+    )
+    assert (tmp_path / "taken").read_text() == "a user's file, never to be touched\n"
+
+
+def test_a_store_that_does_not_exist_yet_or_is_a_directory_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "existing").mkdir()
+    assert load_config(write_config(tmp_path, "store: existing\n")).store_root == tmp_path / "existing"
+    assert load_config(write_config(tmp_path, "store: new/store\n")).store_root == tmp_path / "new" / "store"
+    assert not (tmp_path / "new").exists()  # loading a config creates nothing
