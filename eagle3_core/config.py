@@ -632,7 +632,9 @@ def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file (create one, or pass --config)")
-    raw = _yaml_mapping(path.read_text(), str(path))
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file (--config names the YAML file itself)")
+    raw = _yaml_mapping(_utf8_text(path), str(path))
     if overrides.strip():
         raw = _merged(raw, _yaml_mapping(overrides, f"{path} (overrides)"))
     return config_from_dict(
@@ -640,11 +642,26 @@ def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
     )
 
 
+def _utf8_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+
+
 def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nested collection
+        raise ConfigError(
+            f"{where}: not readable YAML: collections nested too deeply for the parser"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping, got {type(raw).__name__}")
     return raw

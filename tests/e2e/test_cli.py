@@ -79,3 +79,11 @@ def test_a_store_path_where_a_file_is_is_refused_by_ingest_verify_and_extract(tm
         line = _one_error_line(eagle3(config, command))
         assert f"store: {taken} is a file" in line, (command, line)
     assert taken.read_text() == "a user's file, never to be touched\n"
+
+
+def test_a_config_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "eagle3.yaml"
+    config.write_bytes(f"store: st\u00f6re\n{SMALL_DATA}".encode("latin-1"))
+    line = _one_error_line(eagle3(config, "ingest"))
+    assert line == f"error: {config}: not UTF-8 text (invalid start byte at byte 9); save it as UTF-8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3.yaml"]  # nothing was written

@@ -183,3 +183,25 @@ def test_a_store_that_does_not_exist_yet_or_is_a_directory_is_accepted(tmp_path:
     assert load_config(write_config(tmp_path, "store: existing\n")).store_root == tmp_path / "existing"
     assert load_config(write_config(tmp_path, "store: new/store\n")).store_root == tmp_path / "new" / "store"
     assert not (tmp_path / "new").exists()  # loading a config creates nothing
+
+
+def test_a_config_that_is_not_utf8_names_the_file_and_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "eagle3.yaml"
+    path.write_bytes("store: caf\u00e9\n".encode("latin-1"))  # what a latin-1 editor saves
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (
+        str(err.value) == f"{path}: not UTF-8 text (invalid continuation byte at byte 10); save it as UTF-8"
+    )
+
+
+def test_a_config_nested_too_deeply_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "store: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: not readable YAML: collections nested too deeply for the parser"
+
+
+def test_a_config_path_that_is_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"not a file \(--config names the YAML file itself\)"):
+        load_config(tmp_path)
