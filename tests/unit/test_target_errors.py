@@ -109,6 +109,11 @@ def _not_json(target: Path) -> None:
     (target / "config.json").write_text('{"model_type": "llama",\n "num_hidden_layers": 8,,}')
 
 
+def _nested_too_deeply(target: Path) -> None:
+    depth = 100_000  # far past Python's recursion limit, which json's parser recurses against
+    (target / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}")
+
+
 # (how the copy is broken, what the one line must say)
 CASES: dict[str, tuple[Break, list[str]]] = {
     "pickled weights only": (
@@ -145,6 +150,10 @@ CASES: dict[str, tuple[Break, list[str]]] = {
         lambda t: _edit_config(t, model_type=None),
         ["broken-target/config.json", "no model_type"],
     ),
+    "config.json nested too deeply": (
+        _nested_too_deeply,
+        ["broken-target/config.json", "not readable JSON", "nested too deeply"],
+    ),
     "too few layers for the default aux layers": (
         lambda t: _edit_config(t, num_hidden_layers=4),
         ["4 layers", "broken-target/config.json", "set target.aux_layer_ids", "[0, 3]"],
@@ -167,7 +176,12 @@ SERVER = "regenerate: {server: {url: 'http://127.0.0.1:9'}}\n"
 COMMAND_CASES = [("extract", "", case) for case in CASES] + [
     (command, extra, case)
     for command, extra in (("regenerate", ""), ("regenerate", SERVER), ("eval", ""))
-    for case in ("pickled weights only", "jinja syntax error", "unknown model_type")
+    for case in (
+        "pickled weights only",
+        "jinja syntax error",
+        "unknown model_type",
+        "config.json nested too deeply",
+    )
     if not (extra and case == "pickled weights only")  # through a server, no weights are needed here
 ]
 
