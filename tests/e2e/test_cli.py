@@ -1,6 +1,7 @@
 """The `eagle3` command end to end on the toy target: ingest, regenerate, extract, stats, verify."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,21 @@ def test_a_config_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> Non
     line = _one_error_line(eagle3(config, "ingest"))
     assert line == f"error: {config}: not UTF-8 text (invalid start byte at byte 9); save it as UTF-8"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3.yaml"]  # nothing was written
+
+
+def test_a_config_json_whose_layer_sizes_disagree_with_the_weights_is_refused_at_load(
+    tmp_path: Path, toy_target_dir: Path
+) -> None:
+    """intermediate_size names no tensor outside the layers: transformers finds the disagreement as it
+    loads, and eagle3 turns its report into one line naming the tensor and both shapes."""
+    target = tmp_path / "target"
+    shutil.copytree(toy_target_dir, target)
+    config_json = target / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "intermediate_size": 256}))
+    config = write_config(tmp_path, f"store: store\n{SMALL_DATA}target: {{path: {target}, device: cpu}}\n")
+    assert eagle3(config, "ingest").returncode == 0
+    line = _one_error_line(eagle3(config, "regenerate"))
+    assert line == (
+        f"error: {config_json}: its sizes disagree with the weights: model.layers.0.mlp.down_proj.weight has "
+        "shape [128, 384] in the weights, where the config makes it [128, 256] (and 23 more tensors)"
+    )
