@@ -6,6 +6,7 @@ moved or checked out elsewhere and still run. Unknown keys are errors (a typo mu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -587,9 +588,42 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 def config_from_dict(raw: dict[str, Any], root: Path, source: str = "<config>") -> Eagle3Config:
     try:
-        return Eagle3Config.model_validate({**raw, "root": root})
+        cfg = Eagle3Config.model_validate({**raw, "root": root})
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
+    for field, directory in (("store", cfg.store_root), ("cache", cfg.cache_root)):
+        _check_directory(directory, f"{source}: {field}")
+    return cfg
+
+
+def _check_directory(directory: Path, where: str) -> None:
+    """Refuse a directory path that something else holds (a file, a broken symlink), or that lies under one:
+    checked here, once for every command and asset, because each would otherwise fail its own way (a
+    traceback from mkdir, or an empty store read as one with nothing to verify or extract)."""
+    blocker = _first_non_directory(directory)
+    if blocker is None:
+        return
+    under = "" if blocker == directory else f" cannot be a directory: {blocker}"
+    raise ConfigError(
+        f"{where}: {directory}{under} is {_kind(blocker)}; name a directory (created if absent)"
+    )
+
+
+def _first_non_directory(path: Path) -> Path | None:
+    """`path` or the nearest of its parents that exists, where that is not a directory; None where `path` is
+    a directory or can be made one."""
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return None
+        if os.path.lexists(candidate):
+            return candidate
+    return None
+
+
+def _kind(path: Path) -> str:
+    if path.is_file():
+        return "a file"
+    return "a broken symbolic link" if path.is_symlink() else "not a directory"
 
 
 def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
@@ -598,7 +632,9 @@ def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file (create one, or pass --config)")
-    raw = _yaml_mapping(path.read_text(), str(path))
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file (--config names the YAML file itself)")
+    raw = _yaml_mapping(_utf8_text(path), str(path))
     if overrides.strip():
         raw = _merged(raw, _yaml_mapping(overrides, f"{path} (overrides)"))
     return config_from_dict(
@@ -606,11 +642,26 @@ def load_config(path: str | Path, overrides: str = "") -> Eagle3Config:
     )
 
 
+def _utf8_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+
+
 def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nested collection
+        raise ConfigError(
+            f"{where}: not readable YAML: collections nested too deeply for the parser"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping, got {type(raw).__name__}")
     return raw

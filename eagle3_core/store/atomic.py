@@ -199,6 +199,11 @@ def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
         raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    except RecursionError:
+        # json's parser recurses once per nested array or object; no file eagle3 reads nests this deep
+        raise error(
+            f"{path}: not readable JSON: arrays or objects nested too deeply for Python's parser"
+        ) from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

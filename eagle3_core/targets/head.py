@@ -7,7 +7,6 @@ checkpoint, so this works for a target far larger than the training machine's me
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,9 @@ import torch
 from safetensors import safe_open
 
 from eagle3_core.conventions import FinalStateConvention
+from eagle3_core.errors import TargetError
 from eagle3_core.targets.model_config import read_text_config
+from eagle3_core.targets.weights import EMBED, FINAL_NORM, LM_HEAD, TensorHeader, find_tensor, tensor_headers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,47 +44,27 @@ class TargetHead:
         return h @ self.lm_head.T
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the index of a sharded checkpoint or the single file's header."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files: dict[str, Path] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), path))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no safetensors weights")
-    return files
-
-
-def _find(files: dict[str, Path], suffix: str, exclude: str = "layers.") -> str | None:
-    matches = sorted(n for n in files if n.endswith(suffix) and exclude not in n)
-    if len(matches) > 1:
-        raise ValueError(f"several tensors end with {suffix!r}: {matches}")
-    return matches[0] if matches else None
-
-
-def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[name]), framework="pt") as f:
+def _read(tensors: dict[str, TensorHeader], name: str) -> torch.Tensor:
+    with safe_open(str(tensors[name].file), framework="pt") as f:
         return f.get_tensor(name)
 
 
 def load_target_head(model_dir: Path) -> TargetHead:
     config = read_text_config(model_dir)  # multimodal wrappers keep the language model's config inside
-    files = _weight_files(model_dir)
-    embed_name = _find(files, "embed_tokens.weight")
+    tensors = tensor_headers(model_dir)
+    embed_name = find_tensor(tensors, EMBED)
     if embed_name is None:
-        raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor")
-    head_name = _find(files, "lm_head.weight")
+        raise TargetError(f"{model_dir}: no '*{EMBED}' tensor in the weights")
+    head_name = find_tensor(tensors, LM_HEAD)
     if head_name is None and not config.tie_word_embeddings:
-        raise ValueError(f"{model_dir}: no 'lm_head.weight' and tie_word_embeddings is false")
-    norm_name = _find(files, "norm.weight")
-    embed = _read(files, embed_name)
+        raise TargetError(
+            f"{model_dir}: no '{LM_HEAD}' tensor in the weights and tie_word_embeddings is false"
+        )
+    norm_name = find_tensor(tensors, FINAL_NORM)
+    embed = _read(tensors, embed_name)
     return TargetHead(
         embed=embed,
-        lm_head=embed if head_name is None else _read(files, head_name),
-        final_norm=None if norm_name is None else _read(files, norm_name),
+        lm_head=embed if head_name is None else _read(tensors, head_name),
+        final_norm=None if norm_name is None else _read(tensors, norm_name),
         rms_norm_eps=config.rms_norm_eps,
     )

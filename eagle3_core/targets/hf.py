@@ -18,9 +18,10 @@ from torch import nn
 
 from eagle3_core.config import TargetConfig
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
-from eagle3_core.errors import ConfigError
+from eagle3_core.errors import ConfigError, TargetError
 from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 from eagle3_core.targets.gpu_memory import release_gpu_memory
+from eagle3_core.targets.model_config import CONFIG_FILE
 from eagle3_core.targets.resolve import safetensors_weights
 
 TOKENIZER_FILES = (
@@ -80,9 +81,26 @@ def target_fingerprint(model_dir: Path) -> str:
 
 
 def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """The model, refused in one line where a weight's shape disagrees with the one config.json makes.
+
+    check_target_dir compares the sizes that name a field (hidden_size, vocab_size, num_hidden_layers) before
+    this; any other disagreement (intermediate_size, the heads) transformers finds as it loads. It is asked
+    to list them rather than raise, since its error is a traceback pointing at a report it logged above.
+    """
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    model, loading = loaded
+    mismatched = sorted(loading["mismatched_keys"])
+    if mismatched:
+        name, in_weights, in_model = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more tensors)" if len(mismatched) > 1 else ""
+        raise TargetError(
+            f"{model_dir / CONFIG_FILE}: its sizes disagree with the weights: {name} has shape "
+            f"{list(in_weights)} in the weights, where the config makes it {list(in_model)}{more}"
+        )
     return model.to(device).eval()
 
 

@@ -9,6 +9,7 @@ the file itself. A field missing or of the wrong type is one TargetError line na
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
 
@@ -17,6 +18,7 @@ from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.records import validation_message
 
 CONFIG_FILE = "config.json"
+TEXT_CONFIG = "text_config"  # where a multimodal wrapper keeps its language model's config
 DEFAULT_ROPE_THETA = 10000.0  # transformers' LlamaConfig default
 
 
@@ -61,17 +63,36 @@ class TextConfig(HFFields):
         return nested if nested is not None else self.rope_theta or DEFAULT_ROPE_THETA
 
 
-class MultimodalConfig(HFFields):
-    text_config: TextConfig
+class DecoderSizes(HFFields):
+    """The sizes the weights' own shapes show (eagle3_core/targets/weights.py checks them against the
+    safetensors headers before anything loads); vocab_size is optional here as transformers has defaults."""
+
+    hidden_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    vocab_size: PositiveInt | None = None
+
+
+Fields = TypeVar("Fields", bound=HFFields)
+
+
+class Multimodal(HFFields, Generic[Fields]):
+    text_config: Fields
+
+
+def read_language_fields(model_dir: Path, fields: type[Fields]) -> tuple[Fields, str]:
+    """`fields` of the language model in `model_dir`'s config.json (its `text_config` where it has one), and
+    the prefix that names them in the file ('text_config.' or '')."""
+    path = Path(model_dir) / CONFIG_FILE
+    outer = read_json_object(path, TargetError)
+    try:
+        if TEXT_CONFIG in outer:
+            wrapper: type[Multimodal[Fields]] = Multimodal[fields]  # type: ignore[valid-type]
+            return wrapper.model_validate(outer).text_config, f"{TEXT_CONFIG}."
+        return fields.model_validate(outer), ""
+    except ValidationError as err:
+        raise TargetError(validation_message(path, err)) from None
 
 
 def read_text_config(model_dir: Path) -> TextConfig:
     """The language model's config in `model_dir`'s config.json (its `text_config` where it has one)."""
-    path = Path(model_dir) / CONFIG_FILE
-    outer = read_json_object(path, TargetError)
-    try:
-        if "text_config" in outer:
-            return MultimodalConfig.model_validate(outer).text_config
-        return TextConfig.model_validate(outer)
-    except ValidationError as err:
-        raise TargetError(validation_message(path, err)) from None
+    return read_language_fields(model_dir, TextConfig)[0]

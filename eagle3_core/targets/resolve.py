@@ -19,9 +19,9 @@ from eagle3_core.data.tokenize import check_chat_template
 from eagle3_core.errors import TargetError
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.targets.base import ExtractionTarget
+from eagle3_core.targets.weights import SAFETENSORS_INDEX, check_weight_shapes, read_index
 
 CONFIG_FILE = "config.json"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Weight files of other formats, named in the message when a directory has no safetensors
 OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.pkl")
 
@@ -45,17 +45,19 @@ def check_target_dir(model_dir: Path, target: TargetConfig, *, weights: bool = T
     `target`'s settings.
 
     Checked here, before transformers reads anything, because its own errors come as tracebacks that name
-    neither the file nor the field (a missing weight file is an OSError about pickles, a broken template
-    fails only at the first render).
+    neither the file nor the field (a missing weight file is an OSError about pickles, a config.json whose
+    sizes disagree with the weights a page-long size-mismatch report, a broken template fails only at the
+    first render).
     """
     config_path = model_dir / CONFIG_FILE
     if not config_path.is_file():
         raise TargetError(
             f"target.path: {model_dir} is not a Hugging Face model directory (no {CONFIG_FILE})"
         )
+    num_layers = config_num_layers(config_path)
     if weights:
         safetensors_weights(model_dir)
-    num_layers = config_num_layers(config_path)
+        check_weight_shapes(model_dir)
     where = f"num_hidden_layers in {config_path}"
     if target.aux_layer_ids:
         check_aux_layer_ids(target.aux_layer_ids, num_layers, where)
@@ -78,10 +80,7 @@ def safetensors_weights(model_dir: Path) -> list[Path]:
         )
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
-        missing = sorted(
-            set(read_json_object(index, TargetError).get("weight_map", {}).values())
-            - {p.name for p in weights}
-        )
+        missing = sorted(set(read_index(index).weight_map.values()) - {p.name for p in weights})
         if missing:
             raise TargetError(f"{index} names weight files {model_dir} does not have: {', '.join(missing)}")
     return weights

@@ -1,11 +1,14 @@
 """The `eagle3` command end to end on the toy target: ingest, regenerate, extract, stats, verify."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import write_config
+
+SMALL_DATA = "data: {dataset: cc, shard_size: 12, sources: [{kind: chitchat, limit: 12}]}\n"
 
 
 def eagle3(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -56,3 +59,50 @@ def test_cli_names_the_bad_field(tmp_path: Path) -> None:
     result = eagle3(config, "ingest")
     assert result.returncode == 2
     assert "tokenize.max_seq_len" in result.stdout
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """A refused input: exit 2, one line on stdout, no traceback anywhere."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stdout
+    return lines[0]
+
+
+def test_a_store_path_where_a_file_is_is_refused_by_ingest_verify_and_extract(tmp_path: Path) -> None:
+    taken = tmp_path / "store"
+    taken.write_text("a user's file, never to be touched\n")
+    config = write_config(tmp_path, f"store: store\n{SMALL_DATA}")
+    # the commands of the report: ingest gave a traceback, verify and extract exit 0 on an empty store; the
+    # others load the config the same way (tests/unit/test_config.py checks the message)
+    for command in ("ingest", "verify", "extract"):
+        line = _one_error_line(eagle3(config, command))
+        assert f"store: {taken} is a file" in line, (command, line)
+    assert taken.read_text() == "a user's file, never to be touched\n"
+
+
+def test_a_config_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "eagle3.yaml"
+    config.write_bytes(f"store: st\u00f6re\n{SMALL_DATA}".encode("latin-1"))
+    line = _one_error_line(eagle3(config, "ingest"))
+    assert line == f"error: {config}: not UTF-8 text (invalid start byte at byte 9); save it as UTF-8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3.yaml"]  # nothing was written
+
+
+def test_a_config_json_whose_layer_sizes_disagree_with_the_weights_is_refused_at_load(
+    tmp_path: Path, toy_target_dir: Path
+) -> None:
+    """intermediate_size names no tensor outside the layers: transformers finds the disagreement as it
+    loads, and eagle3 turns its report into one line naming the tensor and both shapes."""
+    target = tmp_path / "target"
+    shutil.copytree(toy_target_dir, target)
+    config_json = target / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "intermediate_size": 256}))
+    config = write_config(tmp_path, f"store: store\n{SMALL_DATA}target: {{path: {target}, device: cpu}}\n")
+    assert eagle3(config, "ingest").returncode == 0
+    line = _one_error_line(eagle3(config, "regenerate"))
+    assert line == (
+        f"error: {config_json}: its sizes disagree with the weights: model.layers.0.mlp.down_proj.weight has "
+        "shape [128, 384] in the weights, where the config makes it [128, 256] (and 23 more tensors)"
+    )

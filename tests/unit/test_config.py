@@ -153,3 +153,55 @@ def test_an_override_of_another_backend_kind_replaces_the_file_s(tmp_path: Path)
     )
     moved = load_config(path, "target: {backend: {url: 'http://h:2'}}").target.backend
     assert moved == SGLangHttpBackendConfig(url="http://h:2")  # same kind: merged field by field
+
+
+# ---- what the file itself, and the directories it names, must be -------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "field", "blocked"),
+    [
+        ("store: taken\n", "store", "{root}/taken is a file"),
+        ("store: taken/store\n", "store", "{root}/taken/store cannot be a directory: {root}/taken is a file"),
+        ("cache: taken\n", "cache", "{root}/taken is a file"),
+    ],
+)
+def test_a_store_or_cache_where_a_file_is_is_refused_in_one_line(
+    tmp_path: Path, text: str, field: str, blocked: str
+) -> None:
+    (tmp_path / "taken").write_text("a user's file, never to be touched\n")
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    root = tmp_path.resolve()
+    assert str(err.value) == (
+        f"{path}: {field}: {blocked.format(root=root)}; name a directory (created if absent)"
+    )
+    assert (tmp_path / "taken").read_text() == "a user's file, never to be touched\n"
+
+
+def test_a_store_that_does_not_exist_yet_or_is_a_directory_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "existing").mkdir()
+    assert load_config(write_config(tmp_path, "store: existing\n")).store_root == tmp_path / "existing"
+    assert load_config(write_config(tmp_path, "store: new/store\n")).store_root == tmp_path / "new" / "store"
+    assert not (tmp_path / "new").exists()  # loading a config creates nothing
+
+
+def test_a_config_that_is_not_utf8_names_the_file_and_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "eagle3.yaml"
+    path.write_bytes("store: caf\u00e9\n".encode("latin-1"))  # what a latin-1 editor saves
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (
+        str(err.value) == f"{path}: not UTF-8 text (invalid continuation byte at byte 10); save it as UTF-8"
+    )
+
+
+def test_a_config_nested_too_deeply_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "store: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: not readable YAML: collections nested too deeply for the parser"
+
+
+def test_a_config_path_that_is_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"not a file \(--config names the YAML file itself\)"):
+        load_config(tmp_path)

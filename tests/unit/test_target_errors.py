@@ -27,7 +27,7 @@ BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }}\n{% if m.role == 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ingested store for every test (the commands fail before they write to it), with a fake finished
-    and exported drafter so that `eval` gets as far as loading the target."""
+    and exported drafter so that `eval` and `export` get as far as loading the target."""
     root = tmp_path_factory.mktemp("store-project")
     config = write_config(root, f"store: store\n{DATA}")
     assert main(["--config", str(config), "ingest"]) == 0
@@ -109,6 +109,11 @@ def _not_json(target: Path) -> None:
     (target / "config.json").write_text('{"model_type": "llama",\n "num_hidden_layers": 8,,}')
 
 
+def _nested_too_deeply(target: Path) -> None:
+    depth = 100_000  # far past Python's recursion limit, which json's parser recurses against
+    (target / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}")
+
+
 # (how the copy is broken, what the one line must say)
 CASES: dict[str, tuple[Break, list[str]]] = {
     "pickled weights only": (
@@ -145,6 +150,31 @@ CASES: dict[str, tuple[Break, list[str]]] = {
         lambda t: _edit_config(t, model_type=None),
         ["broken-target/config.json", "no model_type"],
     ),
+    "config.json nested too deeply": (
+        _nested_too_deeply,
+        ["broken-target/config.json", "not readable JSON", "nested too deeply"],
+    ),
+    "hidden_size disagrees with the weights": (
+        lambda t: _edit_config(t, hidden_size=256),
+        [
+            "broken-target/config.json: hidden_size 256 disagrees with the weights",
+            "model.embed_tokens.weight in model.safetensors has shape [4096, 128]",
+            "the config makes it [4096, 256]",
+        ],
+    ),
+    "vocab_size disagrees with the weights": (
+        lambda t: _edit_config(t, vocab_size=5000),
+        [
+            "broken-target/config.json: vocab_size 5000",
+            "model.embed_tokens.weight",
+            "[4096, 128]",
+            "[5000, 128]",
+        ],
+    ),
+    "num_hidden_layers beyond the weights": (
+        lambda t: _edit_config(t, num_hidden_layers=9),
+        ["broken-target/config.json: num_hidden_layers 9", "they hold 8 layers, none named model.layers.8.*"],
+    ),
     "too few layers for the default aux layers": (
         lambda t: _edit_config(t, num_hidden_layers=4),
         ["4 layers", "broken-target/config.json", "set target.aux_layer_ids", "[0, 3]"],
@@ -166,9 +196,17 @@ def test_aux_layer_ids_out_of_range_name_the_field_and_the_range(
 SERVER = "regenerate: {server: {url: 'http://127.0.0.1:9'}}\n"
 COMMAND_CASES = [("extract", "", case) for case in CASES] + [
     (command, extra, case)
-    for command, extra in (("regenerate", ""), ("regenerate", SERVER), ("eval", ""))
-    for case in ("pickled weights only", "jinja syntax error", "unknown model_type")
-    if not (extra and case == "pickled weights only")  # through a server, no weights are needed here
+    # export reads the target's head (load_target_head) after the same check
+    for command, extra in (("regenerate", ""), ("regenerate", SERVER), ("eval", ""), ("export", ""))
+    for case in (
+        "pickled weights only",
+        "jinja syntax error",
+        "unknown model_type",
+        "config.json nested too deeply",
+        "hidden_size disagrees with the weights",
+    )
+    # through a server, no weights are read here, so none is compared with the config
+    if not (extra and case in ("pickled weights only", "hidden_size disagrees with the weights"))
 ]
 
 
