@@ -7,6 +7,7 @@ moved or checked out elsewhere and still run. Unknown keys are errors (a typo mu
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -180,9 +181,26 @@ class TargetConfig(_Model):
         return None if ids is None else check_aux_layer_ids(ids)
 
 
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class NotShown:
+    """What a refusal quotes in place of a value of the server section that may be an API key (pydantic's
+    error quotes the value it refuses, and the config error prints it)."""
+
+    def __repr__(self) -> str:
+        return "a value not shown: it may be an API key"
+
+
+NOT_SHOWN = NotShown()
+
+
 class RegenerateServerConfig(_Model):
     """An OpenAI-compatible server (SGLang, vLLM, `transformers serve`) that regenerates instead of the
-    in-process target: `/v1/chat/completions`, one request per assistant turn."""
+    in-process target: `/v1/chat/completions`, one request per assistant turn.
+
+    Its API key is read from the environment only, never from the config (a config is a file, or Launchpad
+    overrides kept with the run): a key written here is refused, and the refusal never quotes it."""
 
     url: str = Field(
         pattern=r"^https?://\S+$",
@@ -212,14 +230,38 @@ class RegenerateServerConfig(_Model):
     )
     api_key_env: str | None = Field(
         default=None,
-        description="Name of the environment variable holding the API key (sent as a Bearer token); "
-        "None: no key is sent.",
+        description="Name of the environment variable holding the API key (sent as a Bearer token; "
+        "never in a message, log or stored row); None: no key is sent. The key itself is never written in "
+        "the config.",
     )
     max_failed_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         default=0.01,
         description="Share of a shard's samples whose requests may fail (after retries) and be kept as "
         "error rows; above it the shard fails, its finished samples kept for the next run.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_quoted(cls, data: Any) -> Any:
+        # A key written into the section (under a name that is no field, `api_key: sk-...`, or as the value of
+        # api_key_env) is refused as any unknown field or bad value is, with NOT_SHOWN quoted in its place.
+        if not isinstance(data, dict):
+            return data
+        hidden = {k: v if k in cls.model_fields else NOT_SHOWN for k, v in data.items()}
+        name = hidden.get("api_key_env")
+        if name is not None and not (isinstance(name, str) and ENV_VAR_NAME.fullmatch(name)):
+            hidden["api_key_env"] = NOT_SHOWN
+        return hidden
+
+    @field_validator("api_key_env", mode="before")
+    @classmethod
+    def _a_name_not_a_key(cls, value: Any) -> Any:
+        if value is NOT_SHOWN:
+            raise ValueError(
+                "must be the name of the environment variable that holds the API key (letters, digits "
+                "and _), never the key itself"
+            )
+        return value
 
 
 class RegenerateConfig(_Model):

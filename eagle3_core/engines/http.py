@@ -10,14 +10,23 @@ one line naming the URL, raised as the caller's own error type:
     {who} {url} failed mid-request: {reason}
     {who} {url} answered HTTP {status} {reason}: {the server's message}
     {who} {url} answered something that is not JSON: {the start of it}
+
+An API key is an `ApiKey`: the client sends it, and nothing else sees it. A server may quote the key back
+(some 401 answers do: "Incorrect API key provided: Bearer sk-..."), so whoever reads an answer sent with a key
+passes its text through `ApiKey.redact` before anything is built from it: no error, log line or stored row
+then holds the key.
 """
 
 from __future__ import annotations
 
+import html
 import json
+from collections.abc import Generator
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import httpx
+from pydantic import SecretStr
 
 from eagle3_core.errors import Eagle3Error
 
@@ -30,15 +39,58 @@ class HttpError(Eagle3Error):
         self.status = status
 
 
+REDACTED_KEY = "[redacted api key]"
+
+
+class ApiKey(httpx.Auth):
+    """A Bearer key: a client made with it sends `Authorization: Bearer <key>` on every request (the header is
+    set per request, so the key is not among the client's headers), and it is never shown: its repr is masked
+    (pydantic's SecretStr) and `redact` takes it out of any text, in every form a server may echo it in."""
+
+    def __init__(self, value: str) -> None:
+        # A header value is printable ASCII; anything else would fail in httpx or h11 with the key in the
+        # message, or be sent as something else than the key. The value itself is never part of the message.
+        if not value or not all("!" <= c <= "~" for c in value):
+            raise ValueError("an API key is printable ASCII: no spaces, control or non-ASCII characters")
+        self._secret = SecretStr(value)
+
+    def __repr__(self) -> str:
+        return f"ApiKey({self._secret!r})"
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self._secret.get_secret_value()}"
+        yield request
+
+    def redact(self, text: str) -> str:
+        """`text` with every occurrence of the key replaced by REDACTED_KEY: the key as it is (which covers
+        `Bearer <key>`), JSON-escaped (`"`, `\\`, and `/` as some encoders write it), URL-quoted and
+        HTML-escaped; longest first, so that no form is left half replaced."""
+        key = self._secret.get_secret_value()
+        escaped = json.dumps(key)[1:-1]
+        forms = {
+            key,
+            escaped,
+            escaped.replace("/", "\\/"),
+            quote(key, safe=""),
+            quote_plus(key),
+            html.escape(key),
+        }
+        for form in sorted(forms, key=len, reverse=True):
+            text = text.replace(form, REDACTED_KEY)
+        return text
+
+
 def client(timeout_s: float) -> httpx.Client:
     return httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout_s))
 
 
-def async_client(timeout_s: float, connections: int) -> httpx.AsyncClient:
+def async_client(timeout_s: float, connections: int, key: ApiKey | None = None) -> httpx.AsyncClient:
+    """An async client of `connections` connections; with `key`, every request carries it."""
     return httpx.AsyncClient(
         trust_env=False,
         timeout=httpx.Timeout(timeout_s),
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        auth=key,
     )
 
 

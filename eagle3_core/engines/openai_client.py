@@ -14,6 +14,10 @@ timeout, HTTP 408, 429 or 5xx; any other 4xx, or an answer that is not a chat co
 at once. A sample whose request fails is an error row with the reason (the shape the in-process path writes),
 unless more than `max_failed_fraction` of the shard failed: then no new request is sent, and the shard fails.
 
+The API key (`api_key_env`) goes out as `http.ApiKey`, and every answer is read through its `redact` before a
+reason, error row, journal line or reply is built from it: a server that quotes the key back in a 401 puts
+`[redacted api key]` in what eagle3 prints and stores, never the key.
+
 Resume: every finished sample is appended to a journal beside the shard (one JSON line, fsynced) before the
 next is counted, keyed by sample id and bound by a fingerprint to the settings, tokenizer and sample ids that
 produced it. A run that dies or fails mid-shard leaves the journal; the next run takes the samples in it and
@@ -112,17 +116,10 @@ class ChatClient:
     def __init__(self, server: RegenerateServerConfig) -> None:
         self.server = server
         self.endpoint = completions_endpoint(server.url)
-        headers = {"Content-Type": "application/json"}
-        if server.api_key_env is not None:
-            key = os.environ.get(server.api_key_env)
-            if not key:
-                raise ConfigError(
-                    f"regenerate.server.api_key_env: the environment variable {server.api_key_env} is not set"
-                )
-            headers["Authorization"] = f"Bearer {key}"
+        self._key = api_key(server)
         # the server is the project's own (a cluster address or loopback): never through a proxy (engines/http.py)
-        self._client = http.async_client(server.timeout_s, server.concurrency)
-        self._client.headers.update(headers)
+        self._client = http.async_client(server.timeout_s, server.concurrency, self._key)
+        self._client.headers["Content-Type"] = "application/json"
         self._slots = asyncio.Semaphore(server.concurrency)
         self.retried = 0  # attempts after the first, over every request
 
@@ -151,20 +148,42 @@ class ChatClient:
                 last = f"timeout after {self.server.timeout_s:g} s"
                 continue
             except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}".rstrip(": ")
+                last = self._shown(f"{type(err).__name__}: {err}").rstrip(": ")
                 continue
+            # The one place an answer is read: the key taken out before any reason, row or reply is built
+            # from it (a 401 may quote it back).
+            text = self._shown(response.text)
             if response.status_code == 200:
-                return _parse(response, attempt + 1)
-            last = f"HTTP {response.status_code}: {response.text[:300]}".rstrip(": ")
+                return _parse(text, attempt + 1)
+            last = f"HTTP {response.status_code}: {text[:300]}".rstrip(": ")
             if response.status_code not in RETRY_STATUS and response.status_code < 500:  # the request's fault
                 raise RequestFailed(last, attempt + 1)
             retry_after = _retry_after(response)
         raise RequestFailed(f"{last} (after {attempts} attempts)", attempts)
 
+    def _shown(self, text: str) -> str:
+        return self._key.redact(text) if self._key is not None else text
 
-def _parse(response: httpx.Response, attempts: int) -> ChatReply:
+
+def api_key(server: RegenerateServerConfig) -> http.ApiKey | None:
+    """The key in the variable `api_key_env` names; None when it names none. Its value is never in a message."""
+    if server.api_key_env is None:
+        return None
+    field = f"regenerate.server.api_key_env: the environment variable {server.api_key_env}"
+    value = os.environ.get(server.api_key_env)
+    if not value:
+        raise ConfigError(f"{field} is not set")
     try:
-        data = response.json()
+        return http.ApiKey(value)
+    except ValueError as err:
+        raise ConfigError(
+            f"{field} holds no usable key ({err}; a stray newline?); its value is not shown"
+        ) from None
+
+
+def _parse(text: str, attempts: int) -> ChatReply:
+    try:
+        data = json.loads(text)
         choice = data["choices"][0]
         content = choice["message"].get("content") or ""
         usage = data.get("usage") or {}
@@ -179,7 +198,7 @@ def _parse(response: httpx.Response, attempts: int) -> ChatReply:
         )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
         raise RequestFailed(
-            f"not a chat completion ({type(err).__name__}: {err}): {response.text[:200]}", attempts
+            f"not a chat completion ({type(err).__name__}: {err}): {text[:200]}", attempts
         ) from None
 
 

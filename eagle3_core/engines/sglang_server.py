@@ -7,9 +7,11 @@ after SIGKILL. So:
 - the server runs in its own process group (`start_new_session`): SGLang's scheduler and detokenizer are
   child processes of the launcher, and one signal to the group reaches them all; a Ctrl-C meant for the run
   does not reach the server half-way through its own shutdown;
-- a PID file in the store (`run/sglang-<host>.pid`) records the group, its leader's start time (so that a
-  reused PID is never taken for the server) and the run process that started it; the next setup on this
-  host reaps a server whose owner is gone (a crashed run), and refuses to touch one whose owner is alive;
+- a PID file in the store (`run/sglang-<host>.pid`) records the group, what identifies its leader (start
+  time, command line, and a random marker set in its environment: procs.StartedProcess) and the run process
+  that started it; the next setup on this host reaps a server whose owner is gone (a crashed run), and
+  refuses to touch one whose owner is alive. A PID file whose process cannot be shown to be the server eagle3
+  started (reused PID, another command, no marker: an old or planted file) is removed, and nothing signalled;
 - `stop` sends SIGTERM to the group, SIGKILL after `shutdown_grace_s`, waits until no process of the group is
   left, then waits until the GPU driver stops reporting memory held by those processes (docs/reference.md, "The managed server's GPU memory": a
   killed server's memory is not free the instant it dies), or fails the run saying how much is still held.
@@ -31,19 +33,26 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NoReturn
+from typing import Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
 from eagle3_core.engines import http
 from eagle3_core.engines.sglang_models import sglang_model
-from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.procs import ProcStat, proc_stat
-from eagle3_core.store.atomic import atomic_write_json
+from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
+from eagle3_core.procs import (
+    ProcStat,
+    StartedProcess,
+    marked_environment,
+    new_marker,
+    proc_has_marker,
+    proc_stat,
+)
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import ServerRecord
 
 Purpose = Literal["extract", "serve"]
 Log = Callable[[str], None]
@@ -263,26 +272,6 @@ def gpu_memory_held_by(pids: frozenset[int]) -> int:
 
 # ---- the PID file ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ServerRecord:
-    """What the PID file says: the server's group, and which process owns it."""
-
-    pid: int
-    pgid: int
-    start_ticks: int  # the leader's; 0 when it exited before it could be read
-    hostname: str
-    port: int
-    command: list[str]
-    started_at: str
-    owner_pid: int  # the run process that started it: while it lives, the server is not stale
-    owner_start_ticks: int | None
-    log: str
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ServerRecord:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
 class StopReport:
     pids: frozenset[int]  # every process of the group seen while stopping it
     signal: str  # what ended it: "none" (already gone), "SIGTERM" or "SIGKILL"
@@ -371,6 +360,7 @@ class SGLangServer:
         self._check_port_free()
         self.layout.run_dir.mkdir(parents=True, exist_ok=True)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        marker = new_marker()
         with open(self.log_file, "wb") as log:
             log.write(f"# {started_at} {shlex.join(argv)}\n".encode())
             log.flush()
@@ -382,6 +372,7 @@ class SGLangServer:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # setsid: the server leads its own group, pgid == pid
                     close_fds=True,
+                    env=marked_environment(marker),  # what shows a later run that the PID is still ours
                 )
             except OSError as e:
                 raise ServerStartError(f"cannot start the SGLang server {argv[0]!r}: {e}") from e
@@ -397,8 +388,9 @@ class SGLangServer:
             owner_pid=os.getpid(),
             owner_start_ticks=owner.start_ticks if owner else None,
             log=str(self.log_file),
+            marker=marker,
         )
-        atomic_write_json(self.pid_file, asdict(record))
+        record.write(self.pid_file)
         self._proc, self._record = proc, record
         self._log(f"SGLang server started: pid {proc.pid} (its own process group), log {self.log_file}")
         return record
@@ -484,8 +476,10 @@ class SGLangServer:
     def reap_stale(self) -> StopReport | None:
         """Stop a server that a crashed run left on this host (its PID file's owner is gone).
 
-        A PID file whose processes are gone, or whose PID now names another process, is removed. A server
-        whose owner is alive belongs to a run in progress: ServerBusyError, and it is left alone.
+        A PID file whose processes are gone, or whose PID now names another process, is removed. So is one
+        whose processes cannot be shown to be the server eagle3 started (`_unproven`: an old or planted
+        file): nothing is signalled through it, and the log says why in one line. A server whose owner is
+        alive belongs to a run in progress: ServerBusyError, and it is left alone.
         """
         record = self._read_pid_file()
         if record is None or (self._record is not None and record.pid == self._record.pid):
@@ -494,6 +488,14 @@ class SGLangServer:
         if not members:
             self.pid_file.unlink(missing_ok=True)
             self._log(f"removed the PID file of an SGLang server that is gone (pid {record.pid})")
+            return None
+        doubt = self._unproven(record, members)
+        if doubt is not None:
+            self.pid_file.unlink(missing_ok=True)
+            self._log(
+                f"{self.pid_file} is stale and was removed, nothing signalled: {doubt}; if processes "
+                f"{sorted(members)} are an SGLang server of yours, stop them by hand"
+            )
             return None
         owner = proc_stat(record.owner_pid)
         owner_alive = _running(owner) and (
@@ -515,6 +517,28 @@ class SGLangServer:
         gpu_s = self._wait_gpu_release(frozenset(seen))
         self._log(f"stale SGLang server reaped ({sent}); GPU memory released after {gpu_s:.1f} s")
         return StopReport(frozenset(seen), sent, exit_s, gpu_s)
+
+    @staticmethod
+    def _unproven(record: ServerRecord, members: set[int]) -> str | None:
+        """Why the record's running group cannot be shown to be the server eagle3 started (None: it is).
+
+        eagle3 starts the server as the leader of its own group, so the record's group is its PID. The leader
+        is checked as eagle3 recorded it (start time, group, command line, the marker in its environment).
+        A leader gone with its group still running (SGLang's children die with it, but a child may not) is
+        proven by a member carrying the marker: Linux does not reuse a group's id while a member lives.
+        """
+        if record.pgid != record.pid:
+            return f"its group {record.pgid} is not the group of its process {record.pid}"
+        doubt = StartedProcess(record.pid, record.start_ticks, record.command, record.marker).mismatch()
+        leader_gone = not _running(proc_stat(record.pid))
+        marker = record.marker
+        if doubt is not None and leader_gone and marker is not None:
+            if any(proc_has_marker(pid, marker) for pid in members):
+                return None
+            return (
+                f"its leader {record.pid} is gone, and no process left in its group carries eagle3's marker"
+            )
+        return doubt
 
     # -- helpers
     def _members(self, record: ServerRecord) -> set[int]:
@@ -588,12 +612,11 @@ class SGLangServer:
 
     def _read_pid_file(self) -> ServerRecord | None:
         try:
-            data = json.loads(self.pid_file.read_text())
-            return ServerRecord.from_json(data)
+            return ServerRecord.read(self.pid_file)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as e:  # torn or foreign: it names no process we can trust
-            self._log(f"removing unreadable PID file {self.pid_file} ({e})")
+        except RecordError as e:  # torn, foreign, or a bare PID: it names no process we can trust
+            self._log(f"removing unreadable PID file {self.pid_file}, nothing signalled ({e})")
             self.pid_file.unlink(missing_ok=True)
             return None
 

@@ -789,6 +789,25 @@ class LedgerRecord(Record):
     sources: dict[str, LedgerSource]
 
 
+# ---- the managed SGLang server ------------------------------------------------------------------------------
+class ServerRecord(Record):
+    """store/run/sglang-<host>.pid: the server's process group, what identifies its leader (start time, command
+    line, the marker in its environment) and the run process that owns it. A file without `marker` (written
+    before markers) reads, but names no process that can be shown to be the server."""
+
+    pid: int
+    pgid: int
+    start_ticks: int  # the leader's; 0 when it exited before it could be read
+    hostname: str
+    port: int
+    command: list[str]
+    started_at: str
+    owner_pid: int  # the run process that started it: while it lives, the server is not stale
+    owner_start_ticks: int | None
+    log: str
+    marker: str | None = None  # the value of procs.MARKER_ENV in the server's environment
+
+
 # ---- training checkpoints ------------------------------------------------------------------------------------
 class RunProgress(Record):
     """Where a training run stands at a checkpoint, besides its step: the tokens logged so far, the open log

@@ -190,33 +190,19 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(fake: Fa
     assert not alive(pid) and not alive(child)
 
 
-def _crashed_run_server(fake: Fake, cfg: Eagle3Config, *fake_args: str) -> subprocess.Popen[bytes]:
-    """A stand-in started as a run would start it, then orphaned: its owner is a process that has exited."""
+def _crashed_run_server(fake: Fake, cfg: Eagle3Config, *fake_args: str) -> int:
+    """A stand-in started by eagle3 as a run starts it, whose run then died: its PID file's owner is a process
+    that has exited. Its PID."""
     argv = [*cfg.sglang.launcher, *fake_args, "--host", "127.0.0.1", "--port", str(cfg.sglang.port)]
-    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL)
-    fake.pids.add(proc.pid)
+    server = fake.server(cfg)
+    record = server.start(argv)
+    fake.pids.add(record.pid)
     owner = subprocess.Popen(["true"])
     owner.wait()
-    layout = StoreLayout(cfg.store_root)
-    pid_file = layout.sglang_pid_file(socket.gethostname())
-    pid_file.parent.mkdir(parents=True, exist_ok=True)
-    pid_file.write_text(
-        json.dumps(
-            {
-                "pid": proc.pid,
-                "pgid": proc.pid,
-                "start_ticks": proc_stat(proc.pid).start_ticks,  # type: ignore[union-attr]
-                "hostname": socket.gethostname(),
-                "port": cfg.sglang.port,
-                "command": argv,
-                "started_at": "2026-01-01T00:00:00+00:00",
-                "owner_pid": owner.pid,
-                "owner_start_ticks": 1,
-                "log": "",
-            }
-        )
-    )
-    return proc
+    crashed = record.model_copy(update={"owner_pid": owner.pid, "owner_start_ticks": 1})
+    crashed.write(server.pid_file)
+    fake.child_pid()  # the stand-in runs: the kernel has filled in its command line and environment
+    return record.pid
 
 
 @pytest.mark.parametrize("ignores_sigterm", [False, True])
@@ -235,10 +221,9 @@ def test_a_stale_server_left_by_a_crashed_run_is_reaped_at_setup(fake: Fake, ign
     report = server.reap_stale()
 
     assert report is not None and report.signal == ("SIGKILL" if ignores_sigterm else "SIGTERM")
-    assert stale.wait(timeout=5) == -(signal.SIGKILL if ignores_sigterm else signal.SIGTERM)
-    assert wait_dead(child, 0.1)
+    assert not alive(stale) and wait_dead(child, 0.1)
     assert not server.pid_file.exists()
-    assert probed and {stale.pid, child} <= probed[-1]  # and its GPU memory was asked about
+    assert probed and {stale, child} <= probed[-1]  # and its GPU memory was asked about
     # the port is free again: a new server starts where the stale one was
     with fake.server(cfg) as fresh:
         fresh.launch(launch_command(cfg, "/models/target", "extract"))
@@ -254,7 +239,7 @@ def test_a_server_whose_owner_is_alive_is_left_alone(fake: Fake) -> None:
     server.pid_file.write_text(json.dumps(record))
     with pytest.raises(ServerBusyError, match="still running"):
         server.reap_stale()
-    assert running.poll() is None and server.pid_file.exists()
+    assert alive(running) and server.pid_file.exists()
 
 
 def test_a_pid_file_of_a_dead_or_reused_pid_is_removed_and_nothing_is_killed(fake: Fake) -> None:
@@ -282,6 +267,60 @@ def test_a_pid_file_of_a_dead_or_reused_pid_is_removed_and_nothing_is_killed(fak
         assert not server.pid_file.exists()
     server.pid_file.write_text("{torn")
     assert server.reap_stale() is None and not server.pid_file.exists()
+
+
+@pytest.mark.parametrize("planted", ["without_marker", "group_only", "wrong_marker", "pid_only"])
+def test_a_planted_pid_file_never_gets_an_unrelated_process_signalled(fake: Fake, planted: str) -> None:
+    """A PID file naming a process eagle3 did not start, with everything about it that /proc tells anyone
+    (PID, group, start time, command line) and a dead owner: the file is removed, nothing is signalled."""
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own group, as a server's
+    fake.pids.add(victim.pid)
+    owner = subprocess.Popen(["true"])
+    owner.wait()
+    stat = proc_stat(victim.pid)
+    assert stat is not None
+    # the PID file as eagle3 wrote it before markers: a live group, a leader with its true start time
+    record: dict[str, object] = {
+        "pid": victim.pid,
+        "pgid": victim.pid,
+        "start_ticks": stat.start_ticks,
+        "hostname": socket.gethostname(),
+        "port": 1,
+        "command": ["sleep", "60"],
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "owner_pid": owner.pid,
+        "owner_start_ticks": 1,
+        "log": "",
+    }
+    if planted == "group_only":  # a leader that is gone, and the victim's group as the server's
+        record |= {"pid": owner.pid, "start_ticks": 0}
+    if planted == "wrong_marker":
+        record |= {"marker": "0" * 32}
+    cfg = fake.config()
+    logged: list[str] = []
+    server = SGLangServer(cfg.sglang, StoreLayout(cfg.store_root), probe=lambda _: 0, log=logged.append)
+    server.pid_file.parent.mkdir(parents=True, exist_ok=True)
+    server.pid_file.write_text(f"{victim.pid}\n" if planted == "pid_only" else json.dumps(record))
+
+    assert server.reap_stale() is None
+
+    time.sleep(0.2)  # a signal, had one been sent, has been delivered
+    assert victim.poll() is None, f"{planted}: the unrelated process was killed"
+    assert not server.pid_file.exists()
+    [line] = logged
+    assert "nothing signalled" in line and str(server.pid_file) in line
+
+
+def test_a_server_whose_leader_died_is_reaped_through_its_marked_child(fake: Fake) -> None:
+    """The launcher gone, its child left holding the GPUs: the child carries eagle3's marker, so the group is
+    still shown to be the server's, and it is stopped."""
+    cfg = fake.config()
+    leader = _crashed_run_server(fake, cfg, "--fake-exit-after", "0")
+    child = fake.child_pid()
+    assert wait_dead(leader)  # exited 3 (a zombie of this test process: not running)
+    report = fake.server(cfg).reap_stale()
+    assert report is not None and report.signal == "SIGTERM" and child in report.pids
+    assert wait_dead(child, 0.1)
 
 
 def test_stop_waits_until_the_probe_reports_the_gpus_released(fake: Fake) -> None:
@@ -370,7 +409,7 @@ def test_the_dagster_resource_reaps_at_setup_and_stops_at_teardown(fake: Fake) -
 
     resource = SGLangServerResource(eagle3=Eagle3Resource(config_path=str(config_path)))
     with dg.build_resources({"sglang": resource}) as resources:
-        assert stale.wait(timeout=5) == -signal.SIGTERM  # reaped at setup
+        assert wait_dead(stale)  # reaped at setup
         url = resources.sglang.launch("/models/target", "extract")
         assert url == f"http://127.0.0.1:{cfg.sglang.port}"
         pid_file = StoreLayout(cfg.store_root).sglang_pid_file(socket.gethostname())

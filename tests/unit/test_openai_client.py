@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from transformers import AutoTokenizer
@@ -236,6 +237,73 @@ def test_api_key_is_sent_from_the_named_variable(fake: FakeServer, monkeypatch: 
     monkeypatch.delenv("EAGLE3_TEST_KEY")
     with pytest.raises(ConfigError, match="EAGLE3_TEST_KEY is not set"):
         complete(server_cfg(fake.url, api_key_env="EAGLE3_TEST_KEY"))
+
+
+SECRET = "sk-live/Zq9+eagle3=key"  # with characters that JSON encoders and URL quoting change
+
+
+def test_a_key_the_server_echoes_is_in_no_reason_and_no_reply(
+    fake: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 401 quoting the key back as `Bearer <key>`, with `/` escaped as some JSON encoders write it, and
+    URL-quoted; one quoting it across the reason's clip at 300 characters; a 200 whose reply holds it."""
+    monkeypatch.setenv("EAGLE3_TEST_KEY", SECRET)
+    cfg = server_cfg(fake.url, api_key_env="EAGLE3_TEST_KEY", retries=0)
+    forms = f"Bearer {SECRET}, {SECRET.replace('/', chr(92) + '/')}, {quote(SECRET, safe='')}"
+    raw = '{"error": {"message": "bad key: ' + forms + '"}}'  # as that encoder wrote it, `\\/` and all
+    fake.script = lambda body, n: (401, raw, 0.0, {})
+    with pytest.raises(RequestFailed) as err:
+        complete(cfg)
+    assert fake.headers[0]["Authorization"] == f"Bearer {SECRET}"  # sent as it is
+    assert err.value.reason == (
+        'HTTP 401: {"error": {"message": "bad key: Bearer [redacted api key], [redacted api key], '
+        '[redacted api key]"}}'
+    )
+    # the clip would have kept the key's first characters, had the key not been taken out first
+    fake.script = lambda body, n: (401, {"error": {"message": f"{'x' * 260}Bearer {SECRET}"}}, 0.0, {})
+    with pytest.raises(RequestFailed) as err:
+        complete(cfg)
+    assert err.value.reason.endswith("Bearer [redacted") and SECRET[:8] not in err.value.reason
+    fake.script = lambda body, n: (200, completion(f"the key is {SECRET}"), 0.0, {})
+    reply, _ = complete(cfg)
+    assert reply.content == "the key is [redacted api key]"
+
+
+@pytest.mark.parametrize("value", [f"{SECRET}\n", f"{SECRET} ", f"{SECRET}é"])
+def test_a_key_no_header_can_carry_is_refused_without_showing_it(
+    fake: FakeServer, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("EAGLE3_TEST_KEY", value)
+    with pytest.raises(
+        ConfigError, match=r"api_key_env: the environment variable EAGLE3_TEST_KEY holds"
+    ) as err:
+        complete(server_cfg(fake.url, api_key_env="EAGLE3_TEST_KEY"))
+    assert "Zq9" not in str(err.value) and fake.received == []
+
+
+def test_the_api_key_is_masked_wherever_it_is_printed() -> None:
+    from eagle3_core.engines import http
+
+    key = http.ApiKey(SECRET)
+    assert "Zq9" not in repr(key) + str(key)
+    client = http.async_client(1.0, 1, key)
+    assert "Zq9" not in repr(dict(client.headers))  # set per request, not one of the client's headers
+    asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize(
+    ("server", "field"),
+    [
+        ({"api_key": SECRET}, "regenerate.server.api_key"),  # the key where no field takes it
+        ({"api_key_env": SECRET}, "regenerate.server.api_key_env"),  # the key where its variable's name goes
+        ({"apikey": SECRET, "concurrency": 0}, "regenerate.server.apikey"),
+    ],
+)
+def test_a_key_written_in_the_config_is_refused_and_never_echoed(server: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"regenerate": {"server": {"url": "http://h:1", **server}}}, Path("."))
+    assert f"{field}: " in str(err.value) and "not shown" in str(err.value)
+    assert "Zq9" not in str(err.value)
 
 
 def test_endpoint_and_config() -> None:

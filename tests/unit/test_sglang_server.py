@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +349,52 @@ def test_proc_stat_reads_group_and_start_time_past_an_odd_command_name(tmp_path:
         proc.kill()
         proc.wait()
     assert proc_stat(proc.pid) is None
+
+
+def test_a_started_process_is_known_by_start_time_group_command_and_marker(tmp_path: Path) -> None:
+    from eagle3_core.procs import (
+        StartedProcess,
+        command_matches,
+        marked_environment,
+        new_marker,
+        proc_cmdline,
+    )
+
+    script = tmp_path / "launch"  # run through its #! line: /proc shows the interpreter, then the script
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(30)\n")
+    script.chmod(0o755)
+    marker = new_marker()
+    command = [str(script), "--port", "1"]
+    proc = subprocess.Popen(command, start_new_session=True, env=marked_environment(marker))
+    try:
+        # Popen returns once the exec began; the kernel fills in argv and the environment a moment later
+        deadline = time.monotonic() + 10
+        while not proc_cmdline(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = proc_stat(proc.pid)
+        assert st is not None
+        started = StartedProcess(proc.pid, st.start_ticks, command, marker)
+        assert started.mismatch() is None
+        for other, why in [
+            (StartedProcess(proc.pid, st.start_ticks - 1, command, marker), "started at another time"),
+            (
+                StartedProcess(proc.pid, st.start_ticks, [str(script), "--port", "2"], marker),
+                "another command",
+            ),
+            (StartedProcess(proc.pid, st.start_ticks, command, new_marker()), "does not carry the marker"),
+            (StartedProcess(proc.pid, st.start_ticks, command, None), "no process marker"),
+        ]:
+            assert why in (other.mismatch() or ""), why
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "no process" in (started.mismatch() or "")
+    assert command_matches(
+        ["python3", "-m", "sglang.launch_server"], ["python3", "-m", "sglang.launch_server"]
+    )
+    assert command_matches(["/usr/bin/python3", "/opt/bin/sgl", "-x"], ["sgl", "-x"])  # a #! script by name
+    assert not command_matches(["python3", "-m", "other"], ["python3", "-m", "sglang.launch_server"])
+    assert not command_matches(["sleep", "60"], [])
 
 
 def test_the_serve_commands_import_no_torch() -> None:
