@@ -19,7 +19,8 @@ skipped from its stat alone (no re-read every tick), and a file with the content
 (a renamed or re-dropped copy) is recorded as the same and not read again; a file whose rows are all in the
 store already (other bytes, same conversations) is read once and makes no shard. A file is recorded before its
 first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
-one whose caller died before seeing it.
+one whose caller died before seeing it. Files are recorded by `sources.stored_name`: a name that is not UTF-8
+is escaped, so it is ingested like any other, never a failure that would stop every tick at that file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from eagle3_core.data.ingest import (
     ingest_source,
     seen_sample_ids,
 )
-from eagle3_core.data.sources import ResolvedSource, open_binary
+from eagle3_core.data.sources import ResolvedSource, open_binary, stored_name
 from eagle3_core.errors import ConfigError, SourceChangedError
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 from eagle3_core.store.records import InboxFile, InboxRecord, InboxState
@@ -253,13 +254,13 @@ def _link_refusal(path: Path, st: os.stat_result, inbox: Path) -> str | None:
             "copy the file into the inbox instead"
         )
     if path.resolve().parent != inbox:
-        return f"resolves to {path.resolve()}, outside the inbox {inbox}; not read"
+        return f"resolves to {stored_name(str(path.resolve()))}, outside the inbox {inbox}; not read"
     return None
 
 
 def _link_target(path: Path) -> str:
     try:
-        return f" (to {os.readlink(path)})"
+        return f" (to {stored_name(os.readlink(path))})"
     except OSError:  # removed since the listing: the refusal stands, without the target
         return ""
 
@@ -292,13 +293,14 @@ def _conversation_file(path: Path, st: os.stat_result, report: InboxReport, name
 
 
 def _source_name(path: Path, root: Path) -> str:
-    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared.
-    The entry itself is not resolved: a link is named as itself, not after what it points to."""
+    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared,
+    and JSON-safe (`stored_name`: a name that is not UTF-8 is escaped, not a crash on every tick). The entry
+    itself is not resolved: a link is named as itself, not after what it points to."""
     where = path.parent.resolve() / path.name
     try:
-        return str(where.relative_to(root.resolve()))
+        return stored_name(str(where.relative_to(root.resolve())))
     except ValueError:
-        return str(where)
+        return stored_name(str(where))
 
 
 def _same_stat(known: InboxFile, stat: dict[str, int]) -> bool:

@@ -1,11 +1,13 @@
+import codecs
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from eagle3_core.config import load_config
+from eagle3_core.config import ConfigError, load_config
 from eagle3_core.data.conversation import build_conversation, is_heldout
 from eagle3_core.data.ingest import Ledger, SourceChangedError, ingest, load_conversation_shard
 from eagle3_core.store.layout import StoreLayout
@@ -262,3 +264,41 @@ def test_a_tail_without_a_new_sample_keeps_its_other_rejects_and_survives_a_cras
     assert json.loads(layout.ledger.read_text())["sources"]["a.jsonl"]["rows"] == 5
     assert not layout.conversations_manifest("t-00001").exists()
     assert ingest(cfg).rows_read == 0
+
+
+NOT_UTF8 = (
+    b"caf\xe9.jsonl"  # Latin-1 bytes, as a file copied from an old system is named; Linux allows any bytes
+)
+
+
+def test_a_file_name_that_is_not_utf8_is_ingested_under_a_json_safe_name_that_reads_back_to_its_bytes(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / os.fsdecode(NOT_UTF8)).write_text(_message_row(0) + "\n" + '{"messages": [\n')
+    _jsonl(tmp_path / "zeta.jsonl", 10, 1)  # sorted after it: must not be held up by it
+    cfg = load_config(_config(tmp_path, "[{path: '*.jsonl'}]", shard_size=10))
+    report = ingest(cfg)
+    stored = "caf\\xe9.jsonl"
+    assert codecs.escape_decode(stored.encode())[0] == NOT_UTF8  # the escape is lossless
+    assert [s.source for s in report.new_shards] == [stored, "zeta.jsonl"]
+    assert report.rejected == {"malformed_json": 1}
+    layout = StoreLayout(cfg.store_root)
+    samples, manifest = load_conversation_shard(cfg.store_root, "t-00000")
+    assert [(s.source.file, s.messages[0].content) for s in samples] == [(stored, "q 0")]
+    assert manifest.source == stored
+    [reject] = read_rows(layout.rejects("t-00000"), RejectRow.model_validate)
+    assert (reject.file, reject.line) == (stored, 2)
+    assert list(json.loads(layout.ledger.read_text())["sources"]) == [stored, "zeta.jsonl"]
+    # The same file gets the same name on the next run: its consumed rows are found, only new ones are read.
+    assert ingest(cfg).rows_read == 0
+    with open(tmp_path / os.fsdecode(NOT_UTF8), "a") as f:
+        f.write(_message_row(1) + "\n")
+    appended = ingest(cfg)
+    assert appended.new_keys == ["t-00002"] and appended.rows_read == 1
+    # A UTF-8 name spelling that escape literally would share the file's ledger entry: refused, naming both.
+    _jsonl(tmp_path / "caf\\xe9.jsonl", 20, 1)
+    with pytest.raises(ConfigError, match="would name two files") as refused:
+        ingest(cfg)
+    assert f"data.sources: {stored} would" in str(refused.value)
+    assert repr(os.fsencode(tmp_path / "caf\\xe9.jsonl")) in str(refused.value)
+    assert repr(os.fsencode(tmp_path) + b"/" + NOT_UTF8) in str(refused.value)
