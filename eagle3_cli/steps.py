@@ -80,6 +80,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         f"ingest: {report.rows_read} new rows -> {len(report.new_shards)} new shards "
         f"({sum(s.samples for s in report.new_shards)} samples); {len(report.all_shards)} shards in the store; "
         f"rejected: {report.rejected or 'none'}"
+        + (f"; kept in part (cut before an empty turn): {report.truncated}" if report.truncated else "")
     )
     return 0
 

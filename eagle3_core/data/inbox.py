@@ -67,6 +67,7 @@ class InboxReport:
     new_shards: list[ShardReport] = field(default_factory=list)
     inbox_shards: list[str] = field(default_factory=list)  # every shard ever made from the inbox, by index
     rejected: dict[str, int] = field(default_factory=dict)  # reasons, over the rows this call read
+    truncated: dict[str, int] = field(default_factory=dict)  # samples cut before an empty turn, this call
     unsharded: list[UnshardedRows] = field(default_factory=list)  # a file's last rows with no new sample
     ingested: list[str] = field(default_factory=list)  # files finished by this call
     same_as: dict[str, str] = field(default_factory=dict)  # file -> the ingested file it duplicates
@@ -136,6 +137,7 @@ def _ingest_locked(
     ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
     seen: set[str] | None = None  # every sample id in the store: read only when a file is to be ingested
     totals: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
     min_age = cfg.orchestration.inbox_min_age_seconds
     inbox = report.inbox.resolve()
     for path in sorted(report.inbox.iterdir()):
@@ -197,6 +199,7 @@ def _ingest_locked(
                     report.unsharded.append(consumed)
                 else:
                     report.new_shards.append(consumed)
+                    truncated.update(consumed.truncated)
                 totals.update(consumed.rejected)
                 log(describe(consumed))
         except SourceChangedError as err:
@@ -216,6 +219,7 @@ def _ingest_locked(
         _save_record(record_path, files)
         report.ingested.append(name)
     report.rejected = dict(totals)
+    report.truncated = dict(truncated)
     report.inbox_shards = sorted(
         (k for name in files for k in ledger.sources.get(name, SourceEntry()).shards), key=shard_index
     )

@@ -236,10 +236,13 @@ def _text_content(content: Any, index: int) -> object:
 def parse_row(
     row: RawRow, source: ResolvedSource, *, require_assistant: bool, system_prompt: str | None
 ) -> Conversation:
-    """One raw row to a normalised conversation; raises RowRejected naming the reason."""
+    """One raw row to a normalised conversation, cut before an empty turn (`Conversation.dropped` says so);
+    raises RowRejected naming the reason."""
     record = decode_record(row)
     if isinstance(source.spec, ChitchatSource):
         turns = chitchat_turns(record)
     else:
         turns = record_turns(record, source.spec.format)
-    return build_conversation(turns, require_assistant=require_assistant, system_prompt=system_prompt)
+    return build_conversation(
+        turns, require_assistant=require_assistant, system_prompt=system_prompt, keep_before_empty=True
+    )

@@ -281,3 +281,16 @@ def test_a_file_name_that_is_not_utf8_is_ingested_and_jams_nothing_sorted_after_
     # Recorded under the name the next call computes: known from its stat, not read again.
     again = ingest_inbox(cfg)
     assert again.new_keys == [] and again.ingested == [] and again.failed == {} and again.refused == {}
+
+
+def test_a_row_cut_before_an_empty_turn_is_a_sample_and_the_inbox_counts_the_cut(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    turns = [("user", "q0"), ("assistant", "a0"), ("user", "q1"), ("assistant", " ")]
+    cut = json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+    _drop(tmp_path, "a.jsonl", [cut, _row(1)])
+    report = ingest_inbox(cfg)
+    assert report.truncated == {"empty_content_truncated": 1} and report.rejected == {}
+    assert [[m.content for m in s.messages] for s in _samples(cfg, report.new_keys)] == [
+        ["q0", "a0", "q1"],  # regeneration is on: the target answers q1
+        ["question 1"],
+    ]
