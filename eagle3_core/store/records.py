@@ -385,7 +385,8 @@ class EvalReport(Record):
 
 
 class DrafterDirReport(Record):
-    """store/eval/drafters/<dir>-<digest>/report-<format>.json: any drafter directory measured, no gate."""
+    """store/eval/drafters/<dir>-<digest>/report-<format>.json (on one `--prompts` file, a report of that
+    file's own: steps.evaluation.report_file): any drafter directory measured, no gate."""
 
     run: str
     drafter_dir: str
