@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from eagle3_core.config import Eagle3Config, load_config
-from eagle3_core.errors import ConfigError, Eagle3Error
+from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
 from eagle3_core.store.layout import StoreLayout, check_shard_key
 from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary
 
@@ -80,6 +80,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         f"ingest: {report.rows_read} new rows -> {len(report.new_shards)} new shards "
         f"({sum(s.samples for s in report.new_shards)} samples); {len(report.all_shards)} shards in the store; "
         f"rejected: {report.rejected or 'none'}"
+        + (f"; kept in part (cut before an empty turn): {report.truncated}" if report.truncated else "")
     )
     return 0
 
@@ -349,8 +350,24 @@ def speedup_text(median: float, device: str) -> str:
     return text
 
 
+def print_other_reports(written: Path, gate_k: int) -> None:
+    """The drafter's other measurements, kept beside the one just written (other prompt files, formats)."""
+    for path in sorted(written.parent.glob("report-*.json")):
+        if path == written:
+            continue
+        try:
+            other = DrafterDirReport.read(path)
+        except RecordError as err:  # this measurement is written; an old unreadable one is only named
+            console.print(f"  kept: {path.name}: unreadable ({escape(str(err))})", soft_wrap=True)
+            continue
+        measured = [(name, s.by_k.get(str(gate_k))) for name, s in other.sets.items()]
+        sets = ", ".join(f"{name} AL {m.acceptance_length:.2f}" for name, m in measured if m is not None)
+        at = f"{sets} at K={gate_k}" if sets else f"not measured at K={gate_k}"
+        console.print(f"  kept: {path.name} ({other.format}): {escape(at)}", soft_wrap=True)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eagle3_core.steps.evaluation import eval_drafter_dir_step, eval_step, promote_step
+    from eagle3_core.steps.evaluation import eval_drafter_dir_step, eval_step, promote_step, report_file
 
     cfg = _config(args)
     prompts = Path(args.prompts) if args.prompts else None
@@ -360,8 +377,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "--promote takes the pipeline's own export; a --drafter directory is only measured"
             )
         result = eval_drafter_dir_step(cfg, Path(args.drafter), args.format, prompts, progress_log)
-        print_evaluation(result.record_as(DrafterDirReport), sorted(set(cfg.evaluate.ks)))
-        console.print(f"report: {result.path}")
+        report = result.record_as(DrafterDirReport)
+        print_evaluation(report, sorted(set(cfg.evaluate.ks)))
+        written = report_file(result.path, report.format, prompts)
+        console.print(f"report: {escape(str(written))}", soft_wrap=True)
+        print_other_reports(written, cfg.evaluate.gate_k)
         return 0
     if prompts is not None:
         raise ConfigError(
@@ -441,7 +461,10 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="The --drafter directory's format (auto: from its config.json).",
     )
-    p.add_argument("--prompts", help="With --drafter: measure on this prompt file (JSONL) only.")
+    p.add_argument(
+        "--prompts",
+        help="With --drafter: measure on this prompt file (JSONL) only; each file's report is kept apart.",
+    )
     p = add(
         "bench-sglang",
         cmd_bench_sglang,

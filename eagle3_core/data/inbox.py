@@ -19,7 +19,8 @@ skipped from its stat alone (no re-read every tick), and a file with the content
 (a renamed or re-dropped copy) is recorded as the same and not read again; a file whose rows are all in the
 store already (other bytes, same conversations) is read once and makes no shard. A file is recorded before its
 first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
-one whose caller died before seeing it.
+one whose caller died before seeing it. Files are recorded by `sources.stored_name`: a name that is not UTF-8
+is escaped, so it is ingested like any other, never a failure that would stop every tick at that file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from eagle3_core.data.ingest import (
     ingest_source,
     seen_sample_ids,
 )
-from eagle3_core.data.sources import ResolvedSource, open_binary
+from eagle3_core.data.sources import ResolvedSource, open_binary, stored_name
 from eagle3_core.errors import ConfigError, SourceChangedError
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 from eagle3_core.store.records import InboxFile, InboxRecord, InboxState
@@ -66,6 +67,7 @@ class InboxReport:
     new_shards: list[ShardReport] = field(default_factory=list)
     inbox_shards: list[str] = field(default_factory=list)  # every shard ever made from the inbox, by index
     rejected: dict[str, int] = field(default_factory=dict)  # reasons, over the rows this call read
+    truncated: dict[str, int] = field(default_factory=dict)  # samples cut before an empty turn, this call
     unsharded: list[UnshardedRows] = field(default_factory=list)  # a file's last rows with no new sample
     ingested: list[str] = field(default_factory=list)  # files finished by this call
     same_as: dict[str, str] = field(default_factory=dict)  # file -> the ingested file it duplicates
@@ -135,6 +137,7 @@ def _ingest_locked(
     ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
     seen: set[str] | None = None  # every sample id in the store: read only when a file is to be ingested
     totals: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
     min_age = cfg.orchestration.inbox_min_age_seconds
     inbox = report.inbox.resolve()
     for path in sorted(report.inbox.iterdir()):
@@ -196,6 +199,7 @@ def _ingest_locked(
                     report.unsharded.append(consumed)
                 else:
                     report.new_shards.append(consumed)
+                    truncated.update(consumed.truncated)
                 totals.update(consumed.rejected)
                 log(describe(consumed))
         except SourceChangedError as err:
@@ -215,6 +219,7 @@ def _ingest_locked(
         _save_record(record_path, files)
         report.ingested.append(name)
     report.rejected = dict(totals)
+    report.truncated = dict(truncated)
     report.inbox_shards = sorted(
         (k for name in files for k in ledger.sources.get(name, SourceEntry()).shards), key=shard_index
     )
@@ -253,13 +258,13 @@ def _link_refusal(path: Path, st: os.stat_result, inbox: Path) -> str | None:
             "copy the file into the inbox instead"
         )
     if path.resolve().parent != inbox:
-        return f"resolves to {path.resolve()}, outside the inbox {inbox}; not read"
+        return f"resolves to {stored_name(str(path.resolve()))}, outside the inbox {inbox}; not read"
     return None
 
 
 def _link_target(path: Path) -> str:
     try:
-        return f" (to {os.readlink(path)})"
+        return f" (to {stored_name(os.readlink(path))})"
     except OSError:  # removed since the listing: the refusal stands, without the target
         return ""
 
@@ -292,13 +297,14 @@ def _conversation_file(path: Path, st: os.stat_result, report: InboxReport, name
 
 
 def _source_name(path: Path, root: Path) -> str:
-    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared.
-    The entry itself is not resolved: a link is named as itself, not after what it points to."""
+    """As `data.sources` names a file: relative to the config's directory, so the ledger entry is shared,
+    and JSON-safe (`stored_name`: a name that is not UTF-8 is escaped, not a crash on every tick). The entry
+    itself is not resolved: a link is named as itself, not after what it points to."""
     where = path.parent.resolve() / path.name
     try:
-        return str(where.relative_to(root.resolve()))
+        return stored_name(str(where.relative_to(root.resolve())))
     except ValueError:
-        return str(where)
+        return stored_name(str(where))
 
 
 def _same_stat(known: InboxFile, stat: dict[str, int]) -> bool:

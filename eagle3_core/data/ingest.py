@@ -7,6 +7,9 @@ their raw bytes: a later ingest starts after them, and refuses a source whose co
 
 Every rejected row is kept with its location and reason in the rejects file of the shard it fell in;
 duplicates (a sample id seen before, in this source or an earlier one) are rejects with reason `duplicate`.
+A row cut before an empty turn is a sample of its complete exchanges; the rejects file keeps the row too, under
+`empty_content_truncated`, and the shard counts it apart from its rejects (`truncated`, not `rejected`: the
+row is not lost, and every row read is a sample or a reject).
 A shard always holds a sample: a source's last rows that hold no new one (a file copied under a new name, all
 duplicates) are consumed in the ledger without a shard, their reasons counted in the report, and the rows
 rejected for another reason than `duplicate` kept in the store's unsharded rejects file for those rows.
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.config import Eagle3Config
-from eagle3_core.data.conversation import Conversation, RowRejected, is_heldout
+from eagle3_core.data.conversation import EMPTY_CONTENT_TRUNCATED, Conversation, RowRejected, is_heldout
 from eagle3_core.data.sources import RawRow, ResolvedSource, parse_row, resolve_sources
 from eagle3_core.errors import ConfigError, SourceChangedError, StoreBusyError
 from eagle3_core.store.layout import StoreLayout, shard_key
@@ -103,6 +106,7 @@ class ShardReport:
     rejected: dict[str, int]
     first_line: int
     last_line: int
+    truncated: dict[str, int] = field(default_factory=dict)  # samples cut before an empty turn (by reason)
 
     @property
     def rows(self) -> int:
@@ -139,6 +143,7 @@ class IngestReport:
     rows_read: int
     rejected: dict[str, int]  # reasons, over every row read (the new shards' and the unsharded rows')
     unsharded: list[UnshardedRows] = field(default_factory=list)
+    truncated: dict[str, int] = field(default_factory=dict)  # samples cut before an empty turn
 
     @property
     def new_keys(self) -> list[str]:
@@ -151,10 +156,12 @@ class IngestReport:
 
 @dataclass
 class _Pending:
-    """The shard being filled: accepted samples and the rejects met since the previous shard."""
+    """The shard being filled: accepted samples and the rejects met since the previous shard (with the rows
+    cut before an empty turn, which are samples too), and how many source rows that is."""
 
     samples: list[ConversationRow] = field(default_factory=list)
     rejects: list[RejectRow] = field(default_factory=list)
+    rows: int = 0
     first_line: int | None = None
     last_line: int = 0
     digest: Any = None  # the source digest after this shard's last row
@@ -184,6 +191,7 @@ def _ingest_sources(cfg: Eagle3Config, layout: StoreLayout, log: Callable[[str],
     seen = seen_sample_ids(layout, ledger)
     report = IngestReport([], [], 0, {})
     totals: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
     for source in resolve_sources(cfg):
         entry = ledger.sources.setdefault(source.name, SourceEntry())
         for consumed in ingest_source(cfg, layout, ledger, source, entry, seen):
@@ -193,9 +201,11 @@ def _ingest_sources(cfg: Eagle3Config, layout: StoreLayout, log: Callable[[str],
                 report.unsharded.append(consumed)
             else:
                 report.new_shards.append(consumed)
+                truncated.update(consumed.truncated)
             log(describe(consumed))
     report.all_shards = ledger.shard_keys
     report.rejected = dict(totals)
+    report.truncated = dict(truncated)
     return report
 
 
@@ -203,7 +213,9 @@ def describe(consumed: ShardReport | UnshardedRows) -> str:
     if isinstance(consumed, UnshardedRows):
         return consumed.describe()
     rejected = sum(consumed.rejected.values())
-    return f"{consumed.key}: {consumed.samples} samples, {rejected} rejected ({consumed.source})"
+    truncated = sum(consumed.truncated.values())
+    cut = f", {truncated} cut before an empty turn" if truncated else ""
+    return f"{consumed.key}: {consumed.samples} samples{cut}, {rejected} rejected ({consumed.source})"
 
 
 def seen_sample_ids(layout: StoreLayout, ledger: Ledger) -> set[str]:
@@ -254,6 +266,7 @@ def ingest_source(
     pending = _Pending()
     for row in rows:
         _digest_row(digest, row)
+        pending.rows += 1
         pending.first_line = pending.first_line or row.location.line
         pending.last_line = row.location.line
         try:
@@ -263,10 +276,13 @@ def ingest_source(
             if conv.sample_id in seen:
                 raise RowRejected("duplicate", f"same conversation as sample {conv.sample_id[:12]}")
         except RowRejected as rej:
-            pending.rejects.append(_reject_row(row, rej))
+            pending.rejects.append(_reject_row(row, rej.reason, rej.detail))
         else:
             seen.add(conv.sample_id)
             pending.samples.append(_sample_row(conv, row, cfg.data.holdout_fraction))
+            if conv.dropped is not None:
+                kept = f"{conv.dropped}; the turns before are sample {conv.sample_id[:12]}"
+                pending.rejects.append(_reject_row(row, EMPTY_CONTENT_TRUNCATED, kept))
         if len(pending.samples) == ledger.shard_size:
             pending.digest = digest.copy()
             yield _commit_shard(layout, ledger, source, entry, pending)
@@ -290,13 +306,13 @@ def _sample_row(conv: Conversation, row: RawRow, holdout_fraction: float) -> Con
     )
 
 
-def _reject_row(row: RawRow, rej: RowRejected) -> RejectRow:
+def _reject_row(row: RawRow, reason: str, detail: str) -> RejectRow:
     text = row.raw.decode("utf-8", errors="backslashreplace")
     return RejectRow(
         file=row.location.file,
         line=row.location.line,
-        reason=rej.reason,
-        detail=rej.detail,
+        reason=reason,
+        detail=detail,
         raw=text[:MAX_KEPT_RAW],
         raw_truncated=len(text) > MAX_KEPT_RAW,
     )
@@ -313,7 +329,7 @@ def _commit_unsharded(
     rejects_file = layout.unsharded_rejects(source.name, first_line) if kept else None
     if rejects_file is not None:
         write_rows(rejects_file, kept)
-    entry.rows += len(pending.rejects)
+    entry.rows += pending.rows
     entry.digest = pending.digest.hexdigest()
     ledger.save(layout.ledger)
     rejected = dict(Counter(r.reason for r in pending.rejects))
@@ -324,7 +340,8 @@ def _commit_shard(
     layout: StoreLayout, ledger: Ledger, source: ResolvedSource, entry: SourceEntry, pending: _Pending
 ) -> ShardReport:
     key = shard_key(ledger.dataset, ledger.next_index)
-    rejected = dict(Counter(r.reason for r in pending.rejects))
+    truncated = dict(Counter(r.reason for r in pending.rejects if r.reason == EMPTY_CONTENT_TRUNCATED))
+    rejected = dict(Counter(r.reason for r in pending.rejects if r.reason != EMPTY_CONTENT_TRUNCATED))
     heldout = sum(1 for s in pending.samples if s.split == "heldout")
     write_rows(layout.rejects(key), pending.rejects)
     write_rows(layout.conversations(key), pending.samples)
@@ -337,15 +354,23 @@ def _commit_shard(
         heldout_samples=heldout,
         assistant_turns=sum(1 for s in pending.samples for m in s.messages if m.role == "assistant"),
         rejected=rejected,
+        truncated=truncated,
         sample_ids=[s.id for s in pending.samples],
     ).write(layout.conversations_manifest(key))
-    entry.rows += len(pending.samples) + len(pending.rejects)
+    entry.rows += pending.rows
     entry.digest = pending.digest.hexdigest()
     entry.shards.append(key)
     ledger.next_index += 1
     ledger.save(layout.ledger)
     return ShardReport(
-        key, source.name, len(pending.samples), heldout, rejected, pending.first_line or 0, pending.last_line
+        key,
+        source.name,
+        len(pending.samples),
+        heldout,
+        rejected,
+        pending.first_line or 0,
+        pending.last_line,
+        truncated,
     )
 
 

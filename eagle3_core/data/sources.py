@@ -5,6 +5,10 @@ or plain `prompt` rows, and the `chitchat-dataset` package (a `.json` file is re
 bytes feed the digest that pins what ingest has already consumed, so a source that changed under us is
 detected, not silently re-sharded.
 
+A file is named in the store (ledger.json, inbox.json, row sources, rejects) by `stored_name`: a name that is
+not valid UTF-8 (Linux allows any bytes but "/" and NUL) is written with each undecodable byte as `\\xNN`, so
+JSON can hold it, the same file gets the same name on every run, and its bytes can be read back.
+
 A line may start with a UTF-8 byte-order mark (a file saved by a Windows editor has one on its first line,
 files concatenated together one on each part's first line): it is not part of the row, and a line holding
 nothing else is blank. The raw bytes keep it, so the digests of rows an earlier ingest consumed stay the same.
@@ -22,6 +26,7 @@ from typing import Any, BinaryIO
 
 from eagle3_core.config import ChitchatSource, Eagle3Config, FileSource, SourceFormat
 from eagle3_core.data.conversation import Conversation, Location, RowRejected, build_conversation
+from eagle3_core.errors import ConfigError
 
 CHITCHAT_NAME = "chitchat-dataset"
 BOM = "\ufeff".encode()
@@ -57,6 +62,7 @@ class ResolvedSource:
 def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
     """Expand globs (sorted, so new files come in a stable order) and check every file exists."""
     out: list[ResolvedSource] = []
+    named: dict[str, Path] = {}
     for spec in cfg.data.sources:
         if isinstance(spec, ChitchatSource):
             out.append(ResolvedSource(CHITCHAT_NAME, spec))
@@ -66,17 +72,43 @@ def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
         if not matches:
             raise FileNotFoundError(f"data.sources: {spec.path!r} matches no file (looked for {pattern})")
         for p in matches:
+            name = _relative_name(p, cfg.root)
             if p.suffix not in {".jsonl", ".json", ".parquet"}:
-                raise ValueError(f"data.sources: {p} is neither .jsonl nor .parquet")
-            out.append(ResolvedSource(_relative_name(p, cfg.root), spec, p))
+                raise ValueError(f"data.sources: {name} is neither .jsonl nor .parquet")
+            _check_name_unique(named, name, p)
+            out.append(ResolvedSource(name, spec, p))
     return out
 
 
 def _relative_name(path: Path, root: Path) -> str:
     try:
-        return str(path.resolve().relative_to(root.resolve()))
+        return stored_name(str(path.resolve().relative_to(root.resolve())))
     except ValueError:
-        return str(path.resolve())
+        return stored_name(str(path.resolve()))
+
+
+def stored_name(name: str) -> str:
+    """A file name as the store records it: itself when it is valid UTF-8; else its bytes as the system gave
+    them (`os.fsencode` undoes Python's surrogate escapes), each byte that does not decode written `\\xNN` and
+    each backslash doubled, so the escape reads back to the exact bytes. The surrogate-escaped str Python gives
+    for such a name cannot be written as UTF-8 JSON at all: the ledger, inbox.json and every row naming the
+    file would fail to save, on every run."""
+    raw = os.fsencode(name)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.replace(b"\\", b"\\\\").decode("utf-8", errors="backslashreplace")
+
+
+def _check_name_unique(named: dict[str, Path], name: str, path: Path) -> None:
+    """Two files whose stored names are alike (a UTF-8 name with a literal `\\xNN` beside the file whose byte
+    that is) would share one ledger entry: refused, naming both. One file matched by two globs is no clash."""
+    other = named.setdefault(name, path)
+    if other.resolve() != path.resolve():
+        raise ConfigError(
+            f"data.sources: {name} would name two files, whose bytes are {os.fsencode(other)!r} and "
+            f"{os.fsencode(path)!r}; rename one of them"
+        )
 
 
 def open_binary(path: Path, no_follow: bool = False) -> BinaryIO:
@@ -204,10 +236,13 @@ def _text_content(content: Any, index: int) -> object:
 def parse_row(
     row: RawRow, source: ResolvedSource, *, require_assistant: bool, system_prompt: str | None
 ) -> Conversation:
-    """One raw row to a normalised conversation; raises RowRejected naming the reason."""
+    """One raw row to a normalised conversation, cut before an empty turn (`Conversation.dropped` says so);
+    raises RowRejected naming the reason."""
     record = decode_record(row)
     if isinstance(source.spec, ChitchatSource):
         turns = chitchat_turns(record)
     else:
         turns = record_turns(record, source.spec.format)
-    return build_conversation(turns, require_assistant=require_assistant, system_prompt=system_prompt)
+    return build_conversation(
+        turns, require_assistant=require_assistant, system_prompt=system_prompt, keep_before_empty=True
+    )

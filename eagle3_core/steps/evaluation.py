@@ -14,8 +14,11 @@ newer one only when the noise is smaller than the tolerance.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import re
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -330,9 +333,17 @@ def _settings(cfg: Eagle3Config, ks: tuple[int, ...]) -> dict[str, Any]:
     return {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1}
 
 
-def report_file(eval_dir: Path, fmt: str) -> Path:
-    """Each export format's measurement in its own file: measuring one never overwrites the other's."""
-    return eval_dir / f"report-{fmt}.json"
+def report_file(eval_dir: Path, fmt: str, prompts_file: Path | None = None) -> Path:
+    """Each export format's measurement in its own file, and a drafter directory's measurement on one prompt
+    file (`eagle3 eval --drafter DIR --prompts FILE`) in a file of that prompt set's own, named by its stem
+    and a digest of its resolved path: measuring one never overwrites another's, measuring it again replaces
+    only it."""
+    if prompts_file is None:
+        return eval_dir / f"report-{fmt}.json"
+    resolved = Path(prompts_file).resolve()
+    digest = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:10]
+    stem = re.sub(r"[^\w.-]", "_", resolved.stem)  # a name to show and to list, whatever the file is called
+    return eval_dir / f"report-{fmt}-{stem}-{digest}.json"
 
 
 def set_reports(
@@ -388,7 +399,8 @@ def eval_drafter_dir_step(
     configured target, on the held-out prompts and prompt files, or on one prompt file.
 
     The target is run with the drafter's own aux layers (from its config), as its engine would serve it; the
-    report goes to `store/eval/drafters/<dir>-<digest>/report-<format>.json`, never into the drafter's dir.
+    report goes to `store/eval/drafters/<dir>-<digest>/report-<format>.json` (one prompt file's to a file of
+    its own, `report_file`), never into the drafter's dir.
     """
     from eagle3_core.export import detect_format, load_drafter_dir
 
@@ -434,7 +446,7 @@ def eval_drafter_dir_step(
         primary=primary,
         sets=set_reports(sets, fitting, measured),
     )
-    report.write(report_file(out, chosen))
+    report.write(report_file(out, chosen, prompts_file))
     return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
 
 

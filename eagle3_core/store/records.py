@@ -385,7 +385,8 @@ class EvalReport(Record):
 
 
 class DrafterDirReport(Record):
-    """store/eval/drafters/<dir>-<digest>/report-<format>.json: any drafter directory measured, no gate."""
+    """store/eval/drafters/<dir>-<digest>/report-<format>.json (on one `--prompts` file, a report of that
+    file's own: steps.evaluation.report_file): any drafter directory measured, no gate."""
 
     run: str
     drafter_dir: str
@@ -577,7 +578,15 @@ class ConversationManifest(Record):
     heldout_samples: int
     assistant_turns: int
     rejected: dict[str, int]  # reason -> rows
+    # reason -> samples kept in part (empty_content_truncated: cut before an empty turn); written when any
+    truncated: dict[str, int] = {}
     sample_ids: list[str]
+
+    def dump(self) -> dict[str, Any]:
+        out = self.model_dump()
+        if not self.truncated:
+            del out["truncated"]  # a shard without a cut sample is written as before the count existed
+        return out
 
 
 class RegeneratedManifest(OptionalFields):
@@ -648,8 +657,9 @@ class ConversationRow(Record):
 
 
 class RejectRow(Record):
-    """conversations/<key>.rejects.jsonl (and the unsharded rejects file): a row ingest refused, where it was,
-    why, and its text (cut at ingest.MAX_KEPT_RAW characters)."""
+    """conversations/<key>.rejects.jsonl (and the unsharded rejects file): a row ingest refused (or, reason
+    empty_content_truncated, cut before an empty turn and kept in part), where it was, why, and its text (cut
+    at ingest.MAX_KEPT_RAW characters)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 

@@ -144,11 +144,13 @@ def test_eval_drafter_measures_a_directory_from_elsewhere_on_a_prompt_file(
     config = json.loads((external / "config.json").read_text())
     del config["eagle3_export"]
     (external / "config.json").write_text(json.dumps(config))
-    done = _eagle3(project, "eval", "--drafter", str(external), "--prompts", str(FIXTURES / "prompts.jsonl"))
+    prompts = FIXTURES / "prompts.jsonl"
+    done = _eagle3(project, "eval", "--drafter", str(external), "--prompts", str(prompts))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "K=3: AL" in done.stdout
     out = StoreLayout(cfg.store_root).drafter_dir_eval(external)
-    report = json.loads(report_file(out, "speculators").read_text())
+    [first] = out.glob("report-*.json")
+    report = json.loads(first.read_text())
     assert list(report["sets"]) == ["prompts"] and report["format"] == "speculators"
     assert report["variant"]["norm_before_residual"] is False
     ours = json.loads(report_file(evaluated.path, "sglang").read_text())["sets"]["prompts"]["by_k"]["3"]
@@ -159,6 +161,17 @@ def test_eval_drafter_measures_a_directory_from_elsewhere_on_a_prompt_file(
     refused = _eagle3(project, "eval", "--drafter", str(tmp_path))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "config.json" in refused.stdout
+
+    # A second prompt set is measured into a report of its own; the first one's is kept as it was.
+    before = first.read_bytes()
+    other = tmp_path / "chat.jsonl"
+    other.write_text("".join(line for line in prompts.read_text().splitlines(True) if '"chat"' in line))
+    second = _eagle3(project, "eval", "--drafter", str(external), "--prompts", str(other))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert first.read_bytes() == before
+    measured = {name: p for p in out.glob("report-*.json") for name in json.loads(p.read_text())["sets"]}
+    assert measured == {"prompts": first, "chat": report_file(out, "speculators", other)}
+    assert f"kept: {first.name} (speculators): prompts AL " in second.stdout  # the CLI names what is kept
 
 
 def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output(

@@ -3,6 +3,7 @@ daemon ticks it: a dropped file's shards are added as partitions with one run re
 later tick hands over nothing twice."""
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -124,3 +125,18 @@ def test_a_file_of_rows_already_sharded_requests_no_run(project: Path, instance:
     second = _tick(instance, project, cursor=first.cursor)
     assert second.run_requests == [] and _added(second) == []
     assert second.skip_message and "2 duplicate row(s) skipped, no shard written" in second.skip_message
+
+
+def test_a_file_name_that_is_not_utf8_is_ingested_by_the_tick_and_files_after_it_too(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    _drop(project, os.fsdecode(b"caf\xe9.jsonl"), range(2))  # Latin-1 bytes: a valid Linux name, not UTF-8
+    _drop(project, "zeta.jsonl", range(2, 4))
+    first = _tick(instance, project, cursor=None)
+    assert _added(first) == ["t-00000", "t-00001"]
+    assert [r.partition_key for r in first.run_requests] == ["t-00000", "t-00001"]
+    ledger = json.loads((project.parent / "store" / "ledger.json").read_text())
+    assert ledger["sources"]["inbox/caf\\xe9.jsonl"]["shards"] == ["t-00000"]
+    assert ledger["sources"]["inbox/zeta.jsonl"]["shards"] == ["t-00001"]
+    second = _tick(instance, project, cursor=first.cursor)
+    assert second.run_requests == [] and second.skip_message and "no new file" in second.skip_message

@@ -198,3 +198,28 @@ def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_ke
     assert len(too_long) == len(lengths) - len(ids) > 0
     encode_fitting(tokenizer, prompts, room)  # measuring the same set again records nothing twice
     assert len([r for r in prompts.rejected if r["reason"] == "too_long"]) == len(too_long)
+
+
+def test_each_prompt_file_of_a_drafter_directory_has_a_report_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`eagle3 eval --drafter DIR --prompts FILE`: measuring another file never overwrites a file's report;
+    measuring the same file again (however its path is spelled) replaces only its own."""
+    from eagle3_core.steps.evaluation import report_file
+
+    out = tmp_path / "eval"
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    mine = report_file(out, "sglang", Path("prompts.jsonl"))
+    assert mine == report_file(out, "sglang", tmp_path / "b" / ".." / "a" / "prompts.jsonl")
+    assert mine.parent == out and mine.name.startswith("report-sglang-prompts-")
+    others = {
+        report_file(out, "sglang"),  # the configured sets: held-out and evaluate.prompt_files
+        report_file(out, "speculators", Path("prompts.jsonl")),
+        report_file(out, "sglang", tmp_path / "b" / "prompts.jsonl"),  # another file of the same name
+        report_file(out, "sglang", Path("mt-bench [v2].jsonl")),
+    }
+    assert len(others) == 4 and mine not in others
+    assert report_file(out, "sglang", Path("mt-bench [v2].jsonl")).name.startswith(
+        "report-sglang-mt-bench__v2_-"
+    )

@@ -255,3 +255,42 @@ def test_a_file_of_rows_already_in_the_store_makes_no_shard(tmp_path: Path) -> N
     assert report.inbox_shards == ["t-00000", "t-00001"]
     assert not StoreLayout(cfg.store_root).conversations_manifest("t-00002").exists()
     assert _record(cfg)["inbox/b.jsonl"]["state"] == "done"
+
+
+def test_a_file_name_that_is_not_utf8_is_ingested_and_jams_nothing_sorted_after_it(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _drop(tmp_path, os.fsdecode(b"caf\xe9.jsonl"), [_row(0), _row(1), "not json", _row(2)])
+    _drop(tmp_path, "zeta.jsonl", [_row(3)])
+    link = tmp_path / "inbox" / "link.jsonl"  # a refusal's reason names the target, in the record too
+    link.symlink_to(tmp_path / os.fsdecode(b"secret-\xff.txt"))
+    stored = "inbox/caf\\xe9.jsonl"  # each byte that is no UTF-8 as \xNN: JSON holds it, and it reads back
+    report = ingest_inbox(cfg)
+    assert report.ingested == [stored, "inbox/zeta.jsonl"] and report.failed == {}
+    assert report.new_keys == ["t-00000", "t-00001", "t-00002"]
+    assert report.rejected == {"malformed_json": 1}
+    assert "secret-\\xff.txt" in report.refused["inbox/link.jsonl"]
+    samples = _samples(cfg, report.new_keys)
+    assert [(s.source.file, s.messages[0].content) for s in samples] == [
+        (stored, "question 0"),
+        (stored, "question 1"),
+        (stored, "question 2"),
+        ("inbox/zeta.jsonl", "question 3"),
+    ]
+    record = _record(cfg)
+    assert record[stored]["state"] == "done" and record["inbox/zeta.jsonl"]["state"] == "done"
+    # Recorded under the name the next call computes: known from its stat, not read again.
+    again = ingest_inbox(cfg)
+    assert again.new_keys == [] and again.ingested == [] and again.failed == {} and again.refused == {}
+
+
+def test_a_row_cut_before_an_empty_turn_is_a_sample_and_the_inbox_counts_the_cut(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    turns = [("user", "q0"), ("assistant", "a0"), ("user", "q1"), ("assistant", " ")]
+    cut = json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+    _drop(tmp_path, "a.jsonl", [cut, _row(1)])
+    report = ingest_inbox(cfg)
+    assert report.truncated == {"empty_content_truncated": 1} and report.rejected == {}
+    assert [[m.content for m in s.messages] for s in _samples(cfg, report.new_keys)] == [
+        ["q0", "a0", "q1"],  # regeneration is on: the target answers q1
+        ["question 1"],
+    ]

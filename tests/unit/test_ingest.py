@@ -1,15 +1,18 @@
+import codecs
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
 
-from eagle3_core.config import load_config
-from eagle3_core.data.conversation import build_conversation, is_heldout
+from eagle3_core.config import ConfigError, load_config
+from eagle3_core.data.conversation import Conversation, build_conversation, is_heldout
 from eagle3_core.data.ingest import Ledger, SourceChangedError, ingest, load_conversation_shard
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import RejectRow, read_rows
+from eagle3_core.store.records import ConversationManifest, RejectRow, read_rows
 from tests.conftest import FIXTURES, write_config
 
 
@@ -262,3 +265,128 @@ def test_a_tail_without_a_new_sample_keeps_its_other_rejects_and_survives_a_cras
     assert json.loads(layout.ledger.read_text())["sources"]["a.jsonl"]["rows"] == 5
     assert not layout.conversations_manifest("t-00001").exists()
     assert ingest(cfg).rows_read == 0
+
+
+NOT_UTF8 = (
+    b"caf\xe9.jsonl"  # Latin-1 bytes, as a file copied from an old system is named; Linux allows any bytes
+)
+
+
+def test_a_file_name_that_is_not_utf8_is_ingested_under_a_json_safe_name_that_reads_back_to_its_bytes(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / os.fsdecode(NOT_UTF8)).write_text(_message_row(0) + "\n" + '{"messages": [\n')
+    _jsonl(tmp_path / "zeta.jsonl", 10, 1)  # sorted after it: must not be held up by it
+    cfg = load_config(_config(tmp_path, "[{path: '*.jsonl'}]", shard_size=10))
+    report = ingest(cfg)
+    stored = "caf\\xe9.jsonl"
+    assert codecs.escape_decode(stored.encode())[0] == NOT_UTF8  # the escape is lossless
+    assert [s.source for s in report.new_shards] == [stored, "zeta.jsonl"]
+    assert report.rejected == {"malformed_json": 1}
+    layout = StoreLayout(cfg.store_root)
+    samples, manifest = load_conversation_shard(cfg.store_root, "t-00000")
+    assert [(s.source.file, s.messages[0].content) for s in samples] == [(stored, "q 0")]
+    assert manifest.source == stored
+    [reject] = read_rows(layout.rejects("t-00000"), RejectRow.model_validate)
+    assert (reject.file, reject.line) == (stored, 2)
+    assert list(json.loads(layout.ledger.read_text())["sources"]) == [stored, "zeta.jsonl"]
+    # The same file gets the same name on the next run: its consumed rows are found, only new ones are read.
+    assert ingest(cfg).rows_read == 0
+    with open(tmp_path / os.fsdecode(NOT_UTF8), "a") as f:
+        f.write(_message_row(1) + "\n")
+    appended = ingest(cfg)
+    assert appended.new_keys == ["t-00002"] and appended.rows_read == 1
+    # A UTF-8 name spelling that escape literally would share the file's ledger entry: refused, naming both.
+    _jsonl(tmp_path / "caf\\xe9.jsonl", 20, 1)
+    with pytest.raises(ConfigError, match="would name two files") as refused:
+        ingest(cfg)
+    assert f"data.sources: {stored} would" in str(refused.value)
+    assert repr(os.fsencode(tmp_path / "caf\\xe9.jsonl")) in str(refused.value)
+    assert repr(os.fsencode(tmp_path) + b"/" + NOT_UTF8) in str(refused.value)
+
+
+def _turns(*contents: str, roles: tuple[str, ...] = ("user", "assistant") * 3) -> str:
+    """A `messages` row of these contents, with these roles in turn (user and assistant alternating)."""
+    return json.dumps(
+        {"messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)]}
+    )
+
+
+EMPTY_TURN_ROWS = [
+    _turns("q0", "a0", "q1", "  "),  # 1: the last reply empty: the first exchange is kept
+    _turns("q2", "a2", "", "a3"),  # 2: an empty question in the middle: the exchange before it is kept
+    _turns("   ", "x"),  # 3: nothing before the empty turn: rejected whole, as before
+    _turns("q4", ""),  # 4: a question whose reply is empty: a complete exchange only when regenerating
+    _turns("q5", "", "a5", roles=("user", "assistant", "assistant")),  # 5: a wrong shape, wherever it is
+]
+
+
+def test_an_empty_turn_keeps_the_complete_exchanges_before_it_and_counts_the_cut(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text("".join(f"{row}\n" for row in EMPTY_TURN_ROWS))
+    cfg = load_config(_config(tmp_path, "[{path: rows.jsonl}]"))
+    logged: list[str] = []
+    report = ingest(cfg, log=logged.append)
+    assert report.rows_read == 5 and report.new_shards[0].rows == 5  # every row once: a sample or a reject
+    assert report.truncated == {"empty_content_truncated": 2}
+    assert report.rejected == {"empty_content": 2, "wrong_shape": 1}  # row 5 alternates wrongly after its cut
+    samples, manifest = load_conversation_shard(cfg.store_root, "t-00000")
+    assert [[m.content for m in s.messages] for s in samples] == [["q0", "a0"], ["q2", "a2"]]
+    # the same id as the kept exchange alone, from any source: a copy of it elsewhere is a duplicate
+    assert (
+        samples[0].id
+        == build_conversation([("user", "q0"), ("assistant", "a0")], require_assistant=True).sample_id
+    )
+    assert (manifest.samples, manifest.truncated, manifest.rejected) == (2, report.truncated, report.rejected)
+    rejects = read_rows(StoreLayout(cfg.store_root).rejects("t-00000"), RejectRow.model_validate)
+    kept = [f"; the turns before are sample {s.id[:12]}" for s in samples]
+    assert [(r.line, r.reason, r.detail) for r in rejects] == [
+        (1, "empty_content_truncated", f"turn 3 (assistant) is empty: turns 2-3 of 4 dropped{kept[0]}"),
+        (2, "empty_content_truncated", f"turn 2 (user) is empty: turns 2-3 of 4 dropped{kept[1]}"),
+        (3, "empty_content", "turn 0 (user) is empty"),
+        (4, "empty_content", "turn 1 (assistant) is empty, and no complete exchange comes before it"),
+        (5, "wrong_shape", "turns 1 and 2 are both assistant: user and assistant must alternate"),
+    ]
+    assert rejects[0].raw == EMPTY_TURN_ROWS[0]  # the dropped turns are kept to look at
+    assert "t-00000: 2 samples, 2 cut before an empty turn, 3 rejected (rows.jsonl)" in logged
+    assert json.loads(StoreLayout(cfg.store_root).ledger.read_text())["sources"]["rows.jsonl"]["rows"] == 5
+    assert ingest(cfg).rows_read == 0
+
+
+def test_with_regeneration_a_question_whose_reply_is_empty_is_kept_for_the_target_to_answer(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "rows.jsonl").write_text(f"{EMPTY_TURN_ROWS[0]}\n{EMPTY_TURN_ROWS[3]}\n")
+    cfg = load_config(_config(tmp_path, "[{path: rows.jsonl}]", regenerate=True))
+    report = ingest(cfg)
+    assert report.truncated == {"empty_content_truncated": 2} and report.rejected == {}
+    samples, _ = load_conversation_shard(cfg.store_root, "t-00000")
+    assert [[m.content for m in s.messages] for s in samples] == [["q0", "a0", "q1"], ["q4"]]
+
+
+def test_rows_an_earlier_ingest_consumed_are_not_read_again_when_the_rules_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store ingested before empty turns were cut keeps its shards as they are: the ledger skips the rows it
+    consumed (checking their bytes), so only rows added since are read under the new rule."""
+    import eagle3_core.data.sources as sources
+
+    def rejecting_whole(turns: list[tuple[object, object]], **given: Any) -> Conversation:
+        return build_conversation(turns, **{**given, "keep_before_empty": False})  # the rule before
+
+    (tmp_path / "rows.jsonl").write_text(f"{_message_row(0)}\n{EMPTY_TURN_ROWS[0]}\n")
+    cfg = load_config(_config(tmp_path, "[{path: rows.jsonl}]"))
+    monkeypatch.setattr(sources, "build_conversation", rejecting_whole)
+    assert ingest(cfg).rejected == {"empty_content": 1}
+    layout = StoreLayout(cfg.store_root)
+    before = {p.name: p.read_bytes() for p in (cfg.store_root / "conversations").iterdir()}
+    monkeypatch.undo()
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write(f"{EMPTY_TURN_ROWS[1]}\n")
+    again = ingest(cfg)
+    assert again.rows_read == 1 and again.truncated == {"empty_content_truncated": 1}
+    assert {
+        p.name: p.read_bytes() for p in (cfg.store_root / "conversations").iterdir() if p.name in before
+    } == before
+    assert ConversationManifest.read(layout.conversations_manifest("t-00000")).rejected == {
+        "empty_content": 1
+    }

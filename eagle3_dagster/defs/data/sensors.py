@@ -80,6 +80,7 @@ def _log_report(context: dg.SensorEvaluationContext, report: InboxReport) -> Non
         context.log.info(
             f"{len(report.new_shards)} new shard(s) from {report.ingested or report.unfinished}; "
             f"rejected rows {report.rejected or 0}"
+            + (f"; cut before an empty turn {report.truncated}" if report.truncated else "")
         )
     for name, twin in report.same_as.items():
         context.log.info(f"{name}: same bytes as {twin}, already ingested; not read again")
