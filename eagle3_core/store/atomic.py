@@ -210,9 +210,21 @@ def atomic_versioned_directory(link: Path, versions: Path, label: str = "") -> I
     with atomic_directory(final) as temp:
         yield temp
     if link.is_dir() and not link.is_symlink():
-        os.rename(link, versions / version_name("before-versions"))
-    atomic_symlink(link, final)
+        _link_over_plain_directory(link, final, versions / version_name("before-versions"))
+    else:
+        atomic_symlink(link, final)
     keep_only_linked(link, versions)
+
+
+def _link_over_plain_directory(link: Path, final: Path, aside: Path) -> None:
+    """`link`, a plain directory, moved to `aside` and a symlink to `final` put in its place; if the link
+    cannot be made (a full disk), the directory goes back."""
+    os.rename(link, aside)
+    try:
+        atomic_symlink(link, final)
+    except BaseException:
+        os.rename(aside, link)
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:

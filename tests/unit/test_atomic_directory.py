@@ -1,6 +1,7 @@
 """atomic_directory, atomic_symlink and atomic_versioned_directory (eagle3_core/store/atomic.py): a directory
 under its final name is whole, whatever happens to its writer, and the next writer clears what a dead one left."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -210,3 +211,19 @@ def test_a_plain_directory_from_before_versions_is_replaced_by_the_link(tmp_path
     _publish(link, versions, "versioned")
     assert link.is_symlink() and (link / "id").read_text() == "versioned"
     assert [p.name for p in versions.iterdir()] == [link.resolve().name]  # the plain one removed after
+
+
+def test_a_plain_directory_goes_back_when_its_link_cannot_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link, versions = tmp_path / "export" / "r1", tmp_path / "versions" / "r1"
+    link.mkdir(parents=True)
+    (link / "id").write_text("plain")
+
+    def full(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "symlink", full)
+    with pytest.raises(OSError, match="No space left"):
+        _publish(link, versions, "versioned")
+    assert not link.is_symlink() and (link / "id").read_text() == "plain"
