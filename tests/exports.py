@@ -1,12 +1,14 @@
-"""Builders shared by the export tests: a hand-made vocab mapping and a random drafter bound to it."""
+"""Builders shared by the export tests: a hand-made vocab mapping, a random drafter bound to it, its export."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.export import ExportTarget
+from eagle3_core.export import ExportTarget, export_sglang, export_speculators
 
 # An 8-layer target; aux layers 2, 4, 5 in the project convention (the inputs of those decoder layers).
 LLAMA_8L = ExportTarget(
@@ -69,3 +71,14 @@ def random_drafter(cfg: DrafterConfig, embed: torch.Tensor | None = None, seed: 
             if "norm" in name:
                 param.add_(0.2 * torch.randn_like(param))
     return drafter.eval()
+
+
+def write_tiny_export(out: Path, seed: int = 0) -> Path:
+    """Both formats of a tiny random drafter for LLAMA_8L, validated, as plain directories out/sglang and
+    out/speculators (the layout of an export before versions, which eagle3 still reads): what promotion and
+    serving read, without a target or a training run."""
+    drafter = random_drafter(drafter_config(LLAMA_8L, 16), seed=seed)
+    mapping = hand_mapping(64, 16)
+    export_sglang(drafter, mapping, LLAMA_8L, out / "sglang", dtype=torch.float32)
+    export_speculators(drafter, mapping, LLAMA_8L, out / "speculators", dtype=torch.float32)
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_core.config import TrainConfig, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import RunProgress, RunSummary
+from eagle3_core.store.records import RunProgress, RunSummary, ShardFacts
 from tests.conftest import FIXTURES, write_config
 
 
@@ -106,6 +106,72 @@ def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: 
         "gate": gate_dict(run, **gate),
         "pictures": {"acceptance": "/s/acceptance-sglang.png", "training_curves": "/s/training_curves.png"},
     }
+
+
+def trained_run(layout: StoreLayout, target_dir: Path, run: str, seed: int = 0) -> Path:
+    """Run `run` finished and made the latest, as training leaves it (final/ and latest.json), with a random
+    drafter for the target at `target_dir`: what export and evaluation read, without training one."""
+    from eagle3_core.draft.vocab import build_vocab_mapping
+    from eagle3_core.export import ExportTarget
+    from eagle3_core.store.atomic import atomic_write_json
+    from eagle3_core.targets.head import load_target_head
+    from eagle3_core.train.run_dir import write_final
+    from tests.exports import drafter_config, random_drafter
+
+    target = ExportTarget.from_model_dir(target_dir, (2, 4, 5), "post_norm")
+    drafter = random_drafter(drafter_config(target, 64), load_target_head(target_dir).embed, seed=seed)
+    shard = _token_shard(layout.root / "vocab-shard")
+    mapping = build_vocab_mapping([shard], target.vocab_size, 64, tokenizer_fingerprint="t" * 64)
+    summary = RunSummary(
+        **{
+            **summary_dict(run),
+            "drafter_config": drafter.cfg.model_dump(),
+            "vocab_mapping": mapping.fingerprint,
+        }
+    )
+    final = write_final(layout.drafter_runs / run, drafter, mapping, summary)
+    atomic_write_json(layout.drafter_latest, {"run": run, "final": layout.pointer_path(final)})
+    return final
+
+
+def _token_shard(directory: Path) -> Path:
+    """A hidden-state shard of one sample, tokens 0..99 each once, all in the loss: what a vocab mapping of
+    K <= 100 (the 100 tie, the lowest ids taken) is built from."""
+    import torch
+
+    from eagle3_core.store.shards import ShardWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "t-00000.safetensors"
+    facts = ShardFacts(tokenizer_fingerprint="t" * 64)
+    with ShardWriter(
+        path, sample_ids=["s" * 64], lengths=[100], hidden_size=4, store_dtype="float32", facts=facts
+    ) as w:
+        w.write_sample(
+            0,
+            torch.arange(100, dtype=torch.int32),
+            torch.ones(100, dtype=torch.uint8),
+            torch.zeros(100, 12),
+            torch.zeros(100, 4),
+        )
+        w.finalize()
+    return path
+
+
+def evaluated_run(layout: StoreLayout, run: str, seed: int = 0) -> None:
+    """Run `run` finished, made the latest, exported (a tiny drafter, tests/exports.py) and evaluated with its
+    gate passed, as the steps leave it: what `promote_step` promotes."""
+    from eagle3_core.steps.evaluation import report_file
+    from eagle3_core.store.atomic import atomic_write_json
+    from eagle3_core.store.records import EvalReport
+    from tests.exports import write_tiny_export
+
+    final = layout.drafter_runs / run / "final"
+    write_summary(final, run)
+    atomic_write_json(layout.drafter_latest, {"run": run, "final": layout.pointer_path(final)})
+    write_tiny_export(layout.exports / run, seed)
+    report = EvalReport(**report_dict(run, layout.pointer_path(layout.exports / run)))
+    report.write(report_file(layout.export_eval(run), "sglang"))
 
 
 def run_progress(tokens: int = 0, steps: int = 3) -> RunProgress:

@@ -1,15 +1,25 @@
 """Exports of a trained drafter that SGLang and vLLM/speculators load as-is, validated against their key sets;
-and the loading of any EAGLE-3 drafter directory in either format, ours or another trainer's."""
+and the loading of any EAGLE-3 drafter directory in either format, ours or another trainer's.
+
+A run's export is published whole (`publish_export`): both formats in one directory, each validated, then
+linked in one rename, so a crash or a full disk leaves the previous export or none, never one format alone.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError
 
-from eagle3_core.errors import ExportError
+from eagle3_core.draft.model import Eagle3Drafter
+from eagle3_core.draft.vocab import VocabMapping
+from eagle3_core.errors import DiskSpaceError, ExportError
 from eagle3_core.export.common import (
     CONFIG_FILE,
     ExportFormat,
@@ -24,8 +34,11 @@ from eagle3_core.export.common import (
 from eagle3_core.export.sglang import ARCHITECTURE as SGLANG_ARCHITECTURE
 from eagle3_core.export.sglang import SGLANG, export_sglang, written_layer_ids
 from eagle3_core.export.speculators import SPECULATORS, export_speculators
+from eagle3_core.store.atomic import atomic_versioned_directory
+from eagle3_core.store.shards import DISK_FULL
 
 FORMATS: dict[FormatName, ExportFormat] = {"sglang": SGLANG, "speculators": SPECULATORS}
+OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors' writer (Rust) reports the errno of a failed write
 
 
 def _format(fmt: FormatName) -> ExportFormat:
@@ -56,6 +69,73 @@ def validate_export(out_dir: Path, fmt: FormatName | Literal["auto"]) -> None:
     Our own exports are held to their exact layout; a drafter from another trainer to what its engine loads.
     """
     check_export(_format(detect_format(out_dir) if fmt == "auto" else fmt), Path(out_dir))
+
+
+def check_complete_export(export_dir: Path) -> None:
+    """ExportError, in one line naming what is missing or wrong, unless `export_dir` holds both formats, each a
+    valid export: a drafter is served and promoted as the pair. (An export cut short by an eagle3 that wrote
+    the formats one after the other holds `sglang/` alone.)"""
+    export_dir = Path(export_dir)
+    missing = [f"{name}/{CONFIG_FILE}" for name in FORMATS if not (export_dir / name / CONFIG_FILE).is_file()]
+    if missing:
+        raise ExportError(
+            f"{export_dir}: incomplete export: no {' and no '.join(missing)}; export it again "
+            "(`eagle3 export`, or materialize drafter_export), which writes both formats or neither"
+        )
+    for name, fmt in FORMATS.items():
+        check_export(fmt, export_dir / name)
+
+
+def publish_export(
+    drafter: Eagle3Drafter,
+    mapping: VocabMapping,
+    target: ExportTarget,
+    link: Path,
+    versions: Path,
+    *,
+    dtype: torch.dtype,
+    speculative_tokens: int,
+) -> Path:
+    """Both formats of the drafter in one new version directory in `versions`, each validated while hidden,
+    then published at `link` (`export/<run>`) in one rename (store/atomic.py `atomic_versioned_directory`);
+    returns `link`. The caller holds the run's export lock.
+
+    `link` stays the previous export, whole, until that rename: a crash, or any error, before it publishes
+    nothing. A full disk is a DiskSpaceError saying so.
+    """
+    with _disk_full_said(link, versions), atomic_versioned_directory(link, versions) as staging:
+        export_sglang(drafter, mapping, target, staging / "sglang", dtype=dtype)
+        export_speculators(
+            drafter,
+            mapping,
+            target,
+            staging / "speculators",
+            dtype=dtype,
+            speculative_tokens=speculative_tokens,
+        )
+        check_complete_export(staging)
+    return link
+
+
+@contextmanager
+def _disk_full_said(link: Path, versions: Path) -> Iterator[None]:
+    """A full disk or quota while exporting -> DiskSpaceError naming the export and the free space left."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        code = err.errno if isinstance(err, OSError) else _safetensors_errno(err)
+        if code not in DISK_FULL:
+            raise
+        free = shutil.disk_usage(versions).free  # made before anything is written
+        raise DiskSpaceError(
+            f"{link}: the disk filled up while exporting ({err}); nothing was published, {link} is as it was. "
+            f"{versions} has {free:,} bytes ({free / 2**30:.2f} GiB) free: free space, then export again"
+        ) from err
+
+
+def _safetensors_errno(err: SafetensorError) -> int | None:
+    found = OS_ERROR.search(str(err))
+    return int(found.group(1)) if found else None
 
 
 def load_drafter_dir(
@@ -96,11 +176,13 @@ __all__ = [
     "ExportTarget",
     "FormatName",
     "LoadedExport",
+    "check_complete_export",
     "detect_format",
     "export_sglang",
     "export_speculators",
     "load_drafter_dir",
     "load_export",
+    "publish_export",
     "validate_export",
     "written_layer_ids",
 ]

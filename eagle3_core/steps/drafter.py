@@ -29,7 +29,9 @@ from eagle3_core.draft.vocab import (
 from eagle3_core.errors import Eagle3Error, StaleVocabMappingError
 from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import DrafterCurrent, DrafterLatest, RunSummary
+from eagle3_core.store.locks import writer_lock
+from eagle3_core.store.promotion import read_current
+from eagle3_core.store.records import DrafterLatest, RunSummary
 from eagle3_core.store.shards import read_shard_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
@@ -220,9 +222,10 @@ def accuracy_per_position(summary: RunSummary, steps: int) -> list[float | None]
 
 def promoted_final(layout: StoreLayout) -> Path:
     """The finished training run of the promoted drafter (what train.init_from: current starts from)."""
-    if not layout.drafter_current.exists():
+    current = read_current(layout)  # through the `current` link, as the gate and serving read it
+    if current is None:
         raise Eagle3Error("train.init_from is 'current' but no drafter is promoted yet; set it to 'scratch'")
-    run = DrafterCurrent.read(layout.drafter_current).run
+    run = current.run
     final = layout.drafter_runs / run / FINAL
     if not (final / SUMMARY).exists():
         raise Eagle3Error(
@@ -257,8 +260,9 @@ def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
 
 
 def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
-    """Both engine formats of the newest trained drafter, each validated, under export/<run>/{sglang,speculators}."""
-    from eagle3_core.export import ExportTarget, export_sglang, export_speculators, written_layer_ids
+    """Both engine formats of the newest trained drafter, each validated, published together at
+    export/<run>/{sglang,speculators}: the previous export of the run, whole, until both are written."""
+    from eagle3_core.export import ExportTarget, publish_export, written_layer_ids
     from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.run_dir import load_trained
 
@@ -268,11 +272,18 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     drafter, mapping, summary = load_trained(final, load_target_head(target).embed)
     facts = ExportTarget.from_model_dir(target, summary.aux_layer_ids, summary.final_state_convention)
     out = layout.exports / summary.run
-    dtype = export_dtype(cfg, target)
-    sglang = export_sglang(drafter, mapping, facts, out / "sglang", dtype=dtype)
-    speculators = export_speculators(
-        drafter, mapping, facts, out / "speculators", dtype=dtype, speculative_tokens=cfg.evaluate.gate_k
-    )  # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
+    with writer_lock(layout.export_lock(summary.run), f"the export of run {summary.run} ({out})"):
+        publish_export(
+            drafter,
+            mapping,
+            facts,
+            out,
+            layout.export_versions(summary.run),
+            dtype=export_dtype(cfg, target),
+            # vLLM's default draft length: the K the promotion gate measured, as the SGLang serve command uses
+            speculative_tokens=cfg.evaluate.gate_k,
+        )
+    sglang, speculators = out / "sglang", out / "speculators"
     sglang_ids = written_layer_ids(sglang)
     log(f"exported run {summary.run}: {sglang} and {speculators}")
     return StepResult(

@@ -39,11 +39,13 @@ from eagle3_core.evaluate.measure import (
 )
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
+from eagle3_core.export import FORMATS, check_complete_export
 from eagle3_core.export.common import FormatName
 from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.steps.drafter import latest_final, latest_summary
-from eagle3_core.store.atomic import atomic_symlink, atomic_write_json
+from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.promotion import promote, read_current
 from eagle3_core.store.records import (
     CategoryMeasurement,
     DrafterCurrent,
@@ -192,10 +194,6 @@ def _measure_sets(
     return fitting, measured
 
 
-def read_current(layout: StoreLayout) -> DrafterCurrent | None:
-    return DrafterCurrent.read(layout.drafter_current) if layout.drafter_current.exists() else None
-
-
 def _rounded(interval: tuple[float, float]) -> list[float]:
     return [round(x, 4) for x in interval]
 
@@ -283,10 +281,11 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     summary = RunSummary.read(final / SUMMARY)
     run = summary.run
     export_root = layout.exports / run
-    if not (export_root / ev.export_format).is_dir():
+    if not export_root.exists():
         raise Eagle3Error(
-            f"{export_root / ev.export_format}: run {run} is not exported yet (materialize drafter_export)"
+            f"{export_root}: run {run} is not exported yet (materialize drafter_export, or `eagle3 export`)"
         )
+    check_complete_export(export_root)  # the gate measures only what can be promoted: both formats
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
@@ -512,22 +511,24 @@ def read_report(cfg: Eagle3Config) -> EvalReport:
 
 
 def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
-    """Point `current` at the newest evaluated run, if its gate passed; PromotionRefused otherwise."""
+    """Point `current` at the newest evaluated run, if its gate passed and its export is complete;
+    PromotionRefused, or ExportError naming what is missing, otherwise."""
     layout = StoreLayout(cfg.store_root)
     report = read_report(cfg)
     gate = report.gate
     if not gate.passed:
         raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
+    export_root = layout.exports / report.run
+    check_complete_export(export_root)  # never promote what cannot be served in both formats
     record = DrafterCurrent(
         run=report.run,
-        export_dir=layout.pointer_path(layout.exports / report.run),
+        export_dir=layout.pointer_path(export_root),
         acceptance_length=gate.candidate_al,
         k=gate.k,
         promoted_at=datetime.now(UTC).isoformat(timespec="seconds"),
         replaced=gate.current_run,
     )
-    atomic_symlink(layout.drafter_current_link, layout.exports / report.run)
-    record.write(layout.drafter_current)
+    promote(layout, record, tuple(FORMATS))  # one rename: the record and the drafter served move together
     log(
         f"promoted drafter {report.run} (AL {gate.candidate_al:.3f} at K={gate.k}): {layout.drafter_current_link}"
     )

@@ -56,16 +56,16 @@ C = TypeVar("C", ServedSGLangConfig, ServedSpeculatorsConfig)
 
 
 def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
-    """The export to serve and why: the promoted one (`drafter/current`), else the newest export."""
+    """The export to serve and why: the promoted one (`drafter/current`), else the newest complete export."""
     layout = StoreLayout(cfg.store_root)
     current = layout.drafter_current_link
-    if (current / "sglang" / "config.json").is_file():
+    if (current / "sglang" / CONFIG_FILE).is_file():
         # the link itself, not where it points: a server restarted after the next promotion serves that one
         return current, "promoted: drafter/current"
     exports = (
         sorted(
-            (p for p in layout.exports.iterdir() if (p / "sglang" / "config.json").is_file()),
-            key=lambda p: (p / "sglang" / "config.json").stat().st_mtime,
+            (p for p in layout.exports.iterdir() if _both_formats(p)),
+            key=lambda p: (p / "sglang" / CONFIG_FILE).stat().st_mtime,
         )
         if layout.exports.is_dir()
         else []
@@ -75,6 +75,14 @@ def served_export(cfg: Eagle3Config) -> tuple[Path, str]:
             f"{layout.exports}: no exported drafter yet (materialize drafter_export, or run `eagle3 export`)"
         )
     return exports[-1], "newest export, not promoted"
+
+
+def _both_formats(export_dir: Path) -> bool:
+    """A published export (not a writer's hidden temporary) with both formats' config.json: one with
+    `sglang/` alone was cut short by an older eagle3 and cannot be served by vLLM."""
+    return not export_dir.name.startswith(".") and all(
+        (export_dir / name / CONFIG_FILE).is_file() for name in ("sglang", "speculators")
+    )
 
 
 def _config(model: type[C], directory: Path) -> C:

@@ -5,6 +5,10 @@ A file (or directory) that exists under its final name is complete; a crash leav
 `.NAME.tmp-PID`, which the next writer of the same name removes (`remove_stale_temps`). Where two processes
 may write the same name (a shard, a toy target), the writer holds its lock first
 (eagle3_core/store/locks.py; the toy build's lock), so it never removes a live one's.
+
+A directory that is published again and again under one name while readers use it (a run's export, the
+promoted drafter) is an immutable version behind a symlink (`atomic_versioned_directory`): a symlink can be
+replaced in one rename, a directory cannot, so the name always gives a whole version.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -163,6 +168,62 @@ def atomic_symlink(link: Path, target: Path) -> None:
         commit(temp, link)
     except BaseException:
         temp.unlink(missing_ok=True)
+        raise
+
+
+def version_name(label: str = "") -> str:
+    """A new version's name: `label`, the time to the microsecond (versions sort by age) and the writer's PID."""
+    stamp = f"{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{os.getpid()}"
+    return f"{label}-{stamp}" if label else stamp
+
+
+def keep_only_linked(link: Path, versions: Path) -> list[Path]:
+    """Remove everything in `versions` but the version `link` resolves to: the versions it no longer names,
+    a version a crashed writer renamed in but never linked, and crashed writers' temporaries. The caller
+    holds `link`'s lock, so no live writer's temporary is among them."""
+    if not versions.is_dir():
+        return []
+    served = Path(link).resolve()
+    removed = [entry for entry in sorted(versions.iterdir()) if entry.resolve() != served]
+    for entry in removed:
+        _remove(entry)
+    return removed
+
+
+@contextmanager
+def atomic_versioned_directory(link: Path, versions: Path, label: str = "") -> Iterator[Path]:
+    """A new version of the directory published at `link`: the body fills a fresh directory; once it returns,
+    it is fsynced whole, renamed into `versions` under a new name (`version_name`), and `link`, a symlink to
+    it, replaces the old link in one rename. Then the versions `link` no longer names are removed.
+
+    `link` is never absent nor partial: a reader finds the old version whole until the rename, the new one
+    whole after it; a crash anywhere leaves the old one linked, and the next writer removes what the crash
+    left in `versions`. If the body raises, nothing is published and `link` is left as it was. The caller
+    holds `link`'s lock (eagle3_core/store/locks.py): the leftovers are cleared without asking whose they are.
+
+    A store written before versions has a plain directory at `link`: it is moved into `versions` and the link
+    put in its place, two renames between which `link` is absent, once per such directory.
+    """
+    link, versions = Path(link), Path(versions)
+    keep_only_linked(link, versions)
+    final = versions / version_name(label)
+    with atomic_directory(final) as temp:
+        yield temp
+    if link.is_dir() and not link.is_symlink():
+        _link_over_plain_directory(link, final, versions / version_name("before-versions"))
+    else:
+        atomic_symlink(link, final)
+    keep_only_linked(link, versions)
+
+
+def _link_over_plain_directory(link: Path, final: Path, aside: Path) -> None:
+    """`link`, a plain directory, moved to `aside` and a symlink to `final` put in its place; if the link
+    cannot be made (a full disk), the directory goes back."""
+    os.rename(link, aside)
+    try:
+        atomic_symlink(link, final)
+    except BaseException:
+        os.rename(aside, link)
         raise
 
 

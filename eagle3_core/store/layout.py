@@ -11,6 +11,7 @@ SHARD_KEY = re.compile(r"^(?P<dataset>[a-z0-9][a-z0-9_]*)-(?P<index>\d{5,})$")
 VOCAB_INFO_FILE = (
     "vocab_mapping.json"  # the vocab mapping's JSON half (draft/vocab.py writes it, store checks read it)
 )
+PROMOTION_RECORD = "current.json"  # the DrafterCurrent record, in each promotion directory
 
 
 def shard_key(dataset: str, index: int) -> str:
@@ -100,8 +101,10 @@ class StoreLayout:
 
     def pointer_path(self, path: Path) -> str:
         """`path` as a pointer file stores it: relative to the store, so a copied or moved store points at
-        its own drafters, not the original's."""
-        return Path(path).resolve().relative_to(self.root.resolve()).as_posix()
+        its own drafters, not the original's. The last component is kept as it is, not followed: a pointer
+        to `export/<run>` names the run's export, whichever version that link gives."""
+        path = Path(path)
+        return (path.parent.resolve() / path.name).relative_to(self.root.resolve()).as_posix()
 
     def from_pointer(self, stored: str) -> Path:
         """A path a pointer file stored (relative to the store; an absolute one from before is kept as it is)."""
@@ -114,7 +117,17 @@ class StoreLayout:
 
     @property
     def exports(self) -> Path:
+        """export/<run>: each a symlink to the run's current export version (`export_versions`)."""
         return self.root / "drafter" / "export"
+
+    def export_versions(self, run: str) -> Path:
+        """The versions of a run's export, both formats each, never changed once renamed in (their eval/
+        apart): `export/<run>` links the current one, so exporting again swaps a link, not a directory."""
+        return self.root / "drafter" / "export-versions" / run
+
+    def export_lock(self, run: str) -> Path:
+        """Held while run `run` is exported, so one writer clears leftovers and swaps its link."""
+        return self.root / ".locks" / f"export-{_safe_name(run)}.lock"
 
     def export_eval(self, run: str) -> Path:
         """The measured acceptance of one run's export: report-<format>.json and the PNGs, beside the export."""
@@ -131,13 +144,31 @@ class StoreLayout:
 
     @property
     def drafter_current(self) -> Path:
-        """JSON record of the promoted drafter (the one to serve), written only through the promotion gate."""
+        """drafter/current.json: a fixed symlink to `current/current.json` (`current_record`), for people and
+        tools. Before promotion directories it was a plain file, written after the link."""
         return self.root / "drafter" / "current.json"
 
     @property
     def drafter_current_link(self) -> Path:
-        """Symlink to the promoted run's export directory: serve `current/sglang` or `current/speculators`."""
+        """The promotion in one symlink, to a promotion directory (`promotions`) that holds the record and
+        `sglang`, `speculators` links into the run's export: serve `current/sglang` or `current/speculators`.
+        Moving this link is the whole promotion, so the record and the drafter served never disagree."""
         return self.root / "drafter" / "current"
+
+    @property
+    def current_record(self) -> Path:
+        """The promoted drafter's record (DrafterCurrent), read through the `current` link."""
+        return self.drafter_current_link / PROMOTION_RECORD
+
+    @property
+    def promotions(self) -> Path:
+        """Promotion directories, each written whole before `current` links it; only the linked one is kept."""
+        return self.root / "drafter" / "promotions"
+
+    @property
+    def promotion_lock(self) -> Path:
+        """Held while a drafter is promoted, so one promoter clears leftovers and moves `current`."""
+        return self.root / ".locks" / "promotion.lock"
 
     @property
     def run_dir(self) -> Path:

@@ -409,7 +409,8 @@ class DrafterLatest(Record):
 
 
 class DrafterCurrent(Record):
-    """drafter/current.json: the promoted drafter, the AL its gate measured, and the run it replaced."""
+    """The promoted drafter, the AL its gate measured, and the run it replaced: `current.json` in the promotion
+    directory that the `current` link names, read through the link (store/promotion.py)."""
 
     run: str
     export_dir: str  # relative to the store, like DrafterLatest.final

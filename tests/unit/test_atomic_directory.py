@@ -1,6 +1,7 @@
-"""atomic_directory and atomic_symlink (eagle3_core/store/atomic.py): a directory under its final name is whole,
-whatever happens to its writer, and the next writer clears what a dead one left."""
+"""atomic_directory, atomic_symlink and atomic_versioned_directory (eagle3_core/store/atomic.py): a directory
+under its final name is whole, whatever happens to its writer, and the next writer clears what a dead one left."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -10,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.store import atomic
-from eagle3_core.store.atomic import atomic_directory, atomic_symlink, temp_path_for
+from eagle3_core.store.atomic import (
+    atomic_directory,
+    atomic_symlink,
+    atomic_versioned_directory,
+    temp_path_for,
+)
 
 WRITER = """
 import sys, time
@@ -160,3 +166,64 @@ def test_atomic_symlink_points_relative_and_swaps_without_touching_the_old_targe
     assert link.readlink() == Path("../exports/r2") and (link / "id").read_text() == "r2"
     assert (a / "id").read_text() == "r1"  # the link was replaced, not the directory it pointed at
     assert sorted(p.name for p in link.parent.iterdir()) == ["current"]
+
+
+def _publish(link: Path, versions: Path, text: str) -> Path:
+    with atomic_versioned_directory(link, versions) as temp:
+        (temp / "id").write_text(text)
+    return link
+
+
+def test_a_versioned_directory_is_published_by_swapping_a_relative_link(tmp_path: Path) -> None:
+    link, versions = tmp_path / "export" / "r1", tmp_path / "versions" / "r1"
+    _publish(link, versions, "one")
+    first = link.resolve()
+    assert link.is_symlink() and not Path(os.readlink(link)).is_absolute() and first.parent == versions
+    _publish(link, versions, "two")
+    assert (link / "id").read_text() == "two" and not first.exists()  # the old version removed after
+    assert [p.name for p in versions.iterdir()] == [link.resolve().name]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["r1"]
+
+
+def test_a_failed_version_leaves_the_link_and_the_next_writer_clears_what_a_dead_one_left(
+    tmp_path: Path,
+) -> None:
+    link, versions = tmp_path / "export" / "r1", tmp_path / "versions" / "r1"
+    _publish(link, versions, "one")
+    with pytest.raises(RuntimeError, match="body failed"), atomic_versioned_directory(link, versions) as temp:
+        (temp / "id").write_text("half")
+        raise RuntimeError("body failed")
+    assert (link / "id").read_text() == "one" and len(list(versions.iterdir())) == 1
+    (versions / ".20990101T000000000000Z-999.tmp-999").mkdir()  # a dead writer's temporary
+    (versions / "20990101T000000000000Z-999").mkdir()  # renamed in, never linked: it died before the link
+    (link.parent / ".r1.tmp-999").symlink_to("nowhere")  # its temporary link
+    _publish(link, versions, "two")
+    assert (link / "id").read_text() == "two" and [p.name for p in versions.iterdir()] == [
+        link.resolve().name
+    ]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["r1"]
+
+
+def test_a_plain_directory_from_before_versions_is_replaced_by_the_link(tmp_path: Path) -> None:
+    link, versions = tmp_path / "export" / "r1", tmp_path / "versions" / "r1"
+    link.mkdir(parents=True)
+    (link / "id").write_text("plain")
+    _publish(link, versions, "versioned")
+    assert link.is_symlink() and (link / "id").read_text() == "versioned"
+    assert [p.name for p in versions.iterdir()] == [link.resolve().name]  # the plain one removed after
+
+
+def test_a_plain_directory_goes_back_when_its_link_cannot_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link, versions = tmp_path / "export" / "r1", tmp_path / "versions" / "r1"
+    link.mkdir(parents=True)
+    (link / "id").write_text("plain")
+
+    def full(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "symlink", full)
+    with pytest.raises(OSError, match="No space left"):
+        _publish(link, versions, "versioned")
+    assert not link.is_symlink() and (link / "id").read_text() == "plain"

@@ -9,24 +9,16 @@ from pathlib import Path
 
 from eagle3_core.config import load_config
 from eagle3_core.steps.drafter import latest_final
-from eagle3_core.steps.evaluation import promote_step, read_current, report_file
+from eagle3_core.steps.evaluation import promote_step, read_current
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import EvalReport
 from tests.conftest import write_config
-from tests.records import report_dict, write_summary
+from tests.records import evaluated_run
 
 
 def _store_with_an_evaluated_run(project: Path) -> Path:
     config = write_config(project, "store: store\ntarget: {path: toy}\n")
-    layout = StoreLayout(project / "store")
-    final = layout.drafter_runs / "r1" / "final"
-    write_summary(final, "r1")
-    # as drafter_checkpoint_step writes it
-    atomic_write_json(layout.drafter_latest, {"run": "r1", "final": layout.pointer_path(final)})
-    (layout.exports / "r1" / "sglang").mkdir(parents=True)
-    report = EvalReport(**report_dict("r1", layout.pointer_path(layout.exports / "r1")))
-    report.write(report_file(layout.export_eval("r1"), "sglang"))
+    evaluated_run(StoreLayout(project / "store"), "r1")
     return config
 
 

@@ -17,6 +17,7 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.errors import TargetError
 from eagle3_core.targets.resolve import check_target_dir, safetensors_weights
 from tests.conftest import write_config
+from tests.exports import write_tiny_export
 from tests.records import write_summary
 
 Break = Callable[[Path], None]
@@ -35,7 +36,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     final = store / "drafter" / "runs" / "fake" / "final"
     write_summary(final, "fake")
     (store / "drafter" / "latest.json").write_text(json.dumps({"run": "fake", "final": str(final)}))
-    (store / "drafter" / "export" / "fake" / "sglang").mkdir(parents=True)
+    write_tiny_export(store / "drafter" / "export" / "fake")  # complete: eval refuses half an export
     return store
 
 

@@ -46,7 +46,8 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
     automation_condition=after_its_parent(),
 )
 def drafter_export(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
-    """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key."""
+    """The SGLang and vLLM/speculators directories of the newest drafter, validated key by key, published
+    together in one rename (a crash leaves the previous export, whole)."""
     cfg = eagle3.config()
     result = drafter.export_step(cfg, context.log.info)
     # the exact launch commands for this export, on its page (the same as `eagle3 serve-command --export`)

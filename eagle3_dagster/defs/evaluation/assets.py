@@ -46,7 +46,7 @@ def not_worse_than_current(eagle3: Eagle3Resource) -> dg.AssetCheckResult:
     automation_condition=after_its_parent(),
 )
 def drafter_current(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
-    """The promoted drafter: `store/drafter/current` points at its export (serve current/sglang)."""
+    """The promoted drafter: `store/drafter/current` links its promotion (record and export) in one rename."""
     return dg.MaterializeResult(
         metadata=step_metadata(evaluation.promote_step(eagle3.config(), context.log.info))
     )

@@ -1,0 +1,177 @@
+"""A run's export is published whole (export/__init__.py `publish_export`): `eagle3 export` SIGKILLed between its
+two formats or at any of its renames, or stopped by a full disk, leaves the previous export or none, never one
+format alone; and re-exporting the promoted run never takes `current/sglang` away. After each, the next
+commands (`eagle3 eval --promote`, `eagle3 export`, `eagle3 serve-command`) work on the store.
+
+The drafter has random weights for the toy target (tests/records.py `trained_run`): export and evaluation read
+final/ only, so nothing is trained here.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3_cli.main import main
+from eagle3_core.config import load_config
+from eagle3_core.errors import DiskSpaceError
+from eagle3_core.export import validate_export
+from eagle3_core.steps.drafter import export_step
+from eagle3_core.steps.evaluation import promote_step, read_current, report_file
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import EvalReport
+from tests.conftest import FIXTURES, write_config
+from tests.kill import eagle3, every_crash_point, export_latest, hidden_leftovers, run_killed_at_call
+from tests.records import report_dict, trained_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FORMATS = ("sglang", "speculators")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
+    """A project whose newest run (random weights) is finished and not exported yet; each test copies it."""
+    project = tmp_path_factory.mktemp("trained") / "project"
+    write_config(
+        project,
+        f"store: store\ntarget: {{path: {toy_target_dir}}}\nevaluate: {{ks: [1], gate_k: 1, max_prompts: 2, "
+        f"max_new_tokens: 4, prompt_files: [{FIXTURES / 'prompts.jsonl'}]}}\n",
+    )
+    trained_run(StoreLayout(project / "store"), toy_target_dir, "r1", seed=1)
+    return project
+
+
+def copy_of(project: Path, to: Path) -> Path:
+    shutil.rmtree(to, ignore_errors=True)
+    shutil.copytree(project, to, symlinks=True)
+    return to / "eagle3.yaml"
+
+
+def complete(export_dir: Path) -> bool:
+    """Both formats there, each valid (eagle3's own check of an export directory)."""
+    for fmt in FORMATS:
+        if not (export_dir / fmt / "config.json").is_file():
+            return False
+        validate_export(export_dir / fmt, fmt)  # type: ignore[arg-type]
+    return True
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`eagle3 ARGS` (the console script's main, in this process): its status and what it printed."""
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_export_killed_between_its_two_formats_publishes_nothing(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = copy_of(trained, tmp_path / "project")
+    layout = StoreLayout(config.parent / "store")
+    code = run_killed_at_call(
+        "eagle3_core.export:export_speculators", eagle3, "--config", str(config), "export"
+    )
+    assert code == -signal.SIGKILL
+    assert not (layout.exports / "r1").exists()  # not sglang/ alone
+
+    refused, out = cli(capsys, "--config", str(config), "eval", "--promote")
+    assert refused == 2 and "run r1 is not exported yet" in out and len(out.strip().splitlines()) == 1
+    assert read_current(layout) is None
+
+    assert cli(capsys, "--config", str(config), "export")[0] == 0  # exported again, whole
+    assert complete(layout.exports / "r1") and hidden_leftovers(layout.root / "drafter") == []
+    promoted, out = cli(capsys, "--config", str(config), "eval", "--promote")
+    assert promoted == 0, out
+    served, out = cli(capsys, "--config", str(config), "serve-command", "--json")
+    assert served == 0 and json.loads(out)["drafter"] == str(layout.drafter_current_link)
+    assert complete(layout.drafter_current_link)
+
+
+def test_an_export_killed_at_any_rename_leaves_none_or_all_of_it(trained: Path, tmp_path: Path) -> None:
+    work = tmp_path / "project"
+    layout = StoreLayout(work / "store")
+
+    def check(n: int) -> None:
+        export = layout.exports / "r1"
+        assert not export.exists() or complete(export), f"killed at rename {n}: half an export"
+        export_latest(work / "eagle3.yaml")  # the next export works and clears what the crash left
+        assert complete(export) and hidden_leftovers(layout.root / "drafter") == [], f"killed at rename {n}"
+
+    points = every_crash_point(export_latest, (work / "eagle3.yaml",), lambda: copy_of(trained, work), check)
+    assert points >= 2
+
+
+@pytest.fixture(scope="module")
+def promoted(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained project with r1 exported, evaluated (a report as eval writes it) and promoted."""
+    config = copy_of(trained, tmp_path_factory.mktemp("promoted") / "project")
+    layout = StoreLayout(config.parent / "store")
+    export_step(load_config(config))
+    report = EvalReport(**report_dict("r1", layout.pointer_path(layout.exports / "r1"), k=1))
+    report.write(report_file(layout.export_eval("r1"), "sglang"))
+    promote_step(load_config(config))
+    return config.parent
+
+
+def test_re_exporting_the_promoted_run_killed_at_any_rename_keeps_it_served(
+    promoted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "project"
+    layout = StoreLayout(work / "store")
+
+    def check(n: int) -> None:
+        assert complete(layout.drafter_current_link), f"killed at rename {n}: current/ is not served whole"
+        assert complete(layout.exports / "r1"), f"killed at rename {n}"
+        assert read_current(layout).run == "r1"  # type: ignore[union-attr]
+        served, out = cli(capsys, "--config", str(work / "eagle3.yaml"), "serve-command", "--json")
+        assert served == 0 and json.loads(out)["which"].startswith("promoted"), f"killed at rename {n}: {out}"
+        export_latest(work / "eagle3.yaml")
+        assert complete(layout.drafter_current_link) and hidden_leftovers(layout.root / "drafter") == []
+
+    points = every_crash_point(export_latest, (work / "eagle3.yaml",), lambda: copy_of(promoted, work), check)
+    assert points >= 2
+
+
+def disk_full_in(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights write of format `fmt` fails as a full disk makes it fail."""
+    import eagle3_core.export.common as common
+
+    real = common.save_file
+
+    def save_file(tensors: Any, filename: str, *args: Any, **kwargs: Any) -> None:
+        if Path(filename).parent.name.startswith(f".{fmt}.tmp-"):  # atomic_directory's temporary for `fmt`
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(common, "save_file", save_file)
+
+
+def test_a_full_disk_in_the_second_format_publishes_nothing_and_keeps_the_previous_export(
+    trained: Path,
+    promoted: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = copy_of(promoted, tmp_path / "project")
+    layout = StoreLayout(config.parent / "store")
+    before = {p.relative_to(layout.exports): p.read_bytes() for p in (layout.exports / "r1").rglob("*.*")}
+    disk_full_in("speculators", monkeypatch)
+
+    with pytest.raises(DiskSpaceError, match="the disk filled up while exporting"):
+        export_step(load_config(config))  # a re-export: the previous one stays, whole
+    after = {p.relative_to(layout.exports): p.read_bytes() for p in (layout.exports / "r1").rglob("*.*")}
+    assert after == before and complete(layout.drafter_current_link)
+    assert hidden_leftovers(layout.root / "drafter") == []
+
+    config = copy_of(trained, tmp_path / "first")  # no export yet: none is published
+    code, out = cli(capsys, "--config", str(config), "export")
+    assert code == 2 and "No space left on device" in out and len(out.strip().splitlines()) == 1
+    layout = StoreLayout(config.parent / "store")
+    assert not (layout.exports / "r1").exists() and hidden_leftovers(layout.root / "drafter") == []
