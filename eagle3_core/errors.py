@@ -17,11 +17,22 @@ class SourceChangedError(Eagle3Error):
 
 
 class DiskSpaceError(Eagle3Error, OSError):
-    """Not enough free disk for a shard (with headroom)."""
+    """Not enough free disk for a shard (with headroom), or the disk filled up under a shard or a training
+    checkpoint being written."""
 
 
 class ShardCorruptError(Eagle3Error):
     """A shard's bytes do not match its checksums, or its header is unreadable."""
+
+
+class CheckpointCorruptError(Eagle3Error):
+    """A training checkpoint is truncated, unreadable or fails the checksums it recorded; the message names the
+    file and what is wrong. `reason` is a short word for it, which the checkpoint set aside is renamed with."""
+
+    # reason has a default: unpickling an exception passes its args (the message) alone
+    def __init__(self, message: str, reason: str = "damaged") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StaleVocabMappingError(Eagle3Error):

@@ -303,4 +303,9 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
 
 
 if __name__ == "__main__":  # one torchrun worker of `launch_training`
-    drafter_checkpoint_step(load_config(Path(sys.argv[1])))
+    try:
+        drafter_checkpoint_step(load_config(Path(sys.argv[1])))
+    except Eagle3Error as err:  # one line, as the CLI prints it: rank 0's (the other ranks stop with it)
+        if lead_process():
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -832,10 +832,24 @@ class RunProgress(Record):
     rng_cpu: list[int]
 
 
+class CheckpointFile(Record):
+    """What a checkpoint recorded of one of its safetensors files when it wrote it: its size, and the sha256
+    of its tensors (store.shards.tensors_digest)."""
+
+    bytes: int
+    sha256: str
+
+
 class CheckpointState(RunProgress):
     """checkpoints/step-*/state.json: the run's progress at the step, then the step and the optimizer's
-    param groups (its hyper-parameters; the moments are in optimizer.safetensors). Written by
-    `train.checkpoint.save_checkpoint` with `json.dumps(indent=1)`, no final newline, as it always was."""
+    param groups (its hyper-parameters; the moments are in optimizer.safetensors), then the checksums a resume
+    verifies: each tensor file's, and `checksum`, the sha256 of this record's other fields. Written by
+    `train.checkpoint.save_checkpoint` with `json.dumps(indent=1)`, no final newline, as it always was.
+
+    `files` and `checksum` are None in the state.json of an eagle3 from before checkpoints carried checksums:
+    such a checkpoint still resumes, unverified (train/checkpoint.py says so in a line)."""
 
     step: int
     param_groups: list[dict[str, Any]]
+    files: dict[str, CheckpointFile] | None = None
+    checksum: str | None = None

@@ -140,9 +140,23 @@ def _header_checksum(header: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _tensor_bytes(t: torch.Tensor, dtype: str) -> memoryview:
-    arr = t.detach().to(device="cpu", dtype=DTYPES[dtype][0]).contiguous().view(torch.uint8).numpy()
+def _tensor_bytes(t: torch.Tensor, dtype: str | None = None) -> memoryview:
+    """`t`'s bytes as stored in `dtype` (None: its own dtype)."""
+    as_dtype = t.dtype if dtype is None else DTYPES[dtype][0]
+    arr = t.detach().to(device="cpu", dtype=as_dtype).contiguous().view(torch.uint8).numpy()
     return memoryview(arr).cast("B")  # type: ignore[arg-type]
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over named tensors in name order, each one's name, dtype and shape, then its bytes, hashed as a
+    shard's rows are: the checksum a training checkpoint records of each of its safetensors files
+    (train/checkpoint.py), so a file that still loads but holds other bytes or other tensors is caught."""
+    h = _digest()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(_tensor_bytes(t.reshape(-1)))  # flat: a 0-d tensor (an optimizer's step) has no byte view
+    return str(h.hexdigest())
 
 
 class ShardWriter:

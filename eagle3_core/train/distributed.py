@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from eagle3_core.errors import Eagle3Error
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,30 @@ class World:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def from_main(self, value: int) -> int:
+        """Rank 0's `value`, on every rank (what the other ranks pass is ignored): a decision rank 0 took alone."""
+        if not self.distributed:
+            return value
+        shared = torch.tensor([value if self.is_main else 0], dtype=torch.int64, device=self.device)
+        return int(self.sum(shared).item())
+
+
+def on_main(world: World, what: str, fn: Callable[[], T]) -> T | None:
+    """`fn()` on rank 0 (None on the other ranks, which wait for it). When it raises, every rank raises: rank 0
+    its error, the others an Eagle3Error saying rank 0 stopped while `what`, so that no rank waits forever in
+    a collective for a rank that has stopped."""
+    if world.is_main:
+        try:
+            result = fn()
+        except BaseException:
+            world.from_main(1)
+            raise
+        world.from_main(0)
+        return result
+    if world.from_main(0):
+        raise Eagle3Error(f"rank 0 stopped while {what} (its error says why)")
+    return None
 
 
 def pick_device(preference: Literal["auto", "cpu", "cuda"], local_rank: int = 0) -> torch.device:

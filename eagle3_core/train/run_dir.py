@@ -3,9 +3,12 @@
     runs/<run id>/metrics.jsonl          one JSON record per logged interval and validation
     runs/<run id>/checkpoints/step-*/    train/checkpoint.py
     runs/<run id>/final/                 drafter.safetensors, drafter_config.json, vocab_mapping/, summary.json
+    runs/<run id>/.train.lock            held by the run's trainer (`run_lock`)
 
 The run id hashes what the run computes from (data, mapping, target, settings, starting weights), so running
-again with the same inputs finds the same directory and resumes it, or returns it once `final/` exists.
+again with the same inputs finds the same directory and resumes it, or returns it once `final/` exists. One
+trainer at a time per run directory: a second would append the same steps to the metric log again and race
+the first to its checkpoints and final/.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +28,16 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import atomic_directory, atomic_write_json
+from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.records import MetricsRow, RunSummary, metrics_row
+from eagle3_core.train.distributed import World, on_main
 
 FINAL = "final"
 SUMMARY = "summary.json"  # in final/: a run is finished once it exists
 
 
 METRICS = "metrics.jsonl"
+RUN_LOCK = ".train.lock"
 
 
 # Settings that change how a run is watched, not what it computes: changing them keeps the run (and resumes it).
@@ -74,6 +82,17 @@ def run_id(
         "warm_from": warm_from,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@contextmanager
+def run_lock(world: World, run_dir: Path) -> Iterator[None]:
+    """The run directory held by this trainer for the block: rank 0 holds its writer lock (the other ranks of
+    its torchrun are the same trainer and take none, so none waits on it). A run another process holds is
+    refused on every rank, rank 0's StoreBusyError naming the holder's PID."""
+    with ExitStack() as held:
+        what = f"training run {run_dir.name}"
+        on_main(world, f"locking {what}", lambda: held.enter_context(writer_lock(run_dir / RUN_LOCK, what)))
+        yield
 
 
 class MetricsLog:

@@ -9,10 +9,11 @@ One optimizer step, top to bottom (`train_step`):
     AdamW step with the warmup-then-decay learning rate, gradients clipped
 
 The run (`train_drafter`): plan the steps (train/schedule.py), check the GPU can hold them (train/memory.py),
-find the run's directory (train/run_dir.py), resume from its newest checkpoint, loop, write `final/`. The
-batch order, the optimizer and the metric log continue exactly where a checkpoint stopped (the log is cut back
-to what it had seen). Under torchrun every rank takes its share of each global batch and rank 0 writes; the
-loss is normalised by the global count, so N processes take the same steps as one process given the batch.
+find the run's directory (train/run_dir.py) and hold it, resume from its newest intact checkpoint
+(train/checkpoint.py), loop, write `final/`. The batch order, the optimizer and the metric log continue
+exactly where a checkpoint stopped (the log is cut back to what it had seen). Under torchrun every rank takes
+its share of each global batch and rank 0 writes; the loss is normalised by the global count, so N processes
+take the same steps as one process given the batch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.records import RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.targets.model_config import read_text_config
-from eagle3_core.train.checkpoint import latest_checkpoint, save_checkpoint
+from eagle3_core.train.checkpoint import (
+    Checkpoint,
+    checkpoint_dir,
+    full_disk_stops_the_run,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from eagle3_core.train.data import (
     Batch,
     Prefetcher,
@@ -46,7 +54,7 @@ from eagle3_core.train.data import (
     plan_packed_validation,
     plan_validation,
 )
-from eagle3_core.train.distributed import World, close_world, init_world
+from eagle3_core.train.distributed import World, close_world, init_world, on_main
 from eagle3_core.train.loss import (
     TTTStats,
     TTTTargets,
@@ -66,6 +74,7 @@ from eagle3_core.train.run_dir import (
     load_trainable_state,
     read_metrics,
     run_id,
+    run_lock,
     trainable_state,
     write_final,
 )
@@ -424,11 +433,37 @@ def _train(
         cfg, mapping, str(data.facts.target_fingerprint), dcfg, warm.run if warm else None
     )
     if (run_dir / FINAL / SUMMARY).exists():
-        log(f"run {run_dir.name} already finished; nothing to train")
-        return finished_result(run_dir, None)
+        return _finished(run_dir, log)
     check_batch_tokens(data.refs, cfg, world.size)  # validation batches keep to the budget too
     plan = schedule(train_refs, cfg, world.size)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(world, run_dir):  # one trainer per run directory, from its resume to its final/
+        if (run_dir / FINAL / SUMMARY).exists():  # finished by the trainer that held it a moment ago
+            return _finished(run_dir, log)
+        return _run(
+            world, data, target_dir, mapping, cfg, dcfg, warm, run_dir, plan, train_refs, val_refs, log
+        )
+
+
+def _finished(run_dir: Path, log: Log) -> TrainResult:
+    log(f"run {run_dir.name} already finished; nothing to train")
+    return finished_result(run_dir, None)
+
+
+def _run(
+    world: World,
+    data: TrainingData,
+    target_dir: Path,
+    mapping: VocabMapping,
+    cfg: TrainConfig,
+    dcfg: DrafterConfig,
+    warm: WarmStart | None,
+    run_dir: Path,
+    plan: list[tuple[int, Rows]],
+    train_refs: list[SampleRef],
+    val_refs: list[SampleRef],
+    log: Log,
+) -> TrainResult:
+    """The run in `run_dir`, which this trainer holds: resume, train every step left, write final/."""
     s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
@@ -444,10 +479,7 @@ def _train(
     _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log)
     seconds = round(time.perf_counter() - started, 2)
     summary = _summary(s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm)
-    if world.is_main:
-        write_final(run_dir, s.drafter, mapping, summary)
-        log(f"run {run_dir.name} finished: {run_dir / FINAL}")
-    world.barrier()
+    on_main(world, "writing the final drafter", lambda: _write_final(s, run_dir, summary, log))
     return TrainResult(
         run_dir,
         run_dir / FINAL,
@@ -459,6 +491,13 @@ def _train(
         dcfg,
         summary,
     )
+
+
+def _write_final(s: Setup, run_dir: Path, summary: RunSummary, log: Log) -> None:
+    needed = sum(t.nbytes for t in trainable_state(s.drafter).values())
+    with full_disk_stops_the_run(run_dir, "the final drafter", needed):
+        write_final(run_dir, s.drafter, s.mapping, summary)
+    log(f"run {run_dir.name} finished: {run_dir / FINAL}")
 
 
 def _fit_batch_tokens(
@@ -492,11 +531,24 @@ class Progress:
     interval_started: float = 0.0
 
 
+NO_CHECKPOINT = -1
+
+
+def _resume_point(world: World, run_dir: Path, log: Log) -> Checkpoint | None:
+    """The checkpoint every rank resumes from: rank 0 picks the newest that verifies (setting damaged ones
+    aside, refusing when none is left), the other ranks load the step it picked."""
+    picked = on_main(world, "choosing the checkpoint to resume from", lambda: resume_checkpoint(run_dir, log))
+    step = world.from_main(picked.step if picked is not None else NO_CHECKPOINT)
+    if world.is_main or step == NO_CHECKPOINT:
+        return picked
+    return load_checkpoint(checkpoint_dir(run_dir, step))
+
+
 def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
-    """The progress of the newest checkpoint, with the drafter, optimizer and RNG it saved loaded; a fresh
-    start (and a fresh metric log) without one."""
+    """The progress of the newest intact checkpoint, with the drafter, optimizer and RNG it saved loaded; a
+    fresh start (and a fresh metric log) without one."""
     world, steps = s.world, s.cfg.ttt_steps
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = _resume_point(world, run_dir, log)
     progress = Progress(0, 0, TTTStats.zeros(steps, world.device), 0)
     if ckpt is not None:
         load_trainable_state(s.drafter, ckpt.weights, ckpt.path)
@@ -645,7 +697,8 @@ def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTT
 def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog) -> None:
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
-    if s.world.is_main:
+
+    def save() -> None:
         state = RunProgress(
             tokens=progress.tokens,
             interval_sums=reduced.sums.tolist(),
@@ -661,4 +714,5 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
             state,
             s.cfg.keep_checkpoints,
         )
-    s.world.barrier()
+
+    on_main(s.world, f"saving the checkpoint of step {progress.step}", save)

@@ -1,4 +1,5 @@
-"""The trainer on real shards of a real (tiny) transformers target: learning, exact resume after SIGKILL, DDP."""
+"""The trainer on real shards of a real (tiny) transformers target: learning, exact resume after SIGKILL, DDP,
+and a run's faults (a damaged checkpoint, a second trainer, a full disk) through the real CLI."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from eagle3_core.steps.drafter import drafter_checkpoint_step, vocab_step
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
 from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.train.checkpoint import list_checkpoints
+from eagle3_core.train.checkpoint import WEIGHTS, list_checkpoints, load_checkpoint
 from eagle3_core.train.run_dir import TIMING_FIELDS, read_metrics
 from tests.conftest import write_config
 
@@ -372,3 +374,160 @@ def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(
     with pytest.raises(ShardCorruptError):
         data.load_batch([ref], max_len=16)
     data.close()
+
+
+# ---- a run's faults: damaged checkpoints, a second trainer, a full disk --------------------------------------
+SHORT = (
+    "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 2, lr: 0.003, log_every: 1, "
+    "eval_every: 100, checkpoint_every: 1, val_fraction: 0.15, seed: 7}\n"
+)
+TRAIN_MAIN = "\nfrom eagle3_cli.steps import main\nsys.exit(main(['--config', sys.argv[1], 'train']))\n"
+KILLED_BEFORE_FINAL = """
+import os, signal, sys
+import eagle3_core.train.trainer as trainer
+trainer.write_final = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # after the last checkpoint
+"""
+PAUSED_AFTER_A_STEP = """
+import sys
+import eagle3_core.train.trainer as trainer
+real, paused = trainer.train_step, []
+def train_step(*args):
+    stats = real(*args)
+    if not paused:  # holds the run here, mid-training, until the test sends a line
+        paused.append(True)
+        print("paused", flush=True)
+        sys.stdin.readline()
+    return stats
+trainer.train_step = train_step
+"""
+DISK_FULL_AT_STEP_2 = """
+import errno, os, sys
+real_fsync = os.fsync
+def fsync(fd):  # where a full disk shows up under delayed allocation: flushing the written file
+    if ".step-00000002.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real_fsync(fd)
+os.fsync = fsync
+"""
+
+
+def _train_child(config: Path, fault: str) -> subprocess.CompletedProcess[str]:
+    """`eagle3 train` in a child interpreter that first runs `fault`: a fault at a real point of a real run."""
+    return subprocess.run(
+        [sys.executable, "-c", fault + TRAIN_MAIN, str(config)], capture_output=True, text=True, timeout=600
+    )
+
+
+def _squeezed(text: str) -> str:
+    """`text` without whitespace: the console wraps long log lines, paths included."""
+    return "".join(text.split())
+
+
+def _error_line(out: str) -> str:
+    [line] = [line for line in out.splitlines() if line.startswith("error:")]
+    return line
+
+
+def _logged_steps(run_dir: Path) -> list[tuple[str, int]]:
+    return [(r.kind, r.step) for r in read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def cut_short(shard_store: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose run was killed after its last checkpoint and before final/: checkpoints 1 and 2."""
+    project = tmp_path_factory.mktemp("cut") / "p"
+    killed = _train_child(_copy(shard_store, project, SHORT), KILLED_BEFORE_FINAL)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert [step for step, _ in list_checkpoints(_run_dir(project))] == [1, 2]
+    return project
+
+
+def _truncate(path: Path) -> tuple[str, str]:
+    """Cut the file in half: (what a resume says of it, the reason it is set aside with)."""
+    size = path.stat().st_size
+    os.truncate(path, size // 2)
+    return f"truncated ({size // 2:,} bytes on disk, {size:,} written)", "truncated"
+
+
+def _flip_a_bit(path: Path) -> tuple[str, str]:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # safetensors: the data comes last, so the last byte is a weight's
+    path.write_bytes(bytes(data))
+    return "fails its checksum (its tensors hash to ", "checksum"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_bit])
+def test_a_damaged_last_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+    cut_short: Path, tmp_path: Path, damage: Callable[[Path], tuple[str, str]]
+) -> None:
+    project = tmp_path / "p"
+    shutil.copytree(cut_short, project)
+    run_dir = _run_dir(project)
+    weights = run_dir / "checkpoints" / "step-00000002" / WEIGHTS
+    what, reason = damage(weights)
+    damaged = weights.read_bytes()
+    resumed = eagle3(project / "eagle3.yaml", "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    out = _squeezed(resumed.stdout)
+    assert _squeezed(f"{weights}: {what}") in out
+    assert _squeezed(f"the checkpoint of step 2 is set aside as step-00000002.{reason}") in out
+    assert _squeezed(f"resuming run {run_dir.name} from step 1") in out
+    aside = run_dir / "checkpoints" / f"step-00000002.{reason}"
+    assert (aside / WEIGHTS).read_bytes() == damaged  # kept as it was: nothing is lost
+    assert [step for step, _ in list_checkpoints(run_dir)] == [1, 2]  # step 2 trained and saved again
+    assert load_checkpoint(run_dir / "checkpoints" / "step-00000002").verified
+    assert (run_dir / "final" / "summary.json").exists()
+    assert _logged_steps(run_dir) == [("train", 1), ("train", 2), ("val", 2)]  # step 2 logged once
+
+
+def test_a_second_trainer_of_a_running_run_is_refused_naming_the_first_one(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config = _copy(shard_store, tmp_path / "p", SHORT)
+    first = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_AFTER_A_STEP + TRAIN_MAIN, str(config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None
+        assert any(line.strip() == "paused" for line in first.stdout), "the first trainer ended unpaused"
+        run = _run_dir(tmp_path / "p").name
+        holder = f"training run {run} is being written by another process (pid {first.pid};"
+        second = eagle3(config, "train")
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert holder in _error_line(second.stdout) and "Traceback" not in second.stderr
+        # under torchrun too: rank 0 is refused, every rank stops (none waits for it), the launch fails
+        ddp = eagle3(config, "train", "--nproc", "2")
+        assert ddp.returncode == 2, ddp.stdout + ddp.stderr
+        assert f"error: {holder}" in ddp.stderr
+        assert _error_line(ddp.stdout) == "error: torchrun training exited with status 1"
+    finally:
+        rest, _ = first.communicate("\n", timeout=600)
+    assert first.returncode == 0, rest
+    assert _logged_steps(_run_dir(tmp_path / "p")) == [("train", 1), ("train", 2), ("val", 2)]
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_from_the_previous_one(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config = _copy(shard_store, tmp_path / "p", SHORT)
+    full = _train_child(config, DISK_FULL_AT_STEP_2)
+    assert full.returncode == 2, full.stdout + full.stderr
+    assert "Traceback" not in full.stderr
+    run_dir = _run_dir(tmp_path / "p")
+    line = _error_line(full.stdout)
+    assert line.startswith(
+        f"error: {run_dir}: the disk filled up while writing the checkpoint of step 2 (No space left on device); "
+    )
+    assert re.search(r"and the disk has [\d,]+ bytes \(\d+\.\d\d GiB\) free", line)
+    assert line.endswith("free space, then train again (it resumes from step 1)")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000001"]  # no half-written one
+    assert load_checkpoint(run_dir / "checkpoints" / "step-00000001").verified
+    resumed = eagle3(config, "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _squeezed(f"resuming run {run_dir.name} from step 1") in _squeezed(resumed.stdout)
+    assert _logged_steps(run_dir) == [("train", 1), ("train", 2), ("val", 2)]

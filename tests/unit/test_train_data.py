@@ -14,7 +14,7 @@ from eagle3_core.config import TrainConfig
 from eagle3_core.errors import ConfigError, Eagle3Error, ShardCorruptError
 from eagle3_core.store.atomic import TEMP_MARK
 from eagle3_core.store.shards import ShardWriter
-from eagle3_core.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from eagle3_core.train.checkpoint import list_checkpoints, resume_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
     SampleRef,
     TrainingData,
@@ -168,8 +168,9 @@ def test_checkpoints_are_whole_or_absent_and_pruned(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, step, w, opt, run_progress(step), keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
     (tmp_path / "checkpoints" / f".step-00000040{TEMP_MARK}999").mkdir()  # a save that died half-way
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt is not None and ckpt.step == 30 and ckpt.state.tokens == 30
+    said: list[str] = []
+    ckpt = resume_checkpoint(tmp_path, said.append)
+    assert ckpt is not None and ckpt.step == 30 and ckpt.verified and said == [] and ckpt.state.tokens == 30
     assert torch.equal(ckpt.weights["fc.weight"], w["fc.weight"])
     assert torch.equal(ckpt.optimizer["state"][0]["exp_avg"], opt["state"][0]["exp_avg"])
     assert ckpt.optimizer["param_groups"] == opt["param_groups"]

@@ -39,12 +39,17 @@ def _progress_dict() -> dict[str, Any]:
     }
 
 
-def test_a_checkpoint_state_writes_the_bytes_the_dict_writer_wrote(tmp_path: Path) -> None:
+def test_a_checkpoint_state_writes_the_bytes_the_dict_writer_wrote_then_its_checksums(tmp_path: Path) -> None:
     weights, optimizer = {"fc.weight": torch.randn(3, 4)}, _optimizer_state()
     path = save_checkpoint(tmp_path, 7, weights, optimizer, RunProgress(**_progress_dict()), keep=2)
-    today = json.dumps({**_progress_dict(), "step": 7, "param_groups": optimizer["param_groups"]}, indent=1)
+    before = {**_progress_dict(), "step": 7, "param_groups": optimizer["param_groups"]}
+    written = json.loads((path / STATE).read_text())
+    assert list(written) == [*before, "files", "checksum"]  # what the dict writer wrote, then the checksums
+    today = json.dumps({**before, "files": written["files"], "checksum": written["checksum"]}, indent=1)
     assert (path / STATE).read_text() == today
     ckpt = load_checkpoint(path)
+    assert ckpt.verified and ckpt.state.files is not None
+    assert ckpt.state.files["drafter.safetensors"].bytes == (path / "drafter.safetensors").stat().st_size
     assert ckpt.step == 7 and ckpt.state.tokens == 1234 and ckpt.state.interval_sums[3] == [4.0, 4.0]
     assert torch.equal(torch.tensor(ckpt.state.rng_cpu, dtype=torch.uint8), torch.get_rng_state())
     assert ckpt.optimizer["param_groups"][0]["betas"] == [0.9, 0.95]
