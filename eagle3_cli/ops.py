@@ -28,6 +28,7 @@ from eagle3_cli.steps import console
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.atomic import atomic_write_bytes
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 from eagle3_core.store.records import ConversationManifest
 
@@ -58,11 +59,15 @@ class OperationError(Eagle3Error):
 
 # ---- the instance -----------------------------------------------------------------------------------------
 def dagster_home(workdir: Path) -> Path:
-    """`workdir/.dagster`, holding a copy of the repository's dagster.yaml (SQLite storage, the GPU pool)."""
+    """`workdir/.dagster`, holding a copy of the repository's dagster.yaml (SQLite storage, the GPU pool),
+    written whole under the instance lock: a command starting at the same moment never reads half of it."""
+    from eagle3_dagster.instance import instance_lock
+
     home = workdir / ".dagster"
     home.mkdir(parents=True, exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    with instance_lock(home):
+        if not (home / "dagster.yaml").exists():
+            atomic_write_bytes(home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_bytes())
     return home
 
 
@@ -209,12 +214,12 @@ def status_table(rows: Sequence[ShardStatus], title: str, max_rows: int = 40) ->
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import dagster as dg
+    from eagle3_dagster.instance import open_instance
 
     config_path = Path(args.config)
     cfg = load_config(config_path)
     home = activate(config_path)
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         rows = shard_statuses(cfg, instance)
     free = shutil.disk_usage(cfg.store_root).free if cfg.store_root.exists() else 0
     if args.json:
@@ -417,8 +422,7 @@ def run_in_process(keys: Sequence[str], instance: dg.DagsterInstance) -> int:
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
-    import dagster as dg
-
+    from eagle3_dagster.instance import open_instance
     from eagle3_dagster.materialize import add_shard_partitions
 
     if not args.missing and not args.shards:
@@ -428,7 +432,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     activate(config_path)
     requested = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
     server = pick_webserver(args)
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         if server is not None:
             server.check_same_instance(instance)
         added = add_shard_partitions(instance, store_shard_keys(cfg))
@@ -481,11 +485,14 @@ def ui_command(config_path: Path, port: int) -> tuple[list[str], dict[str, str]]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    import dagster as dg
+    from eagle3_dagster.instance import open_instance
 
     argv, env = ui_command(Path(args.config), args.port)
     activate(Path(args.config))
-    initialize_pools(dg.DagsterInstance.get())  # before the daemon's queue first meets the gpu pool
+    # The instance is created here, under the instance lock, before `dagster dev` opens it in its own
+    # processes (which take no lock): they find its storage whole. The pool before the queue first meets it.
+    with open_instance() as instance:
+        initialize_pools(instance)
     console.print(
         f"Dagster UI: http://127.0.0.1:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']}, "
         f"EAGLE3_CONFIG={env['EAGLE3_CONFIG']})"

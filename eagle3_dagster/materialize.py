@@ -13,6 +13,7 @@ from eagle3_core.procs import pid_alive, proc_stat
 from eagle3_dagster.defs.data.assets import SHARD_ASSETS, hidden_states
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
 from eagle3_dagster.defs.resources import default_resources
+from eagle3_dagster.instance import open_instance
 
 SHARDS = "shards"
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CLI prints its own progress
@@ -56,7 +57,7 @@ def materialize_shards(
     keys: list[str], instance: dg.DagsterInstance | None = None, log: Callable[[str], None] = print
 ) -> list[str]:
     """One run per missing shard through conversations -> regenerated -> hidden_states; returns the keys run."""
-    instance = instance or dg.DagsterInstance.get()
+    instance = instance or open_instance()
     add_shard_partitions(instance, keys)
     todo = missing_shards(instance, keys)
     for i, key in enumerate(todo, start=1):
@@ -89,7 +90,7 @@ def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str,
     from eagle3_dagster.defs.drafter.checks import vocab_coverage
     from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 
-    instance = instance or dg.DagsterInstance.get()
+    instance = instance or open_instance()
     drafter_half = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
     result = dg.materialize(
         [*SHARD_ASSETS, *drafter_half, vocab_coverage, not_worse_than_current],
