@@ -77,8 +77,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     cfg = load_config(config_path)
 
-    import dagster as dg
-
     from eagle3_cli.ops import shard_statuses, status_table
     from eagle3_core.data.ingest import ingest
     from eagle3_core.steps.drafter import latest_summary
@@ -86,6 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from eagle3_core.store.layout import StoreLayout
     from eagle3_core.targets.resolve import target_dir
     from eagle3_core.toy.build import REPORT_FILE, ToyTargetReport
+    from eagle3_dagster.instance import open_instance
     from eagle3_dagster.materialize import materialize_drafter, materialize_shards
 
     console.rule("1. toy target")
@@ -111,7 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     drafter = materialize_drafter()
     console.rule("summary")
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         shards = shard_statuses(cfg, instance)
     console.print(status_table(shards, f"shards in {cfg.store_root} (state from the Dagster instance)"))
     vocab = drafter["vocab_mapping"]

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,9 @@ from eagle3_cli.steps import console
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.layout import SHARD_KEY, StoreLayout
+from eagle3_core.store.atomic import atomic_write_bytes
+from eagle3_core.store.held import held_shard, store_shard_keys
+from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import ConversationManifest
 
 if TYPE_CHECKING:
@@ -40,9 +42,11 @@ DEFAULT_URL = "http://127.0.0.1:3000"
 PROBE_TIMEOUT_S = 2.0
 POLL_S = 2.0
 SHARD_ASSET_NAMES = ("conversations", "regenerated", "hidden_states")
-# A shard's state, from hidden_states' partition in the instance (Dagster's own partition status), except
-# "interrupted": a run for it is STARTED but the process that ran it in process is gone (killed).
-STATES = ("materialized", "in progress", "interrupted", "failed", "missing")
+# A shard's state, from hidden_states' partition in the instance (Dagster's own partition status) and what the
+# store holds (the truth): "interrupted" is a run for it STARTED whose in-process runner is gone (killed);
+# "unrecorded" a shard the store holds that the instance does not know (extracted outside Dagster), which
+# `materialize` records instead of extracting it again; a shard the store no longer holds is "missing".
+STATES = ("materialized", "unrecorded", "in progress", "interrupted", "failed", "missing")
 COLUMNS = ("samples", "tokens", "rejected", "errors", "bytes")
 # Backfill runs execute their steps in one process: the target is loaded once per run (TargetResource) for
 # both regenerated and hidden_states, as `materialize` does in process, instead of once per step process.
@@ -58,11 +62,15 @@ class OperationError(Eagle3Error):
 
 # ---- the instance -----------------------------------------------------------------------------------------
 def dagster_home(workdir: Path) -> Path:
-    """`workdir/.dagster`, holding a copy of the repository's dagster.yaml (SQLite storage, the GPU pool)."""
+    """`workdir/.dagster`, holding a copy of the repository's dagster.yaml (SQLite storage, the GPU pool),
+    written whole under the instance lock: a command starting at the same moment never reads half of it."""
+    from eagle3_dagster.instance import instance_lock
+
     home = workdir / ".dagster"
     home.mkdir(parents=True, exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    with instance_lock(home):
+        if not (home / "dagster.yaml").exists():
+            atomic_write_bytes(home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_bytes())
     return home
 
 
@@ -96,13 +104,16 @@ class ShardStatus:
     bytes: int | None = None
 
 
-def classify(partition_status: str | None, interrupted: bool) -> str:
-    """A shard's state from hidden_states' partition status (Dagster's AssetPartitionStatus value or None)."""
+def classify(partition_status: str | None, interrupted: bool, held: bool) -> str:
+    """A shard's state from hidden_states' partition status (Dagster's AssetPartitionStatus value or None) and
+    whether the store holds the shard (eagle3_core/store/held.py)."""
     if interrupted:
         return "interrupted"
-    return {"IN_PROGRESS": "in progress", "FAILED": "failed", "MATERIALIZED": "materialized"}.get(
-        partition_status or "", "missing"
-    )
+    if partition_status == "IN_PROGRESS":
+        return "in progress"
+    if held:
+        return "materialized" if partition_status == "MATERIALIZED" else "unrecorded"
+    return "failed" if partition_status == "FAILED" else "missing"
 
 
 def interrupted_runs(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
@@ -130,32 +141,28 @@ def fail_interrupted_runs(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
     return runs
 
 
-def store_shard_keys(cfg: Eagle3Config) -> list[str]:
-    """Every shard ingest (or the inbox) wrote: one conversation manifest each."""
-    directory = cfg.store_root / "conversations"
-    return sorted(p.stem for p in directory.glob("*.json") if SHARD_KEY.match(p.stem))
-
-
-def shard_statuses(cfg: Eagle3Config, instance: dg.DagsterInstance) -> list[ShardStatus]:
-    """Every shard of the store and every partition of `shards`: its state in the instance, its figures from
-    the store's manifests (no tensor file is opened)."""
+def shard_statuses(
+    cfg: Eagle3Config, instance: dg.DagsterInstance, damaged: Collection[str] = ()
+) -> list[ShardStatus]:
+    """Every shard of the store and every partition of `shards`: its state in the instance and the store, its
+    figures from the store's manifests (no tensor file is opened). `damaged`: shards a check found damaged
+    (the store does not hold them whole, whatever their files look like)."""
     from eagle3_core.store.stats import store_stats
     from eagle3_dagster.defs.data.assets import hidden_states
-    from eagle3_dagster.defs.partitions import shards
-    from eagle3_dagster.materialize import SHARDS
+    from eagle3_dagster.defs.partitions import SHARDS, shards
 
     registered = set(instance.get_dynamic_partitions(SHARDS))
     figures = {row.key: row.values for row in store_stats(cfg.store_root).shards}
-    keys = sorted(registered | set(figures) | set(store_shard_keys(cfg)))
+    keys = sorted(registered | set(figures) | set(store_shard_keys(cfg.store_root)))
     partition_status = instance.get_status_by_partition(hidden_states.key, keys, shards) or {}
     interrupted = {r.tags.get("dagster/partition") for r in interrupted_runs(instance)}
     layout = StoreLayout(cfg.store_root)
     rows = []
     for key in keys:
         status = partition_status.get(key)
-        row = ShardStatus(
-            key, classify(status.value if status else None, key in interrupted), key in registered
-        )
+        held = key not in damaged and held_shard(cfg.store_root, key) is not None
+        state = classify(status.value if status else None, key in interrupted, held)
+        row = ShardStatus(key, state, key in registered)
         if key in figures:
             for column in ("samples", "tokens", "errors", "bytes"):
                 setattr(row, column, figures[key][column])
@@ -181,6 +188,7 @@ def _cell(value: int | None) -> str:
 
 STATE_STYLE = {
     "materialized": "green",
+    "unrecorded": "blue",
     "in progress": "cyan",
     "interrupted": "yellow",
     "failed": "red",
@@ -209,12 +217,12 @@ def status_table(rows: Sequence[ShardStatus], title: str, max_rows: int = 40) ->
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import dagster as dg
+    from eagle3_dagster.instance import open_instance
 
     config_path = Path(args.config)
     cfg = load_config(config_path)
     home = activate(config_path)
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         rows = shard_statuses(cfg, instance)
     free = shutil.disk_usage(cfg.store_root).free if cfg.store_root.exists() else 0
     if args.json:
@@ -231,6 +239,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(status_table(rows, f"shards in {cfg.store_root}", 10**9 if args.all else 40))
     counts = ", ".join(f"{n} {s}" for s, n in state_counts(rows).items()) or "no shards"
     console.print(f"{counts}; disk free: {free / 2**30:.1f} GiB; instance: {home}")
+    if any(r.state == "unrecorded" for r in rows):
+        console.print(
+            "[blue]unrecorded[/]: the store holds the shard, the instance does not know it (extracted outside "
+            "Dagster); `eagle3 materialize` (or the eagle3_store sensor) records it, without extracting it again"
+        )
     if any(r.state == "interrupted" for r in rows):
         console.print(
             "[yellow]interrupted[/]: the process running the shard died; "
@@ -417,9 +430,8 @@ def run_in_process(keys: Sequence[str], instance: dg.DagsterInstance) -> int:
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
-    import dagster as dg
-
-    from eagle3_dagster.materialize import add_shard_partitions
+    from eagle3_dagster.defs.data.store import record_store_shards
+    from eagle3_dagster.instance import open_instance
 
     if not args.missing and not args.shards:
         raise OperationError("say which shards: --missing, or --shards KEY,KEY")
@@ -428,17 +440,23 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     activate(config_path)
     requested = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
     server = pick_webserver(args)
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         if server is not None:
             server.check_same_instance(instance)
-        added = add_shard_partitions(instance, store_shard_keys(cfg))
-        if added:
-            console.print(f"added {len(added)} shard partition(s)")
         for run in fail_interrupted_runs(instance):
             console.print(
                 f"run {run.run_id} ({run.tags.get('dagster/partition')}): process gone, marked failed"
             )
-        keys = shards_to_run(shard_statuses(cfg, instance), requested)
+        # What the store holds whole is recorded, not run again (the store is the truth)
+        record = record_store_shards(instance, cfg, log=lambda line: console.print(line))
+        if record.added:
+            console.print(f"added {len(record.added)} shard partition(s)")
+        if record.recorded:
+            console.print(
+                f"{len(record.recorded)} shard(s) the store holds recorded as materialized, not run again: "
+                f"{', '.join(record.recorded)}"
+            )
+        keys = shards_to_run(shard_statuses(cfg, instance, damaged=record.refused), requested)
         if not keys:
             console.print(
                 "nothing to materialize: every shard is materialized or in progress (`eagle3 status`)"
@@ -481,11 +499,14 @@ def ui_command(config_path: Path, port: int) -> tuple[list[str], dict[str, str]]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    import dagster as dg
+    from eagle3_dagster.instance import open_instance
 
     argv, env = ui_command(Path(args.config), args.port)
     activate(Path(args.config))
-    initialize_pools(dg.DagsterInstance.get())  # before the daemon's queue first meets the gpu pool
+    # The instance is created here, under the instance lock, before `dagster dev` opens it in its own
+    # processes (which take no lock): they find its storage whole. The pool before the queue first meets it.
+    with open_instance() as instance:
+        initialize_pools(instance)
     console.print(
         f"Dagster UI: http://127.0.0.1:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']}, "
         f"EAGLE3_CONFIG={env['EAGLE3_CONFIG']})"

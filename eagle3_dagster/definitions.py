@@ -6,6 +6,7 @@ from eagle3_dagster.defs.automation import automation_sensor
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
 from eagle3_dagster.defs.data.sensors import inbox_sensor
+from eagle3_dagster.defs.data.store import store_sensor
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.drafter.checks import vocab_coverage
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
@@ -24,7 +25,7 @@ defs = dg.Definitions(
         drafter_current,
     ],
     asset_checks=[*SHARD_CHECKS, vocab_coverage, not_worse_than_current],
-    sensors=[automation_sensor, inbox_sensor],
+    sensors=[automation_sensor, inbox_sensor, store_sensor],
     schedules=[nightly_schedule],
     resources=default_resources(),
 )

@@ -9,12 +9,15 @@ from typing import Any
 
 import dagster as dg
 
+from eagle3_core.config import Eagle3Config
 from eagle3_core.procs import pid_alive, proc_stat
+from eagle3_core.store.held import held_shard
 from eagle3_dagster.defs.data.assets import SHARD_ASSETS, hidden_states
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
+from eagle3_dagster.defs.data.store import add_shard_partitions, record_store_shards
 from eagle3_dagster.defs.resources import default_resources
+from eagle3_dagster.instance import open_instance
 
-SHARDS = "shards"
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the CLI prints its own progress
 # The process that runs an in-process run, as "host:pid:start": a run whose process is gone (killed) stays
 # STARTED in the instance for ever; `eagle3 status` shows it as interrupted and `eagle3 materialize` fails it.
@@ -38,27 +41,25 @@ def runner_alive(tag: str) -> bool | None:
     return pid_alive(int(pid))
 
 
-def add_shard_partitions(instance: dg.DagsterInstance, keys: list[str], batch: int = 1000) -> list[str]:
-    """Register new shard keys as partitions, in batches (one huge add hits SQLite's variable limit)."""
-    existing = set(instance.get_dynamic_partitions(SHARDS))
-    new = [k for k in keys if k not in existing]
-    for start in range(0, len(new), batch):
-        instance.add_dynamic_partitions(SHARDS, new[start : start + batch])
-    return new
-
-
-def missing_shards(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
+def missing_shards(instance: dg.DagsterInstance, cfg: Eagle3Config, keys: list[str]) -> list[str]:
+    """Those of `keys` the instance has not materialized, or whose shard the store no longer holds (the store
+    is the truth: a shard deleted or truncated since its run is missing)."""
     done = instance.get_materialized_partitions(hidden_states.key)
-    return [k for k in keys if k not in done]
+    return [k for k in keys if k not in done or held_shard(cfg.store_root, k) is None]
 
 
 def materialize_shards(
     keys: list[str], instance: dg.DagsterInstance | None = None, log: Callable[[str], None] = print
 ) -> list[str]:
-    """One run per missing shard through conversations -> regenerated -> hidden_states; returns the keys run."""
-    instance = instance or dg.DagsterInstance.get()
+    """One run per missing shard through conversations -> regenerated -> hidden_states; returns the keys run.
+    What the store already holds whole is recorded first (eagle3_dagster/defs/data/store.py), not run."""
+    instance = instance or open_instance()
+    cfg = default_resources()["eagle3"].config()
     add_shard_partitions(instance, keys)
-    todo = missing_shards(instance, keys)
+    record = record_store_shards(instance, cfg)
+    if record.recorded or record.refused:
+        log(record.describe())
+    todo = missing_shards(instance, cfg, keys)
     for i, key in enumerate(todo, start=1):
         log(f"run {i}/{len(todo)}: shard {key}")
         materialize_shard(key, instance)
@@ -89,7 +90,7 @@ def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str,
     from eagle3_dagster.defs.drafter.checks import vocab_coverage
     from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
 
-    instance = instance or dg.DagsterInstance.get()
+    instance = instance or open_instance()
     drafter_half = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
     result = dg.materialize(
         [*SHARD_ASSETS, *drafter_half, vocab_coverage, not_worse_than_current],

@@ -193,3 +193,38 @@ def ingest_bad_rows(tmp_path: Path) -> StoreLayout:
     cfg = load_config(write_config(tmp_path, config))
     ingest(cfg)
     return StoreLayout(cfg.store_root)
+
+
+def write_shard(root: Path, key: str, *, skip: int = 0, failed: int = 0, dropped: int = 0) -> Path:
+    """The hidden-state shard of conversation shard `key`'s training rows, written by the store's own writer as
+    extraction would write it (hidden size 4, no model): the first `dropped` are dropped at tokenisation
+    (counted), the next `failed` marked failed, the last `skip` lost uncounted."""
+    import torch
+
+    from eagle3_core.store.records import ConversationRow, ShardFacts, read_rows
+    from eagle3_core.store.shards import ShardWriter
+
+    hidden = 4
+    layout = StoreLayout(root)
+    rows = read_rows(layout.conversations(key), ConversationRow.model_validate)
+    train = [r.id for r in rows if r.split == "train"]
+    gone, kept = train[:dropped], train[dropped : len(train) - skip]
+    lengths = [3 + i for i in range(len(kept))]
+    facts = ShardFacts(tokenizer_fingerprint="a" * 64, dropped=dict.fromkeys(gone, "template: test"))
+    with ShardWriter(
+        layout.hidden_states(key),
+        sample_ids=kept,
+        lengths=lengths,
+        hidden_size=hidden,
+        store_dtype="float32",
+        facts=facts,
+    ) as w:
+        for i, n in enumerate(lengths):
+            if i < failed:
+                w.mark_failed(i, "test")
+                continue
+            ids = torch.arange(n, dtype=torch.int32) % 7
+            states = torch.randn(n, 3 * hidden), torch.randn(n, hidden)
+            w.write_sample(i, ids, torch.ones(n, dtype=torch.uint8), *states)
+        w.finalize({"dropped": len(gone)})
+    return layout.hidden_states(key)

@@ -2,4 +2,5 @@
 
 import dagster as dg
 
-shards = dg.DynamicPartitionsDefinition(name="shards")
+SHARDS = "shards"
+shards = dg.DynamicPartitionsDefinition(name=SHARDS)

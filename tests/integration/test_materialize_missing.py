@@ -1,6 +1,7 @@
 """`eagle3 materialize` in process (no webserver) and `eagle3 status` on the toy target, through the console
 script's main(): one shard by hand, a run left STARTED by a process that died, then `--missing` fails that
-run and materializes exactly the shards not done, each once, and a second `--missing` has nothing to do."""
+run and materializes exactly the shards not done, each once, and a second `--missing` has nothing to do.
+Shards `eagle3 extract` made outside Dagster are recorded from the store, not extracted again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dagster._core.test_utils import create_run_for_test
 from eagle3_cli.main import main
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
+from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.stats import store_stats
 from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions
 from tests.conftest import write_config
@@ -30,15 +32,19 @@ def _status(config: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[
     return {row["key"]: row for row in report["shards"]}
 
 
-def test_materialize_missing_in_process(
-    tmp_path: Path, toy_target_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = write_config(
-        tmp_path,
+def _project(directory: Path, toy_target_dir: Path) -> Path:
+    return write_config(
+        directory,
         "store: store\ndata: {dataset: mm, shard_size: 8, holdout_fraction: 0.0, "
         "sources: [{kind: chitchat, limit: 40}]}\n"
         f"target: {{path: {toy_target_dir}}}\nregenerate: {{enabled: false}}\ntokenize: {{max_seq_len: 96}}\n",
     )
+
+
+def test_materialize_missing_in_process(
+    tmp_path: Path, toy_target_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _project(tmp_path, toy_target_dir)
     keys = ingest(load_config(config)).all_shards
     assert len(keys) >= 3, keys
     # the instance: .dagster beside the config (the CLI's rule without $DAGSTER_HOME); restored afterwards
@@ -88,3 +94,35 @@ def test_materialize_missing_in_process(
     assert {k: s["state"] for k, s in states.items()} == dict.fromkeys(keys, "materialized")
     assert {k: s["samples"] for k, s in states.items()} == {k: figures[k]["samples"] for k in keys}
     assert main(["--config", str(config), "materialize"]) == 2  # neither --missing nor --shards
+
+
+def test_shards_eagle3_extract_made_are_recorded_not_extracted_again(
+    tmp_path: Path, toy_target_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _project(tmp_path, toy_target_dir)
+    keys = ingest(load_config(config)).all_shards
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("EAGLE3_CONFIG", raising=False)
+    outside = keys[:2]
+    assert main(["--config", str(config), "extract", *(f"--shard={k}" for k in outside)]) == 0
+    layout = StoreLayout(tmp_path / "store")
+
+    def identity(key: str) -> tuple[int, int]:
+        st = layout.hidden_states(key).stat()
+        return st.st_ino, st.st_mtime_ns
+
+    extracted = {k: identity(k) for k in outside}
+    states = _status(config, capsys)
+    assert [states[k]["state"] for k in keys] == ["unrecorded"] * 2 + ["missing"] * (len(keys) - 2)
+
+    assert main(["--config", str(config), "materialize", "--missing", "--in-process"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"2 shard(s) the store holds recorded as materialized, not run again: {', '.join(outside)}" in out
+    assert f"{len(keys) - 2} shard(s) to materialize: {', '.join(keys[2:])}" in out
+    assert {k: identity(k) for k in outside} == extracted  # the very files eagle3 extract wrote
+
+    with dg.DagsterInstance.from_config(str(tmp_path / ".dagster")) as instance:
+        records = instance.fetch_materializations(dg.AssetKey("hidden_states"), limit=100).records
+        assert sorted(str(r.partition_key) for r in records) == sorted(keys)  # each shard once
+        assert {str(r.partition_key) for r in records if r.run_id == ""} == set(outside)  # recorded, runless
+    assert {s["state"] for s in _status(config, capsys).values()} == {"materialized"}

@@ -5,16 +5,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from eagle3_core.config import ConfigError, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.draft.vocab import build_vocab_mapping, save_vocab_mapping
 from eagle3_core.store.checks import reject_rate, shard_complete, shard_integrity, vocab_coverage
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import ConversationRow, ShardFacts, read_rows
-from eagle3_core.store.shards import ShardWriter, read_header
+from eagle3_core.store.shards import read_header
 from tests.conftest import FIXTURES, write_config
+from tests.records import write_shard
 
 H = 4
 TOK = "a" * 64
@@ -30,37 +29,10 @@ def _ingested(tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "store", key
 
 
-def _extract(root: Path, key: str, *, skip: int = 0, failed: int = 0, dropped: int = 0) -> Path:
-    """A shard of the conversation shard's training rows, as extraction would write it: the first `dropped`
-    are dropped at tokenisation (counted), the next `failed` marked failed, the last `skip` lost uncounted."""
-    layout = StoreLayout(root)
-    rows = read_rows(layout.conversations(key), ConversationRow.model_validate)
-    train = [r.id for r in rows if r.split == "train"]
-    gone, kept = train[:dropped], train[dropped : len(train) - skip]
-    lengths = [3 + i for i in range(len(kept))]
-    facts = ShardFacts(tokenizer_fingerprint=TOK, dropped=dict.fromkeys(gone, "template: test"))
-    with ShardWriter(
-        layout.hidden_states(key),
-        sample_ids=kept,
-        lengths=lengths,
-        hidden_size=H,
-        store_dtype="float32",
-        facts=facts,
-    ) as w:
-        for i, n in enumerate(lengths):
-            if i < failed:
-                w.mark_failed(i, "test")
-                continue
-            ids = torch.arange(n, dtype=torch.int32) % 7
-            w.write_sample(i, ids, torch.ones(n, dtype=torch.uint8), torch.randn(n, 3 * H), torch.randn(n, H))
-        w.finalize({"dropped": len(gone)})
-    return layout.hidden_states(key)
-
-
 # ---- shard_complete --------------------------------------------------------------------------------------
 def test_a_whole_shard_is_complete_with_failures_and_drops_accounted(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    _extract(root, key, failed=1, dropped=1)
+    write_shard(root, key, failed=1, dropped=1)
     verdict = shard_complete(root, key)
     assert verdict.passed, verdict.reason
     f = verdict.figures
@@ -70,7 +42,7 @@ def test_a_whole_shard_is_complete_with_failures_and_drops_accounted(tmp_path: P
 
 def test_a_torn_conversation_row_fails_the_check_naming_the_line(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    _extract(root, key)
+    write_shard(root, key)
     path = StoreLayout(root).conversations(key)
     lines = path.read_text(encoding="utf-8").splitlines()
     path.write_text("\n".join([lines[0], lines[1].replace('"split"', '"spilt"'), *lines[2:]]) + "\n")
@@ -80,7 +52,7 @@ def test_a_torn_conversation_row_fails_the_check_naming_the_line(tmp_path: Path)
 
 def test_a_conversation_lost_without_a_count_fails_completeness(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    _extract(root, key, skip=1)
+    write_shard(root, key, skip=1)
     verdict = shard_complete(root, key)
     assert not verdict.passed
     assert verdict.figures["accounted"] == 3 and verdict.figures["train_conversations"] == 4
@@ -89,7 +61,7 @@ def test_a_conversation_lost_without_a_count_fails_completeness(tmp_path: Path) 
 
 def test_an_unfinished_write_fails_completeness(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)
+    shard = write_shard(root, key)
     (shard.parent / f".{shard.name}.tmp-4242").write_bytes(b"\0" * 64)
     verdict = shard_complete(root, key)
     assert not verdict.passed and verdict.figures["temporary_files"] == 1
@@ -99,7 +71,7 @@ def test_an_unfinished_write_fails_completeness(tmp_path: Path) -> None:
 @pytest.mark.parametrize("remove", ["shard", "manifest"])
 def test_a_missing_file_fails_completeness(tmp_path: Path, remove: str) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)
+    shard = write_shard(root, key)
     gone = shard if remove == "shard" else shard.with_suffix(".json")
     gone.unlink()
     verdict = shard_complete(root, key)
@@ -113,7 +85,7 @@ def test_a_shard_not_extracted_at_all_is_not_complete(tmp_path: Path) -> None:
 
 def test_a_shard_whose_size_differs_from_its_manifest_is_not_complete(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)
+    shard = write_shard(root, key)
     with open(shard, "ab") as f:
         f.write(b"\0")
     verdict = shard_complete(root, key)
@@ -123,7 +95,7 @@ def test_a_shard_whose_size_differs_from_its_manifest_is_not_complete(tmp_path: 
 # ---- shard_integrity -------------------------------------------------------------------------------------
 def test_a_good_shard_passes_integrity_and_one_flipped_byte_fails_it(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)
+    shard = write_shard(root, key)
     good = shard_integrity(root, key)
     assert good.passed and good.figures["problems"] == 0, good.reason
     _, data_start = read_header(shard)
@@ -139,7 +111,7 @@ def test_a_good_shard_passes_integrity_and_one_flipped_byte_fails_it(tmp_path: P
 
 def test_a_corrupted_header_fails_integrity(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)
+    shard = write_shard(root, key)
     raw = bytearray(shard.read_bytes())
     raw[20] ^= 0x01
     shard.write_bytes(bytes(raw))
@@ -195,7 +167,7 @@ def test_reject_rate_without_a_conversation_shard_fails(tmp_path: Path) -> None:
 # ---- vocab_coverage --------------------------------------------------------------------------------------
 def test_vocab_coverage_against_the_minimum(tmp_path: Path) -> None:
     root, key = _ingested(tmp_path)
-    shard = _extract(root, key)  # loss tokens: ids 0..6 cycling over lengths 3..6: 0,1,2 dominate
+    shard = write_shard(root, key)  # loss tokens: ids 0..6 cycling over lengths 3..6: 0,1,2 dominate
     mapping = build_vocab_mapping([shard], 16, 3, tokenizer_fingerprint=TOK)
     save_vocab_mapping(mapping, StoreLayout(root).vocab_mapping)
     assert 0.0 < mapping.coverage < 1.0

@@ -78,7 +78,8 @@ def _store(tmp_path: Path, extracted: dict[str, int], ingested: dict[str, int]) 
             checksum="0" * 64,
             header_checksum="0" * 64,
         ).write(cfg.store_root / "hidden_states" / f"{key}.json")
-        (cfg.store_root / "hidden_states" / f"{key}.safetensors").touch()  # a manifest counts with its shard
+        # a manifest counts with its shard, of the size it records
+        (cfg.store_root / "hidden_states" / f"{key}.safetensors").write_bytes(b"\0" * (1000 * samples))
     return cfg
 
 
@@ -99,11 +100,15 @@ def _shard_run(instance: dg.DagsterInstance, key: str, fail: bool) -> None:
 
 
 def test_classify() -> None:
-    assert classify("MATERIALIZED", False) == "materialized"
-    assert classify("IN_PROGRESS", False) == "in progress"
-    assert classify("FAILED", False) == "failed"
-    assert classify(None, False) == "missing"
-    assert classify("IN_PROGRESS", True) == "interrupted"
+    assert classify("MATERIALIZED", False, held=True) == "materialized"
+    assert classify("IN_PROGRESS", False, held=False) == "in progress"
+    assert classify("FAILED", False, held=False) == "failed"
+    assert classify(None, False, held=False) == "missing"
+    assert classify("IN_PROGRESS", True, held=False) == "interrupted"
+    # the store is the truth: a shard it holds that the instance does not know, one it lost that the instance
+    # has as materialized
+    assert classify(None, False, held=True) == classify("FAILED", False, held=True) == "unrecorded"
+    assert classify("MATERIALIZED", False, held=False) == "missing"
 
 
 def test_runner_tag_names_a_live_or_dead_process() -> None:
