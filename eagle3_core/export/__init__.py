@@ -7,19 +7,16 @@ linked in one rename, so a crash or a full disk leaves the previous export or no
 
 from __future__ import annotations
 
-import re
-import shutil
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import SafetensorError
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import DiskSpaceError, ExportError
+from eagle3_core.errors import ExportError
 from eagle3_core.export.common import (
     CONFIG_FILE,
     ExportFormat,
@@ -35,10 +32,9 @@ from eagle3_core.export.sglang import ARCHITECTURE as SGLANG_ARCHITECTURE
 from eagle3_core.export.sglang import SGLANG, export_sglang, written_layer_ids
 from eagle3_core.export.speculators import SPECULATORS, export_speculators
 from eagle3_core.store.atomic import atomic_versioned_directory
-from eagle3_core.store.shards import DISK_FULL
+from eagle3_core.store.disk import full_disk_is_one_line
 
 FORMATS: dict[FormatName, ExportFormat] = {"sglang": SGLANG, "speculators": SPECULATORS}
-OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors' writer (Rust) reports the errno of a failed write
 
 
 def _format(fmt: FormatName) -> ExportFormat:
@@ -117,25 +113,16 @@ def publish_export(
     return link
 
 
-@contextmanager
-def _disk_full_said(link: Path, versions: Path) -> Iterator[None]:
+def _disk_full_said(link: Path, versions: Path) -> AbstractContextManager[None]:
     """A full disk or quota while exporting -> DiskSpaceError naming the export and the free space left."""
-    try:
-        yield
-    except (OSError, SafetensorError) as err:
-        code = err.errno if isinstance(err, OSError) else _safetensors_errno(err)
-        if code not in DISK_FULL:
-            raise
-        free = shutil.disk_usage(versions).free  # made before anything is written
-        raise DiskSpaceError(
-            f"{link}: the disk filled up while exporting ({err}); nothing was published, {link} is as it was. "
-            f"{versions} has {free:,} bytes ({free / 2**30:.2f} GiB) free: free space, then export again"
-        ) from err
 
+    def say(reason: str, free: int) -> str:
+        return (
+            f"{link}: the disk filled up while exporting ({reason}); nothing was published, {link} is as it "
+            f"was. {versions} has {free:,} bytes ({free / 2**30:.2f} GiB) free: free space, then export again"
+        )
 
-def _safetensors_errno(err: SafetensorError) -> int | None:
-    found = OS_ERROR.search(str(err))
-    return int(found.group(1)) if found else None
+    return full_disk_is_one_line(versions, say)
 
 
 def load_drafter_dir(

@@ -34,7 +34,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from eagle3_core.errors import DiskSpaceError, ShardCorruptError
 from eagle3_core.store.atomic import fsync_path, json_text, remove_stale_temps, temp_path_for, write_temp
+from eagle3_core.store.disk import full_disk_is_one_line
 from eagle3_core.store.records import ShardCounts, ShardFacts, ShardHeader, ShardManifest, validation_message
 
 SCHEMA = "eagle3.hidden_states/1"
@@ -60,7 +61,6 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {  # name -> (torch dtype, saf
 }
 MAX_REASON = 200
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")  # digest order
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NO_FALLOCATE = (errno.EOPNOTSUPP, errno.EINVAL)  # the filesystem cannot preallocate: a sparse file instead
 
 
@@ -222,20 +222,17 @@ class ShardWriter:
         self._pwrite_slot("offsets", 0, memoryview(self.offsets.tobytes()))
 
     # ---- a full disk ----------------------------------------------------------------------------------
-    @contextmanager
-    def _on_disk(self, doing: str) -> Iterator[None]:
-        """Turn a full disk or quota (ENOSPC, EDQUOT) into a DiskSpaceError naming the shard and the bytes."""
-        try:
-            yield
-        except OSError as err:
-            if err.errno not in DISK_FULL:
-                raise
-            free = shutil.disk_usage(self.path.parent).free
-            raise DiskSpaceError(
-                f"shard {self.path.stem}: the disk filled up while {doing} ({err.strerror}); the shard needs "
+    def _on_disk(self, doing: str) -> AbstractContextManager[None]:
+        """A full disk or quota (ENOSPC, EDQUOT) under the block is a DiskSpaceError naming the shard and the bytes."""
+
+        def say(reason: str, free: int) -> str:
+            return (
+                f"shard {self.path.stem}: the disk filled up while {doing} ({reason}); the shard needs "
                 f"{self._needed:,} bytes ({self._needed / 2**30:.2f} GiB) and {self.path.parent} has {free:,} "
                 f"bytes ({free / 2**30:.2f} GiB) free. Free space or move the store, then extract it again"
-            ) from err
+            )
+
+        return full_disk_is_one_line(self.path.parent, say)
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
         # pwrite may write less than asked when the disk is filling up: the rest is written or its error raised

@@ -29,20 +29,21 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
-from eagle3_core.errors import CheckpointCorruptError, DiskSpaceError, RecordError
+from eagle3_core.errors import CheckpointCorruptError, RecordError
 from eagle3_core.store.atomic import atomic_directory, fsync_path
+from eagle3_core.store.disk import full_disk_is_one_line
 from eagle3_core.store.records import CheckpointFile, CheckpointState, RunProgress
-from eagle3_core.store.shards import DISK_FULL, tensors_digest
+from eagle3_core.store.shards import tensors_digest
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
 SET_ASIDE_DIR = re.compile(r"^step-\d{8}\.")  # step-00000200.truncated, step-00000200.checksum.2, ...
@@ -118,42 +119,26 @@ def state_checksum(state: CheckpointState) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _write(path: Path, data: bytes) -> None:
-    """One file of the checkpoint being built (atomic_directory fsyncs and renames them together), written by
-    this process rather than by safetensors' save_file so that a full disk is an OSError with its errno."""
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> CheckpointFile:
-    data = save(tensors)  # the file in memory for the write: a transient host copy, one file at a time
-    _write(path, data)
-    return CheckpointFile(bytes=len(data), sha256=tensors_digest(tensors))
+    save_file(tensors, path)
+    return CheckpointFile(bytes=path.stat().st_size, sha256=tensors_digest(tensors))
 
 
-def _free_bytes(directory: Path) -> int:
-    """Free bytes on the disk holding `directory` (or its nearest existing parent)."""
-    return shutil.disk_usage(next(p for p in (directory, *directory.parents) if p.exists())).free
+def full_disk_stops_the_run(run_dir: Path, writing: str, needed: int) -> AbstractContextManager[None]:
+    """A full disk or quota under the block is a DiskSpaceError naming the directory, what it needed and what
+    is free, and the step the run will resume from (the block's own writes are atomic: nothing half-written
+    is left)."""
 
-
-@contextmanager
-def full_disk_stops_the_run(run_dir: Path, writing: str, needed: int) -> Iterator[None]:
-    """A full disk or quota (ENOSPC, EDQUOT) under the block is a DiskSpaceError naming the directory, what
-    it needed and what is free, and the step the run will resume from (the block's own writes are atomic:
-    nothing half-written is left)."""
-    try:
-        yield
-    except OSError as err:
-        if err.errno not in DISK_FULL:
-            raise
-        free = _free_bytes(run_dir)
+    def say(reason: str, free: int) -> str:
         earlier = list_checkpoints(run_dir)
         resume = f"it resumes from step {earlier[-1][0]}" if earlier else "it has no checkpoint: step 0"
-        raise DiskSpaceError(
-            f"{run_dir}: the disk filled up while writing {writing} ({err.strerror}); it needs about "
+        return (
+            f"{run_dir}: the disk filled up while writing {writing} ({reason}); it needs about "
             f"{needed:,} bytes ({needed / 2**30:.2f} GiB) and the disk has {free:,} bytes "
             f"({free / 2**30:.2f} GiB) free. Nothing was half-written: free space, then train again ({resume})"
-        ) from err
+        )
+
+    return full_disk_is_one_line(run_dir, say)
 
 
 def save_checkpoint(
@@ -179,7 +164,7 @@ def save_checkpoint(
         }
         state = CheckpointState(**dict(progress), step=step, param_groups=groups, files=files)
         state = state.model_copy(update={"checksum": state_checksum(state)})
-        _write(temp / STATE, json.dumps(state.dump(), indent=1).encode())
+        (temp / STATE).write_text(json.dumps(state.dump(), indent=1))
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -9,7 +9,6 @@ final/ only, so nothing is trained here.
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors import SafetensorError
 
 from eagle3_cli.main import main
 from eagle3_core.config import load_config
@@ -27,6 +27,7 @@ from eagle3_core.steps.evaluation import promote_step, read_current, report_file
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import EvalReport
 from tests.conftest import FIXTURES, write_config
+from tests.full_disk import SAFETENSORS_FULL
 from tests.kill import eagle3, every_crash_point, export_latest, hidden_leftovers, run_killed_at_call
 from tests.records import report_dict, trained_run
 
@@ -146,7 +147,7 @@ def disk_full_in(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
     def save_file(tensors: Any, filename: str, *args: Any, **kwargs: Any) -> None:
         if Path(filename).parent.name.startswith(f".{fmt}.tmp-"):  # atomic_directory's temporary for `fmt`
-            raise OSError(errno.ENOSPC, "No space left on device", filename)
+            raise SafetensorError(SAFETENSORS_FULL)
         real(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(common, "save_file", save_file)

@@ -11,11 +11,11 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from eagle3_core.errors import CheckpointCorruptError, DiskSpaceError
 from eagle3_core.train import checkpoint
@@ -29,6 +29,7 @@ from eagle3_core.train.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
+from tests.full_disk import SAFETENSORS_FULL
 from tests.records import run_progress
 
 
@@ -143,34 +144,27 @@ def test_a_checkpoint_written_without_checksums_resumes_unverified_with_a_line(t
     assert (tmp_path / "checkpoints" / "step-00000002.unreadable").is_dir()
 
 
-class _FullDisk:
-    """A file on a disk that fills up under this write: half the bytes land, then ENOSPC."""
-
-    def __init__(self, file: IO[Any]) -> None:
-        self.file = file
-
-    def __enter__(self) -> _FullDisk:
-        return self
-
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        self.file.close()
-
-    def write(self, data: bytes) -> int:
-        self.file.write(memoryview(data)[: len(data) // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
 @pytest.mark.parametrize("name", [WEIGHTS, OPTIMIZER, STATE])
 def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     _save(tmp_path, 2)
+    real_save_file, real_write_text = checkpoint.save_file, Path.write_text
 
-    def open_filling_up(path: Path, mode: str = "r") -> Any:
-        file = open(path, mode)  # noqa: SIM115 (the wrapper closes it)
-        return _FullDisk(file) if Path(path).name == name else file
+    def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        if Path(path).name != name:
+            return real_save_file(tensors, path)
+        Path(path).write_bytes(b"\0" * 100)  # part of it landed
+        raise SafetensorError(SAFETENSORS_FULL)
 
-    monkeypatch.setattr(checkpoint, "open", open_filling_up, raising=False)
+    def write_text(path: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        if path.name != name:
+            return real_write_text(path, text, *args, **kwargs)
+        real_write_text(path, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(Path, "write_text", write_text)
     with pytest.raises(DiskSpaceError) as raised:
         _save(tmp_path, 4)
     message = str(raised.value)
