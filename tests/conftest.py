@@ -15,6 +15,21 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "eagle3"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PROJECT_VARIABLES = ("DAGSTER_HOME", "EAGLE3_CONFIG")  # what the CLI sets in its own process (ops.activate)
+
+
+@pytest.fixture(autouse=True)
+def cli_environment_restored() -> Iterator[None]:
+    """`eagle3 ...` run in process (eagle3_cli.main.main) points the process at its project by setting
+    DAGSTER_HOME and EAGLE3_CONFIG, as the console script must; after each test they are as they were, so a
+    later test's subprocess (`{**os.environ}`) never inherits an earlier test's instance."""
+    before = {name: os.environ.get(name) for name in PROJECT_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def in_ci() -> bool:
