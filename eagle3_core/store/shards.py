@@ -34,6 +34,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +65,9 @@ SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_st
 NO_FALLOCATE = (errno.EOPNOTSUPP, errno.EINVAL)  # the filesystem cannot preallocate: a sparse file instead
 
 
-def _digest() -> Any:
+def _digest(data: bytes | memoryview = b"") -> Any:
     # sha256: with the SHA extensions of current x86 CPUs it hashes 2x faster than blake2b (1.1-1.4 GB/s).
-    return hashlib.sha256()
+    return hashlib.sha256(data)
 
 
 @dataclass(frozen=True)
@@ -147,15 +148,29 @@ def _tensor_bytes(t: torch.Tensor, dtype: str | None = None) -> memoryview:
     return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
+DIGEST_PIECE = 64 << 20  # bytes a thread hashes at a time
+
+
 def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over named tensors in name order, each one's name, dtype and shape, then its bytes, hashed as a
-    shard's rows are: the checksum a training checkpoint records of each of its safetensors files
-    (train/checkpoint.py), so a file that still loads but holds other bytes or other tensors is caught."""
+    """sha256 over named tensors in name order: each one's name, dtype and shape, then the sha256 of each
+    64 MiB piece of its bytes. The checksum a training checkpoint records of each of its safetensors files
+    (train/checkpoint.py), so a file that still loads but holds other bytes or other tensors is caught.
+
+    The pieces are hashed on a thread each (hashlib lets go of the GIL over a large buffer): a checkpoint at
+    hidden 7168 is 11 GiB, which one thread hashes in about 10 s, at every save and every resume."""
+    names = sorted(tensors)
+    # flat: a 0-d tensor (an optimizer's step) has no byte view
+    views = {name: _tensor_bytes(tensors[name].reshape(-1)) for name in names}
+    starts = {name: range(0, max(len(views[name]), 1), DIGEST_PIECE) for name in names}
+    pieces = [views[name][start : start + DIGEST_PIECE] for name in names for start in starts[name]]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(pieces), os.cpu_count() or 1, 32))) as pool:
+        digests = iter(pool.map(lambda piece: bytes(_digest(piece).digest()), pieces))
     h = _digest()
-    for name in sorted(tensors):
+    for name in names:
         t = tensors[name]
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(_tensor_bytes(t.reshape(-1)))  # flat: a 0-d tensor (an optimizer's step) has no byte view
+        for _ in starts[name]:
+            h.update(next(digests))
     return str(h.hexdigest())
 
 

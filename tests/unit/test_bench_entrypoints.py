@@ -3,9 +3,11 @@ package, and each of them imports there (running one as `python bench/x.py` coul
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -34,3 +36,36 @@ def test_make_bench_runs_each_bench_as_a_module_that_imports_from_the_repository
         [sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_checkpoint_bench_saves_and_resumes_a_verified_checkpoint_beside_plain_files(
+    tmp_path: Path,
+) -> None:
+    """bench/checkpoint_scale.py at a tiny shape (the H200 figures are at hidden 7168): both paths run, the
+    checkpoint is the size of the tensors it holds."""
+    from bench import checkpoint_scale
+
+    results = tmp_path / "ckpt.json"
+    shape = ["--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2"]
+    assert (
+        checkpoint_scale.main(
+            [
+                *shape,
+                "--vocab",
+                "256",
+                "--target-vocab",
+                "512",
+                "--dir",
+                str(tmp_path),
+                "--results",
+                str(results),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(results.read_text())
+    params, seconds = report["trainable_params"], report["seconds"]
+    # float32 weights and AdamW's two moments, plus the files' headers and state.json
+    assert 3 * 4 * params < report["checkpoint_bytes"] < 3 * 4 * params + 200_000
+    assert all(seconds[k] > 0 for k in ("save_plain", "save_eagle3", "resume_eagle3"))
+    assert [p.name for p in tmp_path.iterdir()] == [results.name]  # its working files removed
