@@ -21,6 +21,11 @@ store already (other bytes, same conversations) is read once and makes no shard.
 first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
 one whose caller died before seeing it. Files are recorded by `sources.stored_name`: a name that is not UTF-8
 is escaped, so it is ingested like any other, never a failure that would stop every tick at that file.
+
+A file is refused (recorded in inbox.json with the reason, reported once, read again only once it changes)
+when its consumed rows changed, and when it cannot be decoded (a broken Parquet file: SourceUnreadableError,
+whatever pyarrow raised): the files after it go on. Only a failure of the system (an OSError reading it)
+leaves a file to the next call.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from eagle3_core.data.ingest import (
     seen_sample_ids,
 )
 from eagle3_core.data.sources import ResolvedSource, open_binary, stored_name
-from eagle3_core.errors import ConfigError, SourceChangedError
+from eagle3_core.errors import ConfigError, SourceChangedError, SourceUnreadableError
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 from eagle3_core.store.records import InboxFile, InboxRecord, InboxState
 
@@ -202,14 +207,14 @@ def _ingest_locked(
                     truncated.update(consumed.truncated)
                 totals.update(consumed.rejected)
                 log(describe(consumed))
-        except SourceChangedError as err:
+        except (SourceChangedError, SourceUnreadableError) as err:  # until the file changes
             files[name] = InboxFile(
                 state=REFUSED, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, reason=str(err)
             )
             _save_record(record_path, files)
             report.refused[name] = str(err)
             continue
-        except (OSError, ValueError) as err:  # unreadable, or a Parquet file that is not one (yet)
+        except (OSError, ValueError) as err:  # the system's or the store's fault, not the file's: retried
             report.failed[name] = f"{type(err).__name__}: {err}"
             continue
         except _OutOfTime:
