@@ -157,3 +157,16 @@ def test_a_parquet_file_that_cannot_be_decoded_is_refused_by_the_tick_and_files_
     assert second.run_requests == [] and second.skip_message
     assert "no new file" in second.skip_message and "broken.parquet" not in second.skip_message
 
+
+def test_of_two_files_recorded_alike_the_tick_refuses_the_second_once_naming_both(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    _drop(project, "caf\\xe9.jsonl", range(2))  # a UTF-8 name spelling out the escape of the next one's byte
+    _drop(project, os.fsdecode(b"caf\xe9.jsonl"), range(2, 4))
+    first = _tick(instance, project, cursor=None)
+    assert _added(first) == ["t-00000"]
+    second = _tick(instance, project, cursor=first.cursor)  # neither file read nor reported again
+    assert second.run_requests == [] and second.skip_message == f"no new file in {project.parent / 'inbox'}"
+    record = json.loads((project.parent / "store" / "inbox.json").read_text())
+    reason = record["clashes"]["inbox/caf\\xe9.jsonl"]["reason"]
+    assert repr(b"caf\xe9.jsonl") in reason and repr(b"caf\\xe9.jsonl") in reason

@@ -329,3 +329,53 @@ def test_a_parquet_file_that_cannot_be_decoded_is_refused_once_and_the_files_aft
     assert after.ingested == ["inbox/truncated.parquet"] and after.new_keys == ["t-00001"]
     assert [s.messages[0].content for s in _samples(cfg, after.new_keys)] == ["question 7"]
 
+
+def test_two_files_whose_names_are_recorded_alike_the_second_is_refused_once_naming_both(
+    tmp_path: Path,
+) -> None:
+    """A UTF-8 name that spells out `\\xe9` and the Latin-1 name whose byte that is are both recorded as
+    `inbox/caf\\xe9.jsonl`. The second is refused up front, unread, naming both; it was read against the first
+    one's ledger entry, refused as changed over the first one's record, and both read again on every call."""
+    cfg = _config(tmp_path)
+    spelled = _drop(tmp_path, "caf\\xe9.jsonl", [_row(0), _row(1)])
+    latin1 = _drop(tmp_path, os.fsdecode(b"caf\xe9.jsonl"), [_row(2), _row(3)])
+    stored = "inbox/caf\\xe9.jsonl"
+    first = ingest_inbox(cfg)
+    assert first.ingested == [stored] and first.new_keys == ["t-00000"]
+    assert [s.messages[0].content for s in _samples(cfg, first.new_keys)] == ["question 0", "question 1"]
+    reason = first.refused[stored]
+    assert repr(b"caf\xe9.jsonl") in reason and repr(b"caf\\xe9.jsonl") in reason and "rename" in reason
+    record = json.loads(StoreLayout(cfg.store_root).inbox_record.read_text())
+    assert record["files"][stored]["state"] == "done"  # the first one's record stands
+    assert record["files"][stored]["size"] == spelled.stat().st_size
+    assert record["clashes"][stored] == {
+        "state": "refused",
+        "size": latin1.stat().st_size,
+        "mtime_ns": latin1.stat().st_mtime_ns,
+        "reason": reason,
+    }
+    # Later calls skip both from their stat: nothing read, nothing reported
+    again = ingest_inbox(cfg)
+    assert again.refused == {} and again.ingested == [] and again.failed == {} and again.new_keys == []
+    # Until the refused one changes: refused again, still unread
+    with latin1.open("a") as f:
+        f.write(f"{_row(4)}\n")
+    _age(latin1, 120)
+    changed = ingest_inbox(cfg)
+    assert changed.refused == {stored: reason} and changed.new_keys == [] and changed.ingested == []
+
+
+def test_of_two_files_recorded_alike_the_one_ingested_first_keeps_the_name_whichever_sorts_first(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    latin1 = _drop(tmp_path, os.fsdecode(b"caf\xe9.jsonl"), [_row(0)])
+    stored = "inbox/caf\\xe9.jsonl"
+    assert ingest_inbox(cfg).ingested == [stored]
+    spelled = _drop(tmp_path, "caf\\xe9.jsonl", [_row(1)])  # sorts before the Latin-1 name ("\\" < byte 0xe9)
+    later = ingest_inbox(cfg)
+    assert later.ingested == [] and later.new_keys == []
+    refused = os.fsencode(spelled.name)
+    assert later.refused[stored].startswith(f"not read: its name {refused!r} is recorded as {stored}")
+    assert _record(cfg)[stored] == {**_record(cfg)[stored], "state": "done", "size": latin1.stat().st_size}
+    assert ingest_inbox(cfg).refused == {}
