@@ -205,9 +205,11 @@ def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
     table.add_row("total", *(f"{stats.totals[c]:,}" for c in COLUMNS), style="bold")
     console.print(table)
     rejected = ", ".join(f"{k}={v}" for k, v in stats.rejected.items()) or "none"
+    truncated = sum(stats.truncated.values())
     console.print(
-        f"conversations: {stats.conversations:,} accepted ({stats.heldout:,} held out for evaluation), "
-        f"rejected rows: {sum(stats.rejected.values()):,} "
+        f"conversations: {stats.conversations:,} accepted ({stats.heldout:,} held out for evaluation"
+        + (f", {truncated:,} kept in part: cut before an empty turn" if truncated else "")
+        + f"), rejected rows: {sum(stats.rejected.values()):,} "
         f"({rejected}); disk free: {stats.disk_free / 2**30:.1f} GiB"
     )
 
@@ -224,6 +226,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                     "shards": {r.key: r.values for r in stats.shards},
                     "totals": stats.totals,
                     "rejected": stats.rejected,
+                    "truncated": stats.truncated,
                     "conversations": stats.conversations,
                 },
                 indent=1,

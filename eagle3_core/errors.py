@@ -16,6 +16,11 @@ class SourceChangedError(Eagle3Error):
     """Rows that were already sharded changed; re-sharding would silently change existing shards."""
 
 
+class SourceUnreadableError(Eagle3Error):
+    """A source or inbox file cannot be decoded as its format (a truncated or corrupt Parquet file, a column
+    Python cannot hold); the message names the file and what the decoder said."""
+
+
 class DiskSpaceError(Eagle3Error, OSError):
     """Not enough free disk for a shard (with headroom), or the disk filled up under a shard or a training
     checkpoint being written."""

@@ -21,6 +21,12 @@ store already (other bytes, same conversations) is read once and makes no shard.
 first shard is committed, so every shard made from the inbox is listed by `InboxReport.inbox_shards`, even
 one whose caller died before seeing it. Files are recorded by `sources.stored_name`: a name that is not UTF-8
 is escaped, so it is ingested like any other, never a failure that would stop every tick at that file.
+
+A file is refused (recorded in inbox.json with the reason, reported once, read again only once it changes)
+when its consumed rows changed, when it cannot be decoded (a broken Parquet file: SourceUnreadableError,
+whatever pyarrow raised), and, unread, when another inbox file would be recorded under its name (a UTF-8
+name that spells out the escape of the other's byte): the files after it go on. Only a failure of the
+system (an OSError reading it) leaves a file to the next call.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISLNK, S_ISREG
+from typing import NamedTuple
 
 from eagle3_core.config import Eagle3Config, FileSource
 from eagle3_core.data.ingest import (
@@ -46,7 +53,7 @@ from eagle3_core.data.ingest import (
     seen_sample_ids,
 )
 from eagle3_core.data.sources import ResolvedSource, open_binary, stored_name
-from eagle3_core.errors import ConfigError, SourceChangedError
+from eagle3_core.errors import ConfigError, SourceChangedError, SourceUnreadableError
 from eagle3_core.store.layout import SHARD_KEY, StoreLayout
 from eagle3_core.store.records import InboxFile, InboxRecord, InboxState
 
@@ -132,25 +139,23 @@ def _ingest_locked(
     log: Callable[[str], None],
 ) -> None:
     started = time.monotonic()
-    record_path = layout.inbox_record
-    files = _load_record(record_path)
+    record = _Record.load(layout.inbox_record)
+    files = record.files
     ledger = Ledger.load(layout.ledger, cfg.data.dataset, cfg.data.shard_size)
     seen: set[str] | None = None  # every sample id in the store: read only when a file is to be ingested
     totals: Counter[str] = Counter()
     truncated: Counter[str] = Counter()
     min_age = cfg.orchestration.inbox_min_age_seconds
     inbox = report.inbox.resolve()
-    for path in sorted(report.inbox.iterdir()):
-        if _temporary(path.name):
-            continue
-        name = _source_name(path, cfg.root)
-        try:
-            st = path.lstat()  # the entry itself: a link is refused, never followed
-        except FileNotFoundError:  # moved away between listing and stat
+    entries = _listing(report.inbox, cfg.root)
+    clashing = _clashing(entries, record)
+    for path, name, st in entries:
+        if path in clashing:
+            _refuse_clash(record, name, path, st, clashing[path], report, log)
             continue
         refusal = _link_refusal(path, st, inbox)
         if refusal is not None:
-            _refuse_link(files, name, refusal, report, record_path, log)
+            _refuse_link(record, name, refusal, report, log)
             continue
         if not _conversation_file(path, st, report, name):
             continue
@@ -160,8 +165,7 @@ def _ingest_locked(
         known = files.get(name)
         if known and known.symlink:  # a refused link replaced by a regular file: a new file
             known = None
-        stat = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        if known and known.state != INGESTING and _same_stat(known, stat):
+        if known and known.state != INGESTING and _same_stat(known, st):
             continue
         made_something = report.new_shards or report.unsharded
         if made_something and _out_of_time(started, max_seconds):  # each call makes one shard at least
@@ -173,20 +177,20 @@ def _ingest_locked(
             report.failed[name] = f"{type(err).__name__}: {err}"
             continue
         if known and known.state != INGESTING and known.sha256 == digest:
-            files[name] = known.model_copy(update=stat)  # touched, same bytes
-            _save_record(record_path, files)
+            files[name] = known.model_copy(update={"size": st.st_size, "mtime_ns": st.st_mtime_ns})  # touched
+            record.save()
             continue
         twin = None if known else _file_with_digest(files, digest)
         if twin is not None:
             files[name] = InboxFile(
                 state=DONE, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, same_as=twin
             )
-            _save_record(record_path, files)
+            record.save()
             report.same_as[name] = twin
             log(f"{name}: same content as {twin}, already ingested")
             continue
         files[name] = InboxFile(state=INGESTING, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns)
-        _save_record(record_path, files)
+        record.save()
         if seen is None:
             seen = seen_sample_ids(layout, ledger)
         source = ResolvedSource(name, FileSource(path=name), path, no_follow=True)
@@ -202,21 +206,21 @@ def _ingest_locked(
                     truncated.update(consumed.truncated)
                 totals.update(consumed.rejected)
                 log(describe(consumed))
-        except SourceChangedError as err:
+        except (SourceChangedError, SourceUnreadableError) as err:  # until the file changes
             files[name] = InboxFile(
                 state=REFUSED, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, reason=str(err)
             )
-            _save_record(record_path, files)
+            record.save()
             report.refused[name] = str(err)
             continue
-        except (OSError, ValueError) as err:  # unreadable, or a Parquet file that is not one (yet)
+        except (OSError, ValueError) as err:  # the system's or the store's fault, not the file's: retried
             report.failed[name] = f"{type(err).__name__}: {err}"
             continue
         except _OutOfTime:
             report.unfinished = name
             break
         files[name] = InboxFile(state=DONE, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns)
-        _save_record(record_path, files)
+        record.save()
         report.ingested.append(name)
     report.rejected = dict(totals)
     report.truncated = dict(truncated)
@@ -270,19 +274,14 @@ def _link_target(path: Path) -> str:
 
 
 def _refuse_link(
-    files: dict[str, InboxFile],
-    name: str,
-    reason: str,
-    report: InboxReport,
-    record_path: Path,
-    log: Callable[[str], None],
+    record: _Record, name: str, reason: str, report: InboxReport, log: Callable[[str], None]
 ) -> None:
     """Record and report a refused link once; the record keeps the reason, a later call stays quiet."""
-    known = files.get(name)
+    known = record.files.get(name)
     if known and known.state == REFUSED and known.reason == reason:
         return
-    files[name] = InboxFile(state=REFUSED, symlink=True, reason=reason)
-    _save_record(record_path, files)
+    record.files[name] = InboxFile(state=REFUSED, symlink=True, reason=reason)
+    record.save()
     report.refused[name] = reason
     log(f"{name}: refused, {reason}")
 
@@ -307,8 +306,8 @@ def _source_name(path: Path, root: Path) -> str:
         return stored_name(str(where))
 
 
-def _same_stat(known: InboxFile, stat: dict[str, int]) -> bool:
-    return known.size == stat["size"] and known.mtime_ns == stat["mtime_ns"]
+def _same_stat(known: InboxFile | None, st: os.stat_result) -> bool:
+    return known is not None and known.size == st.st_size and known.mtime_ns == st.st_mtime_ns
 
 
 def _file_with_digest(files: dict[str, InboxFile], digest: str) -> str | None:
@@ -326,9 +325,88 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_record(path: Path) -> dict[str, InboxFile]:
-    return dict(InboxRecord.read(path).files) if path.exists() else {}
+@dataclass
+class _Record:
+    """inbox.json as a call changes it: `files` by name, `clashes` by the name the refused file would take."""
+
+    path: Path
+    files: dict[str, InboxFile]
+    clashes: dict[str, InboxFile]
+
+    @classmethod
+    def load(cls, path: Path) -> _Record:
+        if not path.exists():
+            return cls(path, {}, {})
+        record = InboxRecord.read(path)
+        return cls(path, dict(record.files), dict(record.clashes or {}))
+
+    def save(self) -> None:
+        InboxRecord(version=RECORD_VERSION, files=self.files, clashes=self.clashes or None).write(self.path)
 
 
-def _save_record(path: Path, files: dict[str, InboxFile]) -> None:
-    InboxRecord(version=RECORD_VERSION, files=files).write(path)
+class _Entry(NamedTuple):
+    path: Path
+    name: str  # as the store records it (`_source_name`)
+    st: os.stat_result  # of the entry itself (lstat): a link is looked at, never followed
+
+
+def _listing(inbox: Path, root: Path) -> list[_Entry]:
+    """The inbox's entries in order, temporary names left out, as are entries gone since the listing."""
+    entries = []
+    for path in sorted(inbox.iterdir()):
+        if _temporary(path.name):
+            continue
+        try:
+            st = path.lstat()
+        except FileNotFoundError:  # moved away between listing and stat
+            continue
+        entries.append(_Entry(path, _source_name(path, root), st))
+    return entries
+
+
+def _clashing(entries: list[_Entry], record: _Record) -> dict[Path, Path]:
+    """The entries inbox.json would record under a name another entry has too (`stored_name` writes a byte
+    that is not UTF-8 as `\\xNN`, which a UTF-8 name may spell out): {entry: the one that keeps the name}.
+    Without this, the second would be read against the first one's ledger entry, refused as changed, its
+    refusal written over the first one's record, and both read again on every call. The name is kept by the
+    file recorded under it (same stat), else by the one not refused for the clash already, else by the first
+    in order: a file ingested before its twin appeared keeps its name, whichever of the two sorts first."""
+    alike: dict[str, list[_Entry]] = {}
+    for entry in entries:
+        if S_ISLNK(entry.st.st_mode) or _conversation_suffix(entry):  # what inbox.json records
+            alike.setdefault(entry.name, []).append(entry)
+    clashing: dict[Path, Path] = {}
+    for name, group in alike.items():
+        if len(group) > 1:
+            known, refused = record.files.get(name), record.clashes.get(name)
+            keeper = min(group, key=lambda e: (not _same_stat(known, e.st), _same_stat(refused, e.st)))
+            clashing.update({e.path: keeper.path for e in group if e is not keeper})
+    return clashing
+
+
+def _conversation_suffix(entry: _Entry) -> bool:
+    return S_ISREG(entry.st.st_mode) and entry.path.suffix in READ_SUFFIXES
+
+
+def _refuse_clash(
+    record: _Record,
+    name: str,
+    path: Path,
+    st: os.stat_result,
+    keeper: Path,
+    report: InboxReport,
+    log: Callable[[str], None],
+) -> None:
+    """Refuse, unread, a file whose name would be recorded as another's; reported once, and again only when
+    the file changes (its stat) or its twin does (the reason)."""
+    reason = (
+        f"not read: its name {os.fsencode(path.name)!r} is recorded as {name}, as is the name of "
+        f"{os.fsencode(keeper.name)!r}, which keeps it; rename one of the two"
+    )
+    known = record.clashes.get(name)
+    if known and known.reason == reason and _same_stat(known, st):
+        return
+    record.clashes[name] = InboxFile(state=REFUSED, size=st.st_size, mtime_ns=st.st_mtime_ns, reason=reason)
+    record.save()
+    report.refused[name] = reason
+    log(f"{name}: refused, {reason}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from glob import glob
 from pathlib import Path
@@ -26,9 +27,10 @@ from typing import Any, BinaryIO
 
 from eagle3_core.config import ChitchatSource, Eagle3Config, FileSource, SourceFormat
 from eagle3_core.data.conversation import Conversation, Location, RowRejected, build_conversation
-from eagle3_core.errors import ConfigError
+from eagle3_core.errors import ConfigError, SourceUnreadableError
 
 CHITCHAT_NAME = "chitchat-dataset"
+FILE_SUFFIXES = {".jsonl", ".json", ".parquet"}
 BOM = "\ufeff".encode()
 
 
@@ -63,7 +65,7 @@ def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
     """Expand globs (sorted, so new files come in a stable order) and check every file exists."""
     out: list[ResolvedSource] = []
     named: dict[str, Path] = {}
-    for spec in cfg.data.sources:
+    for index, spec in enumerate(cfg.data.sources):
         if isinstance(spec, ChitchatSource):
             out.append(ResolvedSource(CHITCHAT_NAME, spec))
             continue
@@ -73,8 +75,11 @@ def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
             raise FileNotFoundError(f"data.sources: {spec.path!r} matches no file (looked for {pattern})")
         for p in matches:
             name = _relative_name(p, cfg.root)
-            if p.suffix not in {".jsonl", ".json", ".parquet"}:
-                raise ValueError(f"data.sources: {name} is neither .jsonl nor .parquet")
+            if p.suffix not in FILE_SUFFIXES:
+                raise ConfigError(
+                    f"data.sources[{index}].path: {spec.path!r} matches {name}, which is not a .jsonl, .json "
+                    "or .parquet file; narrow the pattern to the conversation files"
+                )
             _check_name_unique(named, name, p)
             out.append(ResolvedSource(name, spec, p))
     return out
@@ -127,15 +132,56 @@ def jsonl_rows(path: Path, name: str, no_follow: bool = False) -> Iterator[RawRo
 
 
 def _parquet_rows(path: Path, name: str, no_follow: bool) -> Iterator[RawRow]:
-    import pyarrow.parquet as pq
-
     number = 0
     with open_binary(path, no_follow) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
+        for records in _parquet_records(f, name):
+            for record in records:
                 number += 1
                 raw = json.dumps(record, ensure_ascii=False, sort_keys=True, default=str).encode("utf-8")
                 yield RawRow(Location(name, number), raw, record)
+
+
+def _parquet_records(f: BinaryIO, name: str) -> Iterator[list[Any]]:
+    """The file's rows as Python records, a batch at a time; what pyarrow cannot decode is a
+    SourceUnreadableError naming the file (`_undecodable`)."""
+    import pyarrow.parquet as pq
+
+    with _undecodable(name):
+        batches = pq.ParquetFile(f).iter_batches(batch_size=1024)
+    while True:
+        with _undecodable(name):
+            batch = next(batches, None)
+            records = None if batch is None else batch.to_pylist()
+        if records is None:
+            return
+        yield records
+
+
+@contextmanager
+def _undecodable(name: str) -> Iterator[None]:
+    """A file pyarrow cannot decode raises whatever the failing layer raises: ArrowInvalid (a ValueError) for
+    a truncated file, a bare OSError for a corrupt page, ArrowNotImplementedError or ArrowTypeError for what
+    it does not support, OverflowError for a duration past Python's range, KeyError for a time zone this
+    machine does not know. Each is the file's fault, and is told as one: one line naming it, which the inbox
+    records as a refusal and `eagle3 ingest` prints. An OSError with an errno is the system's (a read that
+    failed), and a MemoryError the machine's: neither says anything of the file, so both go on as they are."""
+    from pyarrow.lib import ArrowException
+
+    try:
+        yield
+    except MemoryError:
+        raise
+    except OSError as err:
+        if err.errno is not None:
+            raise
+        raise _unreadable(name, err) from err
+    except (ArrowException, ValueError, TypeError, LookupError, ArithmeticError) as err:
+        raise _unreadable(name, err) from err
+
+
+def _unreadable(name: str, err: Exception) -> SourceUnreadableError:
+    said = " ".join(str(err).split())  # on one line: pyarrow's messages may span several
+    return SourceUnreadableError(f"{name}: not readable as Parquet ({type(err).__name__}: {said})")
 
 
 def _chitchat_rows(limit: int | None) -> Iterator[RawRow]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation
-from eagle3_core.data.sources import decode_record, jsonl_rows, record_turns
+from eagle3_core.data.sources import decode_record, jsonl_rows, record_turns, stored_name
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import StoreLayout
@@ -106,12 +106,18 @@ def _category(record: Any) -> str | None:
 
 
 def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) -> PromptSet:
-    """The prompts of a JSONL file, up to `limit`; unreadable rows are kept in `rejected` with their reason."""
+    """The prompts of a JSONL file, up to `limit`; unreadable rows are kept in `rejected` with their reason.
+
+    The file is named as ingest names a source (`stored_name`), once, here: a name that is not UTF-8 (Linux
+    allows any bytes) would otherwise put surrogates into the set's name and every prompt's id, and the report
+    that holds them could not be written as JSON."""
+    shown = stored_name(str(path))
     if not path.is_file():
-        raise Eagle3Error(f"{path}: no such prompt file (evaluate.prompt_files)")
-    result = PromptSet(path.stem, [])
-    for row in jsonl_rows(path, path.name):
-        where = f"{path.name}:{row.location.line}"
+        raise Eagle3Error(f"{shown}: no such prompt file (evaluate.prompt_files)")
+    name = stored_name(path.name)
+    result = PromptSet(PurePath(name).stem, [])
+    for row in jsonl_rows(path, name):
+        where = f"{name}:{row.location.line}"
         try:
             record = decode_record(row)
             result.prompts.append(EvalPrompt(where, _prompt_of(record, system_prompt), _category(record)))
@@ -120,7 +126,7 @@ def file_prompts(path: Path, *, limit: int, system_prompt: str | None = None) ->
         if len(result.prompts) == limit:
             break
     if not result.prompts:
-        raise Eagle3Error(f"{path}: no usable prompt ({result.reject_counts or 'the file is empty'})")
+        raise Eagle3Error(f"{shown}: no usable prompt ({result.reject_counts or 'the file is empty'})")
     return result
 
 

@@ -42,7 +42,9 @@ from eagle3_core.targets.regenerate import RegenerationResult, Regenerator
 
 # ---- conversations -----------------------------------------------------------------------------------------
 def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
-    """A conversation shard is written by ingest; this checks it against its manifest and reports it."""
+    """A conversation shard is written by ingest; this checks it against its manifest and reports it.
+    `truncated`: the samples kept in part, cut before an empty turn (rows kept, not rejected; their rows are
+    in the rejects file too, as `empty_content_truncated`)."""
     layout = StoreLayout(cfg.store_root)
     _, manifest = load_conversation_shard(cfg.store_root, key)
     rejected = manifest.rejected
@@ -56,6 +58,7 @@ def conversations_step(cfg: Eagle3Config, key: str) -> StepResult:
             "assistant_turns": manifest.assistant_turns,
             "rejected": sum(rejected.values()),
             **{f"rejected_{reason}": n for reason, n in sorted(rejected.items())},
+            "truncated": sum(manifest.truncated.values()),
             "source": manifest.source,
             "source_lines": "-".join(map(str, manifest.lines)),
             "rejects_file": str(layout.rejects(key)),

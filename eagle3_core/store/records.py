@@ -438,10 +438,12 @@ class InboxFile(Record):
 
 
 class InboxRecord(Record):
-    """store/inbox.json: every inbox file seen, by its source name."""
+    """store/inbox.json: every inbox file seen, by its source name; in `clashes`, by that same name, a file
+    refused because another inbox file is recorded under its name (absent while there is none)."""
 
     version: int
     files: dict[str, InboxFile]
+    clashes: dict[str, InboxFile] | None = None
 
     def dump(self) -> dict[str, Any]:
         # a file's absent fields stay absent, as the dicts this record replaced wrote them

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ class ShardRow:
 class StoreStats:
     shards: list[ShardRow] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
+    # conversations kept in part, cut before an empty turn (by reason, as the manifests count them): samples,
+    # apart from `rejected`
+    truncated: dict[str, int] = field(default_factory=dict)
     conversations: int = 0
     heldout: int = 0
     disk_free: int = 0
@@ -81,14 +85,16 @@ def store_stats(root: Path) -> StoreStats:
             continue
         manifest = ShardManifest.read(layout.hidden_states_manifest(key))
         stats.shards.append(ShardRow(manifest.key, _row(manifest)))
-    rejected: dict[str, int] = {}
+    rejected: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
     for manifest_path in sorted((root / "conversations").glob("*.json")):
         conversations = ConversationManifest.read(manifest_path)
         stats.conversations += conversations.samples
         stats.heldout += conversations.heldout_samples
-        for reason, n in conversations.rejected.items():
-            rejected[reason] = rejected.get(reason, 0) + n
+        rejected.update(conversations.rejected)
+        truncated.update(conversations.truncated)
     stats.rejected = dict(sorted(rejected.items()))
+    stats.truncated = dict(sorted(truncated.items()))
     return stats
 
 

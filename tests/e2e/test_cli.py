@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import write_config
+from tests.parquet_files import unreadable_parquet
 
 SMALL_DATA = "data: {dataset: cc, shard_size: 12, sources: [{kind: chitchat, limit: 12}]}\n"
 
@@ -106,3 +107,37 @@ def test_a_config_json_whose_layer_sizes_disagree_with_the_weights_is_refused_at
         f"error: {config_json}: its sizes disagree with the weights: model.layers.0.mlp.down_proj.weight has "
         "shape [128, 384] in the weights, where the config makes it [128, 256] (and 23 more tensors)"
     )
+
+
+def _conversation_line(content: str) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": content}]}) + "\n"
+
+
+def test_a_source_pattern_matching_a_file_of_another_kind_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(_conversation_line("q 0"))
+    (tmp_path / "data" / "notes.txt").write_text("the user's notes, beside the conversations\n")
+    config = write_config(tmp_path, "store: store\ndata: {dataset: t, sources: [{path: 'data/*'}]}\n")
+    line = _one_error_line(eagle3(config, "ingest"))
+    assert line == (
+        "error: data.sources[0].path: 'data/*' matches data/notes.txt, which is not a .jsonl, .json or "
+        ".parquet file; narrow the pattern to the conversation files"
+    )
+    assert not (tmp_path / "store" / "ledger.json").exists()  # refused before a row was read
+
+
+def test_a_parquet_source_that_cannot_be_decoded_is_refused_in_one_line_and_the_shards_before_it_stand(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a.jsonl").write_text(_conversation_line("q 0"))
+    unreadable_parquet(tmp_path / "b.parquet", "duration_out_of_range")
+    config = write_config(
+        tmp_path, "store: store\ndata: {dataset: t, sources: [{path: a.jsonl}, {path: b.parquet}]}\n"
+    )
+    result = eagle3(config, "ingest")
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    made, refused = result.stdout.strip().splitlines()  # the shard a.jsonl made, then one line for b.parquet
+    assert made == "t-00000: 1 samples, 0 rejected (a.jsonl)"
+    assert refused.startswith("error: b.parquet: not readable as Parquet (OverflowError: ")
+    ledger = json.loads((tmp_path / "store" / "ledger.json").read_text())
+    assert ledger["sources"]["a.jsonl"]["shards"] == ["t-00000"] and "b.parquet" not in ledger["sources"]

@@ -17,6 +17,7 @@ from eagle3_dagster.definitions import defs
 from eagle3_dagster.defs.data.sensors import add_requests
 from eagle3_dagster.defs.resources import Eagle3Resource
 from tests.conftest import write_config
+from tests.parquet_files import unreadable_parquet
 
 SHARD_ASSETS = [dg.AssetKey("conversations"), dg.AssetKey("regenerated"), dg.AssetKey("hidden_states")]
 
@@ -140,3 +141,32 @@ def test_a_file_name_that_is_not_utf8_is_ingested_by_the_tick_and_files_after_it
     assert ledger["sources"]["inbox/zeta.jsonl"]["shards"] == ["t-00001"]
     second = _tick(instance, project, cursor=first.cursor)
     assert second.run_requests == [] and second.skip_message and "no new file" in second.skip_message
+
+
+def test_a_parquet_file_that_cannot_be_decoded_is_refused_by_the_tick_and_files_after_it_are_ingested(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    unreadable_parquet(project.parent / "inbox" / "broken.parquet", "unknown_time_zone")  # pytz's KeyError
+    _drop(project, "zeta.jsonl", range(2))
+    first = _tick(instance, project, cursor=None)
+    assert _added(first) == ["t-00000"] and [r.partition_key for r in first.run_requests] == ["t-00000"]
+    record = json.loads((project.parent / "store" / "inbox.json").read_text())["files"]
+    assert record["inbox/broken.parquet"]["state"] == "refused"
+    assert "inbox/broken.parquet: not readable as Parquet" in record["inbox/broken.parquet"]["reason"]
+    second = _tick(instance, project, cursor=first.cursor)  # refused once: not read nor reported again
+    assert second.run_requests == [] and second.skip_message
+    assert "no new file" in second.skip_message and "broken.parquet" not in second.skip_message
+
+
+def test_of_two_files_recorded_alike_the_tick_refuses_the_second_once_naming_both(
+    project: Path, instance: dg.DagsterInstance
+) -> None:
+    _drop(project, "caf\\xe9.jsonl", range(2))  # a UTF-8 name spelling out the escape of the next one's byte
+    _drop(project, os.fsdecode(b"caf\xe9.jsonl"), range(2, 4))
+    first = _tick(instance, project, cursor=None)
+    assert _added(first) == ["t-00000"]
+    second = _tick(instance, project, cursor=first.cursor)  # neither file read nor reported again
+    assert second.run_requests == [] and second.skip_message == f"no new file in {project.parent / 'inbox'}"
+    record = json.loads((project.parent / "store" / "inbox.json").read_text())
+    reason = record["clashes"]["inbox/caf\\xe9.jsonl"]["reason"]
+    assert repr(b"caf\xe9.jsonl") in reason and repr(b"caf\\xe9.jsonl") in reason

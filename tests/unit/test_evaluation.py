@@ -1,6 +1,8 @@
 """Prompt files, the promotion gate's decision and the evaluation settings, without a model."""
 
+import codecs
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,48 @@ def test_a_prompt_file_stops_at_the_limit_and_an_unusable_one_is_an_error(tmp_pa
         file_prompts(bad, limit=10)
     with pytest.raises(Eagle3Error, match="no such prompt file"):
         file_prompts(tmp_path / "missing.jsonl", limit=10)
+
+
+def test_a_prompt_file_whose_name_is_not_utf8_is_named_as_ingest_names_it_and_its_report_reads_back(
+    tmp_path: Path,
+) -> None:
+    """Linux allows any bytes in a file name but "/" and NUL. A prompt file whose name is not UTF-8 is named
+    as ingest names such a source (`stored_name`: `\\xNN` per byte), so its set's name and prompt ids are
+    JSON-safe and the report holding them is written and read back (it raised UnicodeEncodeError)."""
+    from eagle3_core.evaluate.measure import Measurement
+    from eagle3_core.steps.evaluation import report_file, set_reports
+    from eagle3_core.store.records import DrafterDirReport
+
+    path = tmp_path / os.fsdecode(b"caf\xe9.jsonl")  # Latin-1 bytes, as a file from an old system is named
+    path.write_bytes((FIXTURES / "prompts.jsonl").read_bytes())
+    prompts = file_prompts(path, limit=100)
+    stored = "caf\\xe9.jsonl"
+    assert codecs.escape_decode(stored.encode())[0] == b"caf\xe9.jsonl"  # the escape reads back to the bytes
+    assert prompts.name == "caf\\xe9"
+    ids = [f"{stored}:{n}" for n in (1, 2, 3, 4)]
+    assert [p.id for p in prompts.prompts] == ids
+    assert {r["id"] for r in prompts.rejected} == {f"{stored}:{n}" for n in (5, 6, 7, 8)}
+
+    fitting = {prompts.name: [(p, [1]) for p in prompts.prompts]}
+    measured = {prompts.name: Measurement(len(ids), {3: _runs([2.0, 2.5, 3.0, 1.5])})}
+    report = DrafterDirReport(
+        run="drafter",
+        drafter_dir=str(tmp_path / "drafter"),
+        format="sglang",
+        aux_layer_ids=[1, 2, 3],
+        device="cpu",
+        dtype="float32",
+        settings={"ks": [3]},
+        tau={"3": None},
+        primary=prompts.name,
+        sets=set_reports([prompts], fitting, measured),
+    )
+    out = report_file(tmp_path / "eval", "sglang", path)
+    report.write(out)
+    back = DrafterDirReport.read(out)
+    assert back.primary == "caf\\xe9" and list(back.sets) == ["caf\\xe9"]
+    assert [p.id for p in back.sets["caf\\xe9"].at(3).per_prompt] == ids
+    assert back.sets["caf\\xe9"].rejected == prompts.reject_counts
 
 
 def _runs(per_prompt_al: list[float], rounds: int = 20, k: int = 3) -> list[PromptRun]:

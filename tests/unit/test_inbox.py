@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from eagle3_core.config import ConfigError, Eagle3Config, FileSource, OrchestrationConfig, load_config
@@ -20,6 +21,7 @@ from eagle3_core.errors import StoreBusyError
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import RejectRow, read_rows
 from tests.conftest import write_config
+from tests.parquet_files import UNREADABLE, unreadable_parquet
 
 NAME = "inbox/a.jsonl"  # as sources are named: relative to the config's directory
 
@@ -294,3 +296,86 @@ def test_a_row_cut_before_an_empty_turn_is_a_sample_and_the_inbox_counts_the_cut
         ["q0", "a0", "q1"],  # regeneration is on: the target answers q1
         ["question 1"],
     ]
+
+
+def test_a_parquet_file_that_cannot_be_decoded_is_refused_once_and_the_files_after_it_are_ingested(
+    tmp_path: Path,
+) -> None:
+    """pyarrow raises whatever its failing layer raises (OverflowError, a time zone's KeyError, ArrowInvalid,
+    ArrowNotImplementedError...): each is the file's fault, recorded as a refusal naming the file, never an
+    exception that stops the tick at that file, every tick."""
+    cfg = _config(tmp_path)
+    names = []
+    for kind in UNREADABLE:
+        _age(unreadable_parquet(tmp_path / "inbox" / f"{kind}.parquet", kind), 120)
+        names.append(f"inbox/{kind}.parquet")
+    _drop(tmp_path, "zeta.jsonl", [_row(0), _row(1)])  # sorted after them: must not be held up
+    report = ingest_inbox(cfg)
+    assert report.ingested == ["inbox/zeta.jsonl"] and report.new_keys == ["t-00000"]
+    assert report.failed == {} and sorted(report.refused) == sorted(names)
+    for kind, name in zip(UNREADABLE, names, strict=True):
+        reason = report.refused[name]
+        assert reason.startswith(f"{name}: not readable as Parquet (") and UNREADABLE[kind] in reason
+        assert "\n" not in reason
+        assert _record(cfg)[name] == {**_record(cfg)[name], "state": "refused", "reason": reason}
+    # Recorded: a later call neither reports nor reads them again (a read would fail the same way)
+    again = ingest_inbox(cfg)
+    assert again.refused == {} and again.failed == {} and again.ingested == [] and again.new_keys == []
+    # Until one changes: the fixed file is read, its rows become a shard
+    fixed = tmp_path / "inbox" / "truncated.parquet"
+    pd.DataFrame([{"messages": [{"role": "user", "content": "question 7"}]}]).to_parquet(fixed)
+    _age(fixed, 120)
+    after = ingest_inbox(cfg)
+    assert after.ingested == ["inbox/truncated.parquet"] and after.new_keys == ["t-00001"]
+    assert [s.messages[0].content for s in _samples(cfg, after.new_keys)] == ["question 7"]
+
+
+def test_two_files_whose_names_are_recorded_alike_the_second_is_refused_once_naming_both(
+    tmp_path: Path,
+) -> None:
+    """A UTF-8 name that spells out `\\xe9` and the Latin-1 name whose byte that is are both recorded as
+    `inbox/caf\\xe9.jsonl`. The second is refused up front, unread, naming both; it was read against the first
+    one's ledger entry, refused as changed over the first one's record, and both read again on every call."""
+    cfg = _config(tmp_path)
+    spelled = _drop(tmp_path, "caf\\xe9.jsonl", [_row(0), _row(1)])
+    latin1 = _drop(tmp_path, os.fsdecode(b"caf\xe9.jsonl"), [_row(2), _row(3)])
+    stored = "inbox/caf\\xe9.jsonl"
+    first = ingest_inbox(cfg)
+    assert first.ingested == [stored] and first.new_keys == ["t-00000"]
+    assert [s.messages[0].content for s in _samples(cfg, first.new_keys)] == ["question 0", "question 1"]
+    reason = first.refused[stored]
+    assert repr(b"caf\xe9.jsonl") in reason and repr(b"caf\\xe9.jsonl") in reason and "rename" in reason
+    record = json.loads(StoreLayout(cfg.store_root).inbox_record.read_text())
+    assert record["files"][stored]["state"] == "done"  # the first one's record stands
+    assert record["files"][stored]["size"] == spelled.stat().st_size
+    assert record["clashes"][stored] == {
+        "state": "refused",
+        "size": latin1.stat().st_size,
+        "mtime_ns": latin1.stat().st_mtime_ns,
+        "reason": reason,
+    }
+    # Later calls skip both from their stat: nothing read, nothing reported
+    again = ingest_inbox(cfg)
+    assert again.refused == {} and again.ingested == [] and again.failed == {} and again.new_keys == []
+    # Until the refused one changes: refused again, still unread
+    with latin1.open("a") as f:
+        f.write(f"{_row(4)}\n")
+    _age(latin1, 120)
+    changed = ingest_inbox(cfg)
+    assert changed.refused == {stored: reason} and changed.new_keys == [] and changed.ingested == []
+
+
+def test_of_two_files_recorded_alike_the_one_ingested_first_keeps_the_name_whichever_sorts_first(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    latin1 = _drop(tmp_path, os.fsdecode(b"caf\xe9.jsonl"), [_row(0)])
+    stored = "inbox/caf\\xe9.jsonl"
+    assert ingest_inbox(cfg).ingested == [stored]
+    spelled = _drop(tmp_path, "caf\\xe9.jsonl", [_row(1)])  # sorts before the Latin-1 name ("\\" < byte 0xe9)
+    later = ingest_inbox(cfg)
+    assert later.ingested == [] and later.new_keys == []
+    refused = os.fsencode(spelled.name)
+    assert later.refused[stored].startswith(f"not read: its name {refused!r} is recorded as {stored}")
+    assert _record(cfg)[stored] == {**_record(cfg)[stored], "state": "done", "size": latin1.stat().st_size}
+    assert ingest_inbox(cfg).refused == {}

@@ -352,6 +352,40 @@ def test_an_empty_turn_keeps_the_complete_exchanges_before_it_and_counts_the_cut
     assert ingest(cfg).rows_read == 0
 
 
+def test_the_rows_cut_before_an_empty_turn_are_counted_by_the_conversations_step_and_by_eagle3_stats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where rejects are shown, so is the cut: the conversations step's metadata (the asset's in Dagster) and
+    `eagle3 stats`, table and --json, from the manifests' `truncated`."""
+    from eagle3_cli.main import main
+    from eagle3_core.steps.data import conversations_step
+    from eagle3_core.store.stats import store_stats
+
+    rows = [*EMPTY_TURN_ROWS, _message_row(6)]
+    (tmp_path / "rows.jsonl").write_text("".join(f"{row}\n" for row in rows))
+    config = _config(tmp_path, "[{path: rows.jsonl}]", shard_size=1)  # one sample a shard
+    cfg = load_config(config)
+    keys = ["t-00000", "t-00001", "t-00002"]
+    assert ingest(cfg).new_keys == keys
+    metadata = [conversations_step(cfg, key).metadata for key in keys]
+    counts = [(m["samples"], m["truncated"], m["rejected"]) for m in metadata]
+    assert counts == [(1, 1, 0), (1, 1, 0), (1, 0, 3)]  # the third: rows 3-5 rejected, then row 6
+
+    stats = store_stats(cfg.store_root)
+    assert stats.truncated == {"empty_content_truncated": 2}
+    assert stats.rejected == {"empty_content": 2, "wrong_shape": 1}
+    assert main(["--config", str(config), "stats"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # the console wraps at its width
+    assert (
+        "conversations: 3 accepted (0 held out for evaluation, 2 kept in part: cut before an empty turn)"
+        in shown
+    )
+    assert "rejected rows: 3 (empty_content=2, wrong_shape=1)" in shown
+    assert main(["--config", str(config), "stats", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["truncated"] == {"empty_content_truncated": 2} and figures["conversations"] == 3
+
+
 def test_with_regeneration_a_question_whose_reply_is_empty_is_kept_for_the_target_to_answer(
     tmp_path: Path,
 ) -> None:
