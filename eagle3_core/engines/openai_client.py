@@ -234,7 +234,9 @@ class RegenerationJournal:
         wanted = set(sample_ids)
         entries: dict[str, JournalEntry] = {}
         if self.path.exists():
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            # bytes: a line cut mid-character is dropped as torn, and a reply's U+2028 (JSON leaves it as is,
+            # str.splitlines would break there) stays inside its line
+            lines = self.path.read_bytes().splitlines()
             header = _line_as(JournalHeader, lines[0]) if lines else None
             if header is None or header.fingerprint != self.fingerprint:
                 self.discarded = "written for other settings, tokenizer or samples"
@@ -272,11 +274,13 @@ def remove_journal(shard: Path) -> None:
 J = TypeVar("J", JournalHeader, JournalEntry)
 
 
-def _line_as(record: type[J], line: str) -> J | None:
+def _line_as(record: type[J], line: bytes) -> J | None:
     """A journal line as its record; None for a line a kill tore (or that is not one)."""
     try:
         return record.model_validate(json.loads(line))
-    except ValueError:  # not JSON, or not the record (pydantic's ValidationError is a ValueError)
+    # not UTF-8, not JSON, or not the record (UnicodeDecodeError and pydantic's ValidationError are
+    # ValueErrors); nested past the parser's recursion limit: not a line eagle3 wrote either
+    except (ValueError, RecursionError):
         return None
 
 

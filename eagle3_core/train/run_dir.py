@@ -124,7 +124,7 @@ def read_metrics(run_dir: Path) -> list[MetricsRow]:
     path = run_dir / METRICS
     if not path.exists():
         return []
-    return [metrics_row(line, f"{path} line {n}") for n, line in enumerate(path.read_text().splitlines(), 1)]
+    return [metrics_row(line, f"{path} line {n}") for n, line in enumerate(path.read_bytes().splitlines(), 1)]
 
 
 @dataclass

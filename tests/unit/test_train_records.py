@@ -138,12 +138,16 @@ def test_the_figures_tttstats_measures_are_a_rows_figures() -> None:
         (json.dumps({**_train_row_dict(), "tau_3": 1.7}), "tau_3: beyond the 2 TTT steps"),
         (json.dumps({k: v for k, v in _train_row_dict().items() if k != "tokens"}), "tokens: Field required"),
         (json.dumps({**_val_row_dict(), "lr": 0.1}), "lr: Extra inputs are not permitted"),
+        # a flipped bit, a planted line: named like a torn one, never a traceback
+        ('{"kind": "tr\udcffain"}', "not UTF-8 text (invalid start byte at byte 12)"),
+        ("[" * 100_000 + "]" * 100_000, "not readable JSON: arrays or objects nested too deeply"),
     ],
 )
 def test_a_torn_or_wrong_metric_row_is_one_line_naming_the_file_line_and_field(
     tmp_path: Path, line: str, expected: str
 ) -> None:
-    (tmp_path / METRICS).write_text(json.dumps(_train_row_dict(2)) + "\n" + line + "\n")
+    text = json.dumps(_train_row_dict(2)) + "\n" + line + "\n"
+    (tmp_path / METRICS).write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff: the byte 0xff
     with pytest.raises(RecordError, match="^" + re.escape(f"{tmp_path / METRICS} line 2: {expected}")) as err:
         read_metrics(tmp_path)
     assert "\n" not in str(err.value)
