@@ -492,6 +492,21 @@ def provenance(
     }
 
 
+# each format's config.json (a few KB) and its weights file's safetensors header (a line per tensor), generously
+CONFIG_AND_HEADER_BYTES = 1 << 16
+
+
+def export_bytes(fmt: ExportFormat, drafter: Eagle3Drafter, mapping: VocabMapping, dtype: torch.dtype) -> int:
+    """What `write_export` puts on disk for `fmt`, from the shapes alone: the drafter's tensors in `dtype`
+    (the embedding only where the format carries it), d2t (int64) and t2d (bool), its config and header."""
+    weights = sum(
+        tensor.numel() * dtype.itemsize
+        for name, tensor in drafter.state_dict().items()
+        if fmt.with_embedding or name != EMBED_KEY
+    )
+    return weights + mapping.d2t.numel() * 8 + mapping.t2d.numel() + CONFIG_AND_HEADER_BYTES
+
+
 def write_export(
     fmt: ExportFormat,
     drafter: Eagle3Drafter,
