@@ -40,7 +40,7 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig
+from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig, without_url_passwords
 from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.engines import http
@@ -116,6 +116,15 @@ class ChatClient:
     def __init__(self, server: RegenerateServerConfig) -> None:
         self.server = server
         self.endpoint = completions_endpoint(server.url)
+        self.shown_url = without_url_passwords(server.url)
+        try:  # refused here in one line, not by httpx at the first request with a traceback
+            httpx.URL(self.endpoint)
+        except httpx.InvalidURL as err:
+            raise ConfigError(
+                without_url_passwords(
+                    f"regenerate.server.url {self.shown_url} is not a URL eagle3 can request: {err}"
+                )
+            ) from None
         self._key = api_key(server)
         # the server is the project's own (a cluster address or loopback): never through a proxy (engines/http.py)
         self._client = http.async_client(server.timeout_s, server.concurrency, self._key)
@@ -162,7 +171,8 @@ class ChatClient:
         raise RequestFailed(f"{last} (after {attempts} attempts)", attempts)
 
     def _shown(self, text: str) -> str:
-        return self._key.redact(text) if self._key is not None else text
+        """`text` as eagle3 may print or store it: without the API key, nor the password of a URL."""
+        return without_url_passwords(self._key.redact(text) if self._key is not None else text)
 
 
 def api_key(server: RegenerateServerConfig) -> http.ApiKey | None:
@@ -458,7 +468,7 @@ class ServerRegenerator:
         listed = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
         kept = f"kept in {journal.path}" if journal is not None else "not kept (no journal)"
         return (
-            f"{len(result.failures)} of {len(samples)} samples failed their requests to {self.server.url} "
+            f"{len(result.failures)} of {len(samples)} samples failed their requests to {without_url_passwords(self.server.url)} "
             f"({listed}), more than max_failed_fraction {self.server.max_failed_fraction:g} allows "
             f"({allowed}); no new request was started. {len(entries)} finished samples are {kept}; "
             f"run again to request the other {len(samples) - len(entries)}."

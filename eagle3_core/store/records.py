@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from eagle3_core.config import without_url_passwords
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
 from eagle3_core.store.atomic import atomic_write_json, json_object, read_json_object, write_jsonl
@@ -598,13 +599,18 @@ class RegeneratedManifest(OptionalFields):
     tokens_per_second: float
     seconds: float
     counts: dict[str, int] = {}
-    server: str | None = None
+    server: str | None = None  # its URL, a password in it never written (config.without_url_passwords)
     resumed_samples: int | None = None
     requested_samples: int | None = None
     request_retries: int | None = None
     target: str | None = None  # the target's fingerprint, shortened
     temperature: float
     max_new_tokens: int
+
+    @field_validator("server", mode="before")
+    @classmethod
+    def _no_password(cls, url: Any) -> Any:
+        return without_url_passwords(url) if isinstance(url, str) else url
 
     @model_validator(mode="before")
     @classmethod
