@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from eagle3_cli.steps import console
-from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.config import Eagle3Config, load_config, without_url_passwords
 from eagle3_core.engines import http
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import atomic_write_bytes
@@ -258,6 +258,7 @@ class Webserver:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        self.shown = without_url_passwords(self.url)  # what is printed; the requests go to `url`
 
     def graphql(self, query: str, variables: Mapping[str, Any] | None = None, timeout: float = 60.0) -> Any:
         body = {"query": query, "variables": dict(variables or {})}
@@ -268,9 +269,11 @@ class Webserver:
         except http.HttpError as err:
             raise OperationError(str(err)) from err
         if not isinstance(payload, dict):
-            raise OperationError(f"{self.url}/graphql answered {http.clip(payload)}, not a GraphQL response")
+            raise OperationError(
+                f"{self.shown}/graphql answered {http.clip(payload)}, not a GraphQL response"
+            )
         if payload.get("errors"):
-            raise OperationError(f"{self.url}/graphql answered with errors: {payload['errors']}")
+            raise OperationError(f"{self.shown}/graphql answered with errors: {payload['errors']}")
         return payload["data"]
 
     def answers(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
@@ -290,7 +293,7 @@ class Webserver:
         part = "run_storage" if isinstance(ours.get("run_storage"), dict) else "local_artifact_storage"
         if theirs.get(part) != ours.get(part):
             raise OperationError(
-                f"the webserver at {self.url} runs on another Dagster instance ({part}: {theirs.get(part)}) "
+                f"the webserver at {self.shown} runs on another Dagster instance ({part}: {theirs.get(part)}) "
                 f"than {instance.root_directory} ({ours.get(part)}); set DAGSTER_HOME to its home, or pass "
                 "--in-process"
             )
@@ -346,7 +349,7 @@ def launch_backfill(server: Webserver, keys: Sequence[str]) -> str:
         return backfill_id
     if result["__typename"] == "PartitionKeysNotFoundError":
         raise OperationError(
-            f"the webserver at {server.url} does not know the partitions {result['partitionKeys']}"
+            f"the webserver at {server.shown} does not know the partitions {result['partitionKeys']}"
         )
     raise OperationError(f"launchPartitionBackfill: {result['__typename']}: {result.get('message')}")
 
@@ -401,7 +404,7 @@ def pick_webserver(args: argparse.Namespace) -> Webserver | None:
     if args.url:
         server = Webserver(args.url)
         if not server.answers():
-            raise OperationError(f"no Dagster webserver answers at {args.url} (start one: `eagle3 ui`)")
+            raise OperationError(f"no Dagster webserver answers at {server.shown} (start one: `eagle3 ui`)")
         return server
     server = Webserver(DEFAULT_URL)
     return server if server.answers() else None
@@ -467,7 +470,9 @@ def cmd_materialize(args: argparse.Namespace) -> int:
             return run_in_process(keys, instance)
         initialize_pools(instance)
     backfill_id = launch_backfill(server, keys)
-    console.print(f"backfill {backfill_id} launched through {server.url}: {server.url}/runs/b/{backfill_id}")
+    console.print(
+        f"backfill {backfill_id} launched through {server.shown}: {server.shown}/runs/b/{backfill_id}"
+    )
     if not args.wait:
         return 0
     backfill = wait_for_backfill(server, backfill_id, len(keys))

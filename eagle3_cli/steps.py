@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.config import Eagle3Config, load_config, without_url_passwords
 from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
 from eagle3_core.store.layout import StoreLayout, check_shard_key
 from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary
@@ -511,8 +511,9 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         return int(args.fn(args))
     except (Eagle3Error, FileNotFoundError) as err:
-        # one line however long (soft_wrap), and the message's brackets printed, not read as markup
-        console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True)
+        # one line however long (soft_wrap), and the message's brackets printed, not read as markup; a URL in
+        # it without its password, whoever wrote the message
+        console.print(f"[red]error:[/red] {escape(without_url_passwords(str(err)))}", soft_wrap=True)
         return 2
 
 

@@ -83,6 +83,25 @@ class ToyTargetConfig(_Model):
     seed: int = 0
 
 
+# ---- URLs as eagle3 shows them --------------------------------------------------------------------------
+# scheme://user:password@host: the user ends at its first ":"; the password runs to the last "@" before a
+# space, so that one written with "@", "/" or "?" unescaped is hidden whole (a later "@" in the path hides
+# more than the password: never less)
+URL_PASSWORD = re.compile(r"(?P<user>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#:]*):\S*@")
+HIDDEN_PASSWORD = "***"
+URL_HELP = " A password in it (`http://user:password@host`) is sent, and shown everywhere as `***`."
+
+
+def without_url_passwords(text: str) -> str:
+    """`text` (a URL, or a message, log line or record holding URLs) with the password of every URL replaced by
+    HIDDEN_PASSWORD, the user and the host kept: http://user:secret@host:8000 -> http://user:***@host:8000.
+
+    The rule for every URL eagle3 prints, logs or records (the configured servers': target.backend,
+    regenerate.server, a benchmark's or the webserver's --url); requests go to the URL as given.
+    """
+    return URL_PASSWORD.sub(rf"\g<user>:{HIDDEN_PASSWORD}@", text)
+
+
 class TransformersBackendConfig(_Model):
     """The target loaded with transformers in this process (the default)."""
 
@@ -95,7 +114,7 @@ class SGLangHttpBackendConfig(_Model):
     kind: Literal["sglang_http"] = "sglang_http"
     url: str = Field(
         pattern=r"^https?://\S+$",
-        description="The server's base URL, e.g. http://127.0.0.1:30000.",
+        description="The server's base URL, e.g. http://127.0.0.1:30000." + URL_HELP,
     )
 
 
@@ -205,7 +224,7 @@ class RegenerateServerConfig(_Model):
     url: str = Field(
         pattern=r"^https?://\S+$",
         description="The server's base URL, e.g. http://127.0.0.1:30000 (a trailing /v1 is accepted); "
-        "requests go to {url}/v1/chat/completions.",
+        "requests go to {url}/v1/chat/completions." + URL_HELP,
     )
     model: str | None = Field(
         default=None,
@@ -625,7 +644,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         got = e.get("input")
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"  {field or '<top level>'}: {e['msg']}{got_text}")
-    return "\n".join(lines)
+    return without_url_passwords("\n".join(lines))  # a refused URL is quoted: never its password
 
 
 def config_from_dict(raw: dict[str, Any], root: Path, source: str = "<config>") -> Eagle3Config:

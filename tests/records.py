@@ -228,3 +228,21 @@ def write_shard(root: Path, key: str, *, skip: int = 0, failed: int = 0, dropped
             w.write_sample(i, ids, torch.ones(n, dtype=torch.uint8), *states)
         w.finalize({"dropped": len(gone)})
     return layout.hidden_states(key)
+
+
+# A JSON file damaged each way the shared reader (store/atomic.py `read_json_object`) names in one line: the
+# bytes written, and what the line must say. Nested past Python's recursion limit, json's parser recurses
+# against it and raises RecursionError, which no caller expects.
+DEEP = 100_000
+DAMAGED_JSON: dict[str, tuple[bytes, str]] = {
+    "nested too deeply": (
+        b'{"architectures": ["X"], "x": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+        "nested too deeply for Python's parser",
+    ),
+    "not UTF-8": (b'{"architectures": ["\xff"]}', "not UTF-8 text (invalid start byte at byte 20)"),
+    "not JSON": (
+        b'{"architectures": ["X"],\n "hidden_size": 8,,}',
+        "not valid JSON: Expecting property name",
+    ),
+    "a list": (b'[{"architectures": ["X"]}]', "expected a JSON object, got list"),
+}

@@ -24,7 +24,6 @@ Arrays: `input_ids` is int32 and `loss_mask` uint8 (0/1), the dtypes of the shar
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy.typing as npt
 from eagle3_core.config import TokenizeConfig
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.errors import Eagle3Error, TargetError
+from eagle3_core.store.atomic import read_json_object
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers prefers it to tokenizer_config.json's chat_template
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -285,11 +285,7 @@ def _chat_templates(model_dir: Path) -> list[tuple[str, str]]:
     path = model_dir / TOKENIZER_CONFIG_FILE
     if not path.is_file():
         return []
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TargetError(f"{path}: not valid JSON text: {e}") from e
-    template = config.get("chat_template") if isinstance(config, dict) else None
+    template = read_json_object(path, TargetError).get("chat_template")
     where = f"{path} field chat_template"
     if isinstance(template, str):
         return [(where, template)]

@@ -8,8 +8,12 @@ one line naming the URL, raised as the caller's own error type:
     {who} server at {url} is unreachable ({reason}); is it running?
     {who} {url} did not answer within {timeout} s
     {who} {url} failed mid-request: {reason}
+    {who} {url} is not a URL eagle3 can request: {reason}
     {who} {url} answered HTTP {status} {reason}: {the server's message}
     {who} {url} answered something that is not JSON: {the start of it}
+
+{url} is the URL as `config.without_url_passwords` shows it (http://user:***@host): a password in a URL is sent
+(httpx makes it Basic auth) and never printed. That is the rule for every URL eagle3 prints, logs or records.
 
 An API key is an `ApiKey`: the client sends it, and nothing else sees it. A server may quote the key back
 (some 401 answers do: "Incorrect API key provided: Bearer sk-..."), so whoever reads an answer sent with a key
@@ -28,6 +32,7 @@ from urllib.parse import quote, quote_plus
 import httpx
 from pydantic import SecretStr
 
+from eagle3_core.config import without_url_passwords
 from eagle3_core.errors import Eagle3Error
 
 
@@ -106,27 +111,36 @@ def request_json(
 ) -> Any:
     """The JSON a `method` request to `url` answers; with `missing`, None for an HTTP 404 (a route the server
     does not have). `body`, when given, is sent as JSON."""
+    shown = without_url_passwords(url)
     try:
         with client(timeout_s) as http:
             response = http.request(method, url, json=body) if body is not None else http.request(method, url)
-    except httpx.ConnectTimeout as e:
-        raise error(f"{who} {url} did not answer within {timeout_s:g} s") from e
+    except httpx.ConnectTimeout:
+        raise error(f"{who} {shown} did not answer within {timeout_s:g} s") from None
     except httpx.ConnectError as e:
-        raise error(f"{who} server at {url} is unreachable ({e}); is it running?") from e
-    except httpx.TimeoutException as e:
-        raise error(f"{who} {url} did not answer within {timeout_s:g} s") from e
+        raise error(
+            without_url_passwords(f"{who} server at {shown} is unreachable ({e}); is it running?")
+        ) from None
+    except httpx.TimeoutException:
+        raise error(f"{who} {shown} did not answer within {timeout_s:g} s") from None
     except httpx.HTTPError as e:  # the connection reset or cut off mid-response
-        raise error(f"{who} {url} failed mid-request: {e}") from e
+        raise error(without_url_passwords(f"{who} {shown} failed mid-request: {e}")) from None
+    except httpx.InvalidURL as e:
+        raise error(without_url_passwords(f"{who} {shown} is not a URL eagle3 can request: {e}")) from None
     if missing and response.status_code == 404:
         return None
     if response.status_code >= 400:
         detail = error_message(json_or_text(response.content))
-        message = f"{who} {url} answered HTTP {response.status_code} {response.reason_phrase}: {detail}"
-        raise error(message, response.status_code)
+        message = f"{who} {shown} answered HTTP {response.status_code} {response.reason_phrase}: {detail}"
+        raise error(without_url_passwords(message), response.status_code)
     try:
         return json.loads(response.content)
-    except ValueError as e:
-        raise error(f"{who} {url} answered something that is not JSON: {clip(response.content)}") from e
+    except ValueError:
+        raise error(
+            without_url_passwords(
+                f"{who} {shown} answered something that is not JSON: {clip(response.content)}"
+            )
+        ) from None
 
 
 def answers(url: str, timeout_s: float) -> bool:

@@ -40,7 +40,7 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig
+from eagle3_core.config import Eagle3Config, RegenerateConfig, RegenerateServerConfig, without_url_passwords
 from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.engines import http
@@ -116,6 +116,15 @@ class ChatClient:
     def __init__(self, server: RegenerateServerConfig) -> None:
         self.server = server
         self.endpoint = completions_endpoint(server.url)
+        self.shown_url = without_url_passwords(server.url)
+        try:  # refused here in one line, not by httpx at the first request with a traceback
+            httpx.URL(self.endpoint)
+        except httpx.InvalidURL as err:
+            raise ConfigError(
+                without_url_passwords(
+                    f"regenerate.server.url {self.shown_url} is not a URL eagle3 can request: {err}"
+                )
+            ) from None
         self._key = api_key(server)
         # the server is the project's own (a cluster address or loopback): never through a proxy (engines/http.py)
         self._client = http.async_client(server.timeout_s, server.concurrency, self._key)
@@ -162,7 +171,8 @@ class ChatClient:
         raise RequestFailed(f"{last} (after {attempts} attempts)", attempts)
 
     def _shown(self, text: str) -> str:
-        return self._key.redact(text) if self._key is not None else text
+        """`text` as eagle3 may print or store it: without the API key, nor the password of a URL."""
+        return without_url_passwords(self._key.redact(text) if self._key is not None else text)
 
 
 def api_key(server: RegenerateServerConfig) -> http.ApiKey | None:
@@ -234,7 +244,9 @@ class RegenerationJournal:
         wanted = set(sample_ids)
         entries: dict[str, JournalEntry] = {}
         if self.path.exists():
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            # bytes: a line cut mid-character is dropped as torn, and a reply's U+2028 (JSON leaves it as is,
+            # str.splitlines would break there) stays inside its line
+            lines = self.path.read_bytes().splitlines()
             header = _line_as(JournalHeader, lines[0]) if lines else None
             if header is None or header.fingerprint != self.fingerprint:
                 self.discarded = "written for other settings, tokenizer or samples"
@@ -272,11 +284,13 @@ def remove_journal(shard: Path) -> None:
 J = TypeVar("J", JournalHeader, JournalEntry)
 
 
-def _line_as(record: type[J], line: str) -> J | None:
+def _line_as(record: type[J], line: bytes) -> J | None:
     """A journal line as its record; None for a line a kill tore (or that is not one)."""
     try:
         return record.model_validate(json.loads(line))
-    except ValueError:  # not JSON, or not the record (pydantic's ValidationError is a ValueError)
+    # not UTF-8, not JSON, or not the record (UnicodeDecodeError and pydantic's ValidationError are
+    # ValueErrors); nested past the parser's recursion limit: not a line eagle3 wrote either
+    except (ValueError, RecursionError):
         return None
 
 
@@ -454,7 +468,7 @@ class ServerRegenerator:
         listed = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
         kept = f"kept in {journal.path}" if journal is not None else "not kept (no journal)"
         return (
-            f"{len(result.failures)} of {len(samples)} samples failed their requests to {self.server.url} "
+            f"{len(result.failures)} of {len(samples)} samples failed their requests to {without_url_passwords(self.server.url)} "
             f"({listed}), more than max_failed_fraction {self.server.max_failed_fraction:g} allows "
             f"({allowed}); no new request was started. {len(entries)} finished samples are {kept}; "
             f"run again to request the other {len(samples) - len(entries)}."

@@ -24,11 +24,14 @@ SGLang extraction and export: its capture cannot be known to match.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eagle3_core.errors import ConfigError
+from eagle3_core.store.atomic import read_json_object
+from eagle3_core.store.records import validation_message
 
 SGLANG_VERSION = "0.5.23"
 LayerIdRule = Literal["plus_one", "plus_one_if_first_is_1", "plus_one_unless_max_is_L"]
@@ -82,6 +85,24 @@ MODELS: dict[str, SGLangModel] = {
         ),
     ]
 }
+
+
+class TargetArchitectures(BaseModel):
+    """The `architectures` of a target's config.json (the user's Hugging Face file: its other fields are its own)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    architectures: tuple[str, ...] | None = None
+
+
+def read_architectures(config_path: Path, error: type[Exception]) -> tuple[str, ...]:
+    """The `architectures` config.json lists (none: empty); `error` naming the file when it is not a JSON
+    object or the field is not a list of names."""
+    try:
+        found = TargetArchitectures.model_validate(read_json_object(config_path, error))
+    except ValidationError as err:
+        raise error(validation_message(config_path, err)) from None
+    return found.architectures or ()
 
 
 def sglang_model(architectures: Sequence[str], where: str = "") -> SGLangModel:

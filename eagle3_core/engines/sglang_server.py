@@ -24,7 +24,6 @@ SGLang itself is never imported: it is started as `python -m sglang.launch_serve
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -41,7 +40,7 @@ from typing import Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
 from eagle3_core.engines import http
-from eagle3_core.engines.sglang_models import sglang_model
+from eagle3_core.engines.sglang_models import read_architectures, sglang_model
 from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
 from eagle3_core.procs import (
     ProcStat,
@@ -109,11 +108,7 @@ def architectures_of(model_path: str | Path) -> tuple[str, ...]:
             f"{model_path}: no config.json here to read the target's architecture from, which the capture "
             "hooks' module paths depend on; pass the architectures"
         )
-    try:
-        raw = json.loads(config.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{config}: not JSON ({e})") from e
-    return tuple((raw.get("architectures") if isinstance(raw, dict) else None) or ())
+    return read_architectures(config, ConfigError)
 
 
 def launch_command(

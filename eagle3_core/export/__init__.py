@@ -25,16 +25,20 @@ from eagle3_core.export.common import (
     FormatName,
     LoadedExport,
     check_export,
+    export_bytes,
     load,
     read_config_file,
 )
 from eagle3_core.export.sglang import ARCHITECTURE as SGLANG_ARCHITECTURE
 from eagle3_core.export.sglang import SGLANG, export_sglang, written_layer_ids
 from eagle3_core.export.speculators import SPECULATORS, export_speculators
-from eagle3_core.store.atomic import atomic_versioned_directory
-from eagle3_core.store.disk import full_disk_is_one_line
+from eagle3_core.store.atomic import atomic_versioned_directory, keep_only_linked
+from eagle3_core.store.disk import disk_preflight, full_disk_is_one_line
 
 FORMATS: dict[FormatName, ExportFormat] = {"sglang": SGLANG, "speculators": SPECULATORS}
+# free disk an export needs, over its estimated size: room for the filesystem's own overhead, as a shard's
+# default (`extract.disk_headroom`) leaves it
+EXPORT_DISK_HEADROOM = 1.5
 
 
 def _format(fmt: FormatName) -> ExportFormat:
@@ -97,8 +101,12 @@ def publish_export(
     returns `link`. The caller holds the run's export lock.
 
     `link` stays the previous export, whole, until that rename: a crash, or any error, before it publishes
-    nothing. A full disk is a DiskSpaceError saying so.
+    nothing. A disk with less than EXPORT_DISK_HEADROOM times the export's size free is refused before anything
+    is written, and a full disk under the writes is a DiskSpaceError saying so.
     """
+    keep_only_linked(link, versions)  # what crashed exports left is cleared first: its space counts as free
+    needed = sum(export_bytes(fmt, drafter, mapping, dtype) for fmt in FORMATS.values())
+    disk_preflight(versions, needed, EXPORT_DISK_HEADROOM, f"the export of {link} (sglang and speculators)")
     with _disk_full_said(link, versions), atomic_versioned_directory(link, versions) as staging:
         export_sglang(drafter, mapping, target, staging / "sglang", dtype=dtype)
         export_speculators(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import torch
+from pydantic import PositiveInt, ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -48,8 +49,12 @@ from eagle3_core.engines.engine_config import (
     FormatName,
     Provenance,
 )
-from eagle3_core.errors import ExportError
-from eagle3_core.store.atomic import atomic_directory
+from eagle3_core.engines.sglang_models import read_architectures
+from eagle3_core.errors import ExportError, TargetError
+from eagle3_core.store.atomic import atomic_directory, read_json_object
+from eagle3_core.store.records import validation_message
+from eagle3_core.targets.model_config import HFFields, read_language_fields
+from eagle3_core.targets.weights import SafetensorsIndex
 
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
@@ -88,6 +93,16 @@ class LayerTarget:
 
     architectures: tuple[str, ...]
     num_layers: int | None
+
+
+class ExportedTargetFields(HFFields):
+    """What an export records of the target's language model, from its config.json."""
+
+    num_hidden_layers: PositiveInt
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    max_position_embeddings: PositiveInt = 4096  # the engines' own fallback when a config lacks it
+    model_type: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,24 +146,19 @@ class ExportTarget:
         path = Path(model_dir) / CONFIG_FILE
         if not path.is_file():
             raise ExportError(f"{model_dir}: no {CONFIG_FILE}; is this a Hugging Face model directory?")
-        outer = json.loads(path.read_text())
-        # multimodal wrappers keep the language model's config inside
-        config = outer.get("text_config", outer)
-        missing = [k for k in ("num_hidden_layers", "vocab_size", "hidden_size") if k not in config]
-        if missing:
-            raise ExportError(f"{path}: missing {', '.join(missing)}")
+        # the language model's fields (a multimodal wrapper's text_config), TargetError naming file and field
+        config, _ = read_language_fields(Path(model_dir), ExportedTargetFields)
         ids = tuple(int(k) for k in aux_layer_ids)
         return cls(
             name_or_path=name_or_path if name_or_path is not None else str(model_dir),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=config.num_hidden_layers,
             aux_layer_ids=cast(tuple[int, int, int], ids),
             final_state_convention=final_state_convention,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            # the engines' own fallback when a config lacks it
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            architectures=tuple(outer.get("architectures") or ()),
-            model_type=str(config.get("model_type", "")),
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            max_position_embeddings=config.max_position_embeddings,
+            architectures=read_architectures(path, TargetError),
+            model_type=config.model_type,
         )
 
 
@@ -482,6 +492,21 @@ def provenance(
     }
 
 
+# each format's config.json (a few KB) and its weights file's safetensors header (a line per tensor), generously
+CONFIG_AND_HEADER_BYTES = 1 << 16
+
+
+def export_bytes(fmt: ExportFormat, drafter: Eagle3Drafter, mapping: VocabMapping, dtype: torch.dtype) -> int:
+    """What `write_export` puts on disk for `fmt`, from the shapes alone: the drafter's tensors in `dtype`
+    (the embedding only where the format carries it), d2t (int64) and t2d (bool), its config and header."""
+    weights = sum(
+        tensor.numel() * dtype.itemsize
+        for name, tensor in drafter.state_dict().items()
+        if fmt.with_embedding or name != EMBED_KEY
+    )
+    return weights + mapping.d2t.numel() * 8 + mapping.t2d.numel() + CONFIG_AND_HEADER_BYTES
+
+
 def write_export(
     fmt: ExportFormat,
     drafter: Eagle3Drafter,
@@ -527,13 +552,7 @@ def read_config_file(directory: Path, where: str) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise ExportError(f"{where}: no {CONFIG_FILE}")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{path}: not JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise ExportError(f"{where}: {CONFIG_FILE} is not a JSON object")
-    return cast(dict[str, Any], config)
+    return read_json_object(path, ExportError)
 
 
 def _weight_files(out_dir: Path, ours: bool, where: str) -> list[Path]:
@@ -554,10 +573,10 @@ def _weight_files(out_dir: Path, ours: bool, where: str) -> list[Path]:
         if WEIGHTS_FILE in present:
             raise ExportError(f"{where}: both {WEIGHTS_FILE} and {SHARD_INDEX_FILE}: which is it?")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ExportError(f"{index}: not a safetensors index with a weight_map ({e})") from e
+            weight_map = SafetensorsIndex.model_validate(read_json_object(index, ExportError)).weight_map
+        except ValidationError as err:
+            raise ExportError(validation_message(index, err)) from None
+        shards = sorted(set(weight_map.values()))
         if not all(isinstance(s, str) and "/" not in s for s in shards):
             raise ExportError(f"{where}: {SHARD_INDEX_FILE} names {shards}")
         missing = [s for s in shards if not (out_dir / s).is_file()]

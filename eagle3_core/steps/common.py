@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eagle3_core.config import without_url_passwords
 from eagle3_core.store.records import Record
 
 Log = Callable[[str], None]
@@ -21,6 +22,12 @@ class StepResult:
     # the typed record the step wrote (a run summary, an evaluation report), for a caller that renders more
     # than the flat metadata, so that it never reads the file again or decodes the metadata's JSON
     record: Record | None = None
+
+    def __post_init__(self) -> None:
+        # the metadata is printed (CLI) and recorded (Dagster's event log): a URL's password never is, whichever
+        # step put the URL there
+        shown = {k: without_url_passwords(v) if isinstance(v, str) else v for k, v in self.metadata.items()}
+        object.__setattr__(self, "metadata", shown)
 
     def record_as(self, kind: type[R]) -> R:
         """The step's record as a `kind`; TypeError for a step that returned another record or none."""

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from eagle3_core.config import DrafterVariant, Eagle3Config
+from eagle3_core.config import DrafterVariant, Eagle3Config, without_url_passwords
 from eagle3_core.errors import Eagle3Error, ExportError
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
@@ -557,10 +557,11 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
 
     ev = cfg.evaluate
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log, weights=False))
-    meta: dict[str, Any] = {"url": url, "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
+    shown = without_url_passwords(url)  # what is logged and recorded; the requests go to `url`
+    meta: dict[str, Any] = {"url": shown, "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
     for prompts in _prompt_sets(cfg):
         ids = [encode(tokenizer, p.messages) for p in prompts.prompts]
-        log(f"{prompts.name}: {len(ids)} prompts to {url} ({concurrency} in flight)")
+        log(f"{prompts.name}: {len(ids)} prompts to {shown} ({concurrency} in flight)")
         bench = benchmark_sglang(
             url, ids, max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, concurrency=concurrency
         )

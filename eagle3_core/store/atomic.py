@@ -254,19 +254,26 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
     """A JSON file that must hold an object; anything else raises `error` naming the file and the problem."""
+    return json_object(path.read_bytes(), path, error)
+
+
+def json_object(raw: bytes, where: Path | str, error: type[Exception]) -> dict[str, Any]:
+    """`raw` (a file's bytes, or one line of a JSONL file) as the JSON object it must hold; anything else
+    raises `error` naming `where` and the problem: not UTF-8, not JSON, nested too deeply, not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+        raise error(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except json.JSONDecodeError as e:
-        raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+        at = f"line {e.lineno} column {e.colno}" if e.lineno > 1 else f"column {e.colno}"
+        raise error(f"{where}: not valid JSON: {e.msg} at {at}") from e
     except RecursionError:
         # json's parser recurses once per nested array or object; no file eagle3 reads nests this deep
         raise error(
-            f"{path}: not readable JSON: arrays or objects nested too deeply for Python's parser"
+            f"{where}: not readable JSON: arrays or objects nested too deeply for Python's parser"
         ) from None
     if not isinstance(data, dict):
-        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -1,4 +1,5 @@
-"""A full disk, said in one line wherever eagle3 writes (shards, checkpoints, exports).
+"""A full disk, said in one line wherever eagle3 writes (shards, checkpoints, exports, the metric log); and the
+preflight that refuses to start a large write the disk cannot hold (`disk_preflight`: shards, exports).
 
 Python's writes raise OSError with ENOSPC or EDQUOT; safetensors' writer (Rust) raises its own
 SafetensorError, whose text ends "... No space left on device (os error 28)" and whose errno is nowhere else.
@@ -48,3 +49,16 @@ def full_disk_is_one_line(on: Path, say: Callable[[str, int], str]) -> Iterator[
         if reason is None:
             raise
         raise DiskSpaceError(say(reason, free_bytes(on))) from err
+
+
+def disk_preflight(directory: Path, needed: int, headroom: float, what: str) -> None:
+    """DiskSpaceError, naming both numbers, when the disk that holds `directory` (or its nearest existing
+    parent: nothing is created here) has less than `headroom` times `needed` bytes (the writer's estimate)
+    free; called before anything is written, so a refused writer leaves the store as it was."""
+    free = free_bytes(directory)
+    if free < headroom * needed:
+        raise DiskSpaceError(
+            f"{what} needs about {needed:,} bytes ({needed / 2**30:.2f} GiB) and {directory} has {free:,} bytes "
+            f"({free / 2**30:.2f} GiB) free; refusing to start below {headroom}x the estimate "
+            f"({int(headroom * needed):,} bytes). Free space or move the store."
+        )

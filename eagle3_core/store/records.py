@@ -13,7 +13,6 @@ their dumped dicts (their models live in higher layers), and the caller builds t
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,9 +31,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from eagle3_core.config import without_url_passwords
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.errors import RecordError
-from eagle3_core.store.atomic import atomic_write_json, read_json_object, write_jsonl
+from eagle3_core.store.atomic import atomic_write_json, json_object, read_json_object, write_jsonl
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -190,18 +190,13 @@ MetricsRow = TrainRow | ValRow
 ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
 
 
-def json_row(line: str, where: str) -> dict[str, Any]:
-    """One JSONL line decoded; RecordError naming `where` (the file and line) when it is not a JSON object."""
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise RecordError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    return data
+def json_row(line: bytes, where: str) -> dict[str, Any]:
+    """One JSONL line decoded; RecordError naming `where` (the file and line) when it is not a JSON object
+    (not UTF-8, not JSON, nested too deeply, another value)."""
+    return json_object(line, where, RecordError)
 
 
-def metrics_row(line: str, where: str) -> MetricsRow:
+def metrics_row(line: bytes, where: str) -> MetricsRow:
     """One metric log line as its row, by its `kind`; RecordError naming `where` (the file and line) and the
     field."""
     data = json_row(line, where)
@@ -606,13 +601,18 @@ class RegeneratedManifest(OptionalFields):
     tokens_per_second: float
     seconds: float
     counts: dict[str, int] = {}
-    server: str | None = None
+    server: str | None = None  # its URL, a password in it never written (config.without_url_passwords)
     resumed_samples: int | None = None
     requested_samples: int | None = None
     request_retries: int | None = None
     target: str | None = None  # the target's fingerprint, shortened
     temperature: float
     max_new_tokens: int
+
+    @field_validator("server", mode="before")
+    @classmethod
+    def _no_password(cls, url: Any) -> Any:
+        return without_url_passwords(url) if isinstance(url, str) else url
 
     @model_validator(mode="before")
     @classmethod
@@ -743,7 +743,9 @@ def read_rows(path: Path, parse: Callable[[Any], R]) -> list[R]:
     """A JSONL file's rows, each given to `parse` (a record's model_validate); blank lines skipped. A row that
     does not parse is one RecordError line: `<file> line N: <field path>: what is wrong`."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    # bytes split at newlines only: a line that is not UTF-8 is named like any bad line, and a U+2028 (which
+    # JSON writes as is) stays inside its line
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -32,7 +32,6 @@ import hashlib
 import json
 import mmap
 import os
-import shutil
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -45,9 +44,9 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from eagle3_core.errors import DiskSpaceError, ShardCorruptError
+from eagle3_core.errors import ShardCorruptError
 from eagle3_core.store.atomic import fsync_path, json_text, remove_stale_temps, temp_path_for, write_temp
-from eagle3_core.store.disk import full_disk_is_one_line
+from eagle3_core.store.disk import disk_preflight, full_disk_is_one_line
 from eagle3_core.store.records import ShardCounts, ShardFacts, ShardHeader, ShardManifest, validation_message
 
 SCHEMA = "eagle3.hidden_states/1"
@@ -121,17 +120,6 @@ def estimate_shard_bytes(
 def _reserved_header_bytes(num_samples: int) -> int:
     # ids, lengths and digests, with room for every sample to fail with a reason and for the counts.
     return 16_384 + num_samples * (70 + 12 + 68 + MAX_REASON + 80)
-
-
-def disk_preflight(directory: Path, needed: int, headroom: float, what: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    if free < headroom * needed:
-        raise DiskSpaceError(
-            f"{what} needs about {needed:,} bytes ({needed / 2**30:.2f} GiB) and {directory} has {free:,} bytes "
-            f"({free / 2**30:.2f} GiB) free; refusing to start below {headroom}x the estimate "
-            f"({int(headroom * needed):,} bytes). Free space or move the store."
-        )
 
 
 def _header_checksum(header: dict[str, Any]) -> str:
@@ -211,6 +199,7 @@ class ShardWriter:
         self.failed: dict[str, str] = {}
         self.manifest_path = path.with_suffix(".json")
         self._committed = False
+        path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(path)
         remove_stale_temps(self.manifest_path)
         self._needed = estimate_shard_bytes(self.lengths, hidden_size, num_aux, store_dtype)

@@ -13,6 +13,7 @@ from eagle3_core.config import (
     SGLangHttpBackendConfig,
     TargetConfig,
     TransformersBackendConfig,
+    without_url_passwords,
 )
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.data.tokenize import check_chat_template
@@ -132,7 +133,7 @@ def _open_sglang_http(
 ) -> ExtractionTarget:
     from eagle3_core.targets.sglang import SGLangHttpBackend
 
-    log(f"hidden states from the SGLang server at {backend.url}")
+    log(f"hidden states from the SGLang server at {without_url_passwords(backend.url)}")
     return SGLangHttpBackend(backend.url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len)
 
 

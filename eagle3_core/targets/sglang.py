@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from eagle3_core.config import TargetConfig
+from eagle3_core.config import TargetConfig, without_url_passwords
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.engines import http
 from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
@@ -387,13 +387,14 @@ class SGLangHttpBackend:
         preflight: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
+        self.shown_url = without_url_passwords(self.url)  # in messages and logs; the requests go to `url`
         self.aux_from_response = aux_from_response
         self.timeout_s = timeout_s
         # SGLang echoes the ids it ran only with input logprobs, which cost a log-softmax over the vocabulary
         # at every prompt position: off by default, the row count and prompt_tokens are checked regardless
         self.echo_token_ids = echo_token_ids
         self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
-            model_dir, cfg, device=f"sglang {self.url}"
+            model_dir, cfg, device=f"sglang {self.shown_url}"
         )
         # the capture hooks' module paths depend on the architecture: known, or refused (a stock server that
         # gives final states only needs neither)
@@ -402,7 +403,7 @@ class SGLangHttpBackend:
         if preflight:
             self.check_server(max_seq_len)
             if aux_from_response:
-                wait_for_capture(self._generate, self.hidden_size, f"the SGLang server at {self.url}")
+                wait_for_capture(self._generate, self.hidden_size, f"the SGLang server at {self.shown_url}")
 
     @property
     def hidden_size(self) -> int:
@@ -434,7 +435,7 @@ class SGLangHttpBackend:
         problems = server_problems(info, max_seq_len, wanted, self.capture_model)
         if problems:
             raise SGLangError(
-                f"the SGLang server at {self.url} cannot serve extraction: " + "; ".join(problems)
+                f"the SGLang server at {self.shown_url} cannot serve extraction: " + "; ".join(problems)
             )
         return info
 

@@ -30,6 +30,7 @@ from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import atomic_directory, atomic_write_json
 from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.records import MetricsRow, RunSummary, metrics_row
+from eagle3_core.train.checkpoint import full_disk_stops_the_run
 from eagle3_core.train.distributed import World, on_main
 
 FINAL = "final"
@@ -96,15 +97,35 @@ def run_lock(world: World, run_dir: Path) -> Iterator[None]:
 
 
 class MetricsLog:
-    """Append-only JSONL, written by rank 0; a checkpoint records its size, a resume cuts it back to that."""
+    """Append-only JSONL, written by rank 0; a checkpoint records its size, a resume cuts it back to that.
 
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
+    A row is appended whole or not at all: a write the disk filled up under is cut back to where the row began
+    and stops the run on every rank with the one-line DiskSpaceError a checkpoint gives, so the log holds only
+    whole rows (`read_metrics` reads it at the end of the run), and the resumed run logs that row again."""
+
+    def __init__(self, path: Path, world: World) -> None:
+        self.path, self.world = path, world
+        self.enabled = world.is_main
 
     def write(self, row: MetricsRow) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row.dump()) + "\n")
+        """Every rank calls it (rank 0 writes): an error on rank 0 stops the others too (`on_main`)."""
+        on_main(self.world, f"appending to {self.path}", lambda: self._append(row))
+
+    def _append(self, row: MetricsRow) -> None:
+        line = (json.dumps(row.dump()) + "\n").encode()
+        writing = f"the {row.kind} row of step {row.step} to {METRICS}"
+        with (
+            full_disk_stops_the_run(self.path.parent, writing, len(line)),
+            open(self.path, "ab", buffering=0) as f,
+        ):
+            start = f.seek(0, os.SEEK_END)
+            try:
+                rest = memoryview(line)
+                while rest:  # an unbuffered write may take part of it: the kernel's short write
+                    rest = rest[f.write(rest) :]
+            except BaseException:
+                f.truncate(start)  # shrinking needs no space: no half row is left for a reader
+                raise
 
     def durable_size(self) -> int:
         if not self.enabled or not self.path.exists():
@@ -114,7 +135,9 @@ class MetricsLog:
             return f.seek(0, os.SEEK_END)
 
     def cut_to(self, size: int) -> None:
-        if self.enabled and self.path.exists():
+        """Back to `size` bytes (a checkpoint's `metrics_bytes`), dropping every row logged after it; never
+        longer (truncate would pad a shorter file with NUL bytes, a line no reader can parse)."""
+        if self.enabled and self.path.exists() and self.path.stat().st_size > size:
             with open(self.path, "rb+") as f:
                 f.truncate(size)
 
@@ -124,7 +147,7 @@ def read_metrics(run_dir: Path) -> list[MetricsRow]:
     path = run_dir / METRICS
     if not path.exists():
         return []
-    return [metrics_row(line, f"{path} line {n}") for n, line in enumerate(path.read_text().splitlines(), 1)]
+    return [metrics_row(line, f"{path} line {n}") for n, line in enumerate(path.read_bytes().splitlines(), 1)]
 
 
 @dataclass

@@ -467,7 +467,7 @@ def _run(
     s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
-    metrics = MetricsLog(run_dir / METRICS, world.is_main)
+    metrics = MetricsLog(run_dir / METRICS, world)
     progress = _resume(s, run_dir, metrics, log)
     log(
         f"training run {run_dir.name}: {len(train_refs)} samples "

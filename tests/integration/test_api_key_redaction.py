@@ -1,5 +1,7 @@
 """An OpenAI-compatible server that echoes the API key in its 401 answer: the key appears nowhere eagle3 prints
-or records it, through the real `eagle3 regenerate` and through a Dagster run.
+or records it, through the real `eagle3 regenerate` and through a Dagster run. Likewise a password written in
+a configured URL (`http://user:password@host`: regenerate.server, target.backend, bench-sglang's --url): sent,
+and shown everywhere as `***` (config.without_url_passwords).
 
 The server is a real HTTP server on 127.0.0.1 (tests/fakes.py), started and stopped by the test; it answers
 every chat completion 401 with the Authorization header it received in the message, as some servers do. The
@@ -8,6 +10,7 @@ target is the toy one (only its tokenizer is loaded: the server path never loads
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -64,11 +67,13 @@ def echoing_server() -> Iterator[FakeHTTPServer[Seen]]:
         yield server
 
 
-def _project(root: Path, url: str, target: Path, max_failed_fraction: float) -> Path:
+def _project(
+    root: Path, url: str, target: Path, max_failed_fraction: float, api_key_env: str | None = KEY_ENV
+) -> Path:
     (root / "c.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONS))
     server = {
         "url": url,
-        "api_key_env": KEY_ENV,
+        "api_key_env": api_key_env,
         "retries": 0,
         "concurrency": 2,
         "timeout_s": 10,
@@ -152,3 +157,129 @@ def test_a_dagster_run_never_records_a_key_the_server_echoes(
     compute_logs = [p for p in (tmp_path / "dagster_home").rglob("compute_logs/*") if p.is_file()]
     assert any(REDACTED in p.read_text() for p in compute_logs)
     assert _files_holding_the_key(tmp_path) == []
+
+
+# ---- a password in a configured URL ------------------------------------------------------------------------
+PASSWORD = "pw-Xq81vLm0Zr7-secret"  # URL-safe, long and unlikely anywhere else
+USER = "eagle3"
+HIDDEN = f"{USER}:***@127.0.0.1"
+
+
+class FailingHandler(FakeHandler):
+    """HTTP 500 for every request (a server whose model is not loaded), recording the Authorization header."""
+
+    server: FakeHTTPServer[Seen]
+
+    def do_GET(self) -> None:
+        self._fail()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self._fail()
+
+    def _fail(self) -> None:
+        self.server.state.authorizations.append(self.headers.get("Authorization", ""))
+        self.reply(500, {"error": {"message": "the model is not loaded"}})
+
+
+@pytest.fixture
+def failing_server() -> Iterator[FakeHTTPServer[Seen]]:
+    with FakeHTTPServer(FailingHandler, Seen([])) as server:
+        yield server
+
+
+def _with_password(url: str) -> str:
+    return url.replace("http://", f"http://{USER}:{PASSWORD}@")
+
+
+def _files_holding_the_password(root: Path, config: Path) -> list[str]:
+    """Every file under `root` but the config the password was written in whose bytes hold it."""
+    return [
+        str(p) for p in root.rglob("*") if p.is_file() and p != config and PASSWORD.encode() in p.read_bytes()
+    ]
+
+
+def test_the_cli_never_prints_or_stores_the_password_of_the_regeneration_servers_url(
+    tmp_path: Path, failing_server: FakeHTTPServer[Seen], toy_target_dir: Path
+) -> None:
+    url = _with_password(failing_server.url)
+    config = _project(tmp_path, url, toy_target_dir, max_failed_fraction=1.0, api_key_env=None)
+    [key] = ingest(load_config(config)).all_shards
+
+    kept = _eagle3(config, "regenerate")  # every request fails, tolerated: error rows and a manifest
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    basic = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    assert failing_server.state.authorizations[0] == f"Basic {basic}"  # the password was sent
+    manifest = json.loads(StoreLayout(tmp_path / "store").regenerated_manifest(key).read_text())
+    assert manifest["server"] == f"http://{HIDDEN}:{failing_server.url.rsplit(':', 1)[1]}"
+    assert PASSWORD not in kept.stdout + kept.stderr
+    assert _files_holding_the_password(tmp_path, config) == []
+
+    _project(tmp_path, url, toy_target_dir, max_failed_fraction=0.0, api_key_env=None)
+    failed = _eagle3(config, "regenerate", "--force")
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert "failed their requests to" in failed.stdout and HIDDEN in failed.stdout
+    assert PASSWORD not in failed.stdout + failed.stderr
+    assert _files_holding_the_password(tmp_path, config) == []
+
+
+def test_a_server_url_with_a_password_is_shown_without_it_in_every_one_line_error(
+    tmp_path: Path, failing_server: FakeHTTPServer[Seen], toy_target_dir: Path
+) -> None:
+    """Extraction through target.backend sglang_http, bench-sglang's --url, and a URL the config refuses."""
+    url = _with_password(failing_server.url)
+    config = write_config(
+        tmp_path,
+        "store: store\ndata: {dataset: key, holdout_fraction: 0.5, sources: [{path: c.jsonl}]}\n"
+        f"target: {{path: {toy_target_dir}, backend: {{kind: sglang_http, url: '{url}'}}}}\n"
+        "regenerate: {enabled: false}\n",
+    )
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONS))
+    ingest(load_config(config))
+    for args in (["extract"], ["bench-sglang", "--url", url]):
+        done = _eagle3(config, *args)
+        assert done.returncode == 2, done.stdout + done.stderr
+        [line] = [line for line in done.stdout.splitlines() if line.startswith("error:")]
+        assert line.startswith(f"error: SGLang http://{HIDDEN}:")
+        assert line.endswith("answered HTTP 500 Internal Server Error: the model is not loaded")
+        assert PASSWORD not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    basic = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    assert len(failing_server.state.authorizations) >= 2  # both reached the server, with the password
+    assert set(failing_server.state.authorizations) == {f"Basic {basic}"}
+    assert _files_holding_the_password(tmp_path, config) == []
+
+    refused = write_config(
+        tmp_path / "bad", f"store: store\nregenerate: {{server: {{url: 'ftp://{USER}:{PASSWORD}@h'}}}}\n"
+    )
+    done = _eagle3(refused, "stats")
+    assert (
+        done.returncode == 2
+        and "regenerate.server.url" in done.stdout
+        and f"ftp://{USER}:***@h" in done.stdout
+    )
+    assert PASSWORD not in done.stdout + done.stderr
+
+
+def test_a_dagster_run_never_records_the_password_of_the_regeneration_servers_url(
+    tmp_path: Path,
+    failing_server: FakeHTTPServer[Seen],
+    toy_target_dir: Path,
+    instance: dg.DagsterInstance,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = _with_password(failing_server.url)
+    config = _project(tmp_path, url, toy_target_dir, max_failed_fraction=1.0, api_key_env=None)
+    [key] = ingest(load_config(config)).all_shards
+    monkeypatch.setenv("EAGLE3_CONFIG", str(config))
+
+    materialize_shards([key], instance, log=lambda _: None)  # every request failed, tolerated: materialized
+    assert failing_server.state.authorizations  # the server was asked
+    [run] = instance.get_runs()
+    records = instance.all_logs(run.run_id)
+    materialized = [
+        r for r in records if r.dagster_event is not None and r.dagster_event.is_step_materialization
+    ]
+    assert any(HIDDEN in dg.serialize_value(r) for r in materialized)  # the "server" metadata, shown
+    assert all(PASSWORD not in dg.serialize_value(r) for r in records)
+    assert PASSWORD not in json.dumps(run.tags) + repr(run.run_config)
+    assert _files_holding_the_password(tmp_path, config) == []

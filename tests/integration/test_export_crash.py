@@ -10,6 +10,7 @@ final/ only, so nothing is trained here.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -176,3 +177,34 @@ def test_a_full_disk_in_the_second_format_publishes_nothing_and_keeps_the_previo
     assert code == 2 and "No space left on device" in out and len(out.strip().splitlines()) == 1
     layout = StoreLayout(config.parent / "store")
     assert not (layout.exports / "r1").exists() and hidden_leftovers(layout.root / "drafter") == []
+
+
+def test_an_export_the_disk_cannot_hold_is_refused_before_anything_is_written(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = copy_of(trained, tmp_path / "project")
+    layout = StoreLayout(config.parent / "store")
+    drafter_dir = layout.root / "drafter"
+    before = {p: p.read_bytes() for p in drafter_dir.rglob("*") if p.is_file()}
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
+
+    code, out = cli(capsys, "--config", str(config), "export")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
+    said = re.fullmatch(
+        rf"error: the export of {re.escape(str(layout.exports / 'r1'))} \(sglang and speculators\) needs about "
+        r"([\d,]+) bytes \(\d+\.\d\d GiB\) and "
+        + re.escape(str(layout.export_versions("r1")))
+        + r" has 10,000 bytes \(0\.00 GiB\) free; refusing to start below 1\.5x the estimate \([\d,]+ bytes\)\. "
+        r"Free space or move the store\.",
+        out.strip(),
+    )
+    assert said is not None, out
+    assert {p: p.read_bytes() for p in drafter_dir.rglob("*") if p.is_file()} == before  # nothing written
+    assert not layout.export_versions("r1").exists() and not (layout.exports / "r1").exists()
+
+    monkeypatch.setattr(shutil, "disk_usage", real)  # room again: the export the estimate was made for
+    export_step(load_config(config))
+    written = sum(p.stat().st_size for p in layout.export_versions("r1").rglob("*") if p.is_file())
+    estimate = int(said[1].replace(",", ""))
+    assert written <= estimate <= written + 2 * (1 << 16)  # the weights exact, the configs allowed for

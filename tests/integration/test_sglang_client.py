@@ -174,6 +174,29 @@ def test_an_unreachable_server_names_the_url() -> None:
         benchmark_sglang(url, prompts(1), max_new_tokens=8, timeout_s=5)
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # unreachable: nothing listens on a port that was free a moment ago
+        (
+            "http://bench:pw-Xq81secret@127.0.0.1:{port}",
+            "server at http://bench:***@127.0.0.1:{port}/generate",
+        ),
+        # a password with "/" unescaped: httpx cannot parse it, and the message hides it whole
+        (
+            "http://bench:pw/Xq81secret@127.0.0.1:{port}",
+            "http://bench:***@127.0.0.1:{port}/generate is not a URL",
+        ),
+    ],
+)
+def test_a_password_in_the_url_is_never_in_the_error(url: str, shown: str) -> None:
+    port = free_port()
+    with pytest.raises(SGLangError) as err:
+        benchmark_sglang(url.format(port=port), prompts(1), max_new_tokens=8, timeout_s=5)
+    assert shown.format(port=port) in str(err.value) and "Xq81secret" not in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # nor in a traceback's chain
+
+
 def test_a_server_that_does_not_answer_in_time(sglang: FakeSGLang) -> None:
     sglang.delay_s = 1.0
     with pytest.raises(SGLangError, match=r"did not answer within 0.2 s"):

@@ -410,6 +410,32 @@ def fsync(fd):  # where a full disk shows up under delayed allocation: flushing 
 os.fsync = fsync
 """
 
+DISK_FULL_IN_THE_METRIC_LOG_AT_STEP_2 = """
+import builtins, errno, os, sys
+import eagle3_core.train.run_dir as run_dir
+
+class FillsUp:  # the metric log's file: the disk fills up half way through step 2's row, as a kernel does it
+    def __init__(self, f):
+        self.f = f
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def write(self, data):
+        if b'"kind": "train", "step": 2,' in (data.encode() if isinstance(data, str) else bytes(data)):
+            self.f.write(data[: len(data) // 2])  # what fitted
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(data)
+
+def open_(path, mode="r", *args, **kwargs):  # the run directory module's own `open`, nothing else's
+    f = builtins.open(path, mode, *args, **kwargs)
+    return FillsUp(f) if str(path).endswith("metrics.jsonl") and "a" in mode else f
+run_dir.open = open_
+"""
+
 
 def _train_child(config: Path, fault: str) -> subprocess.CompletedProcess[str]:
     """`eagle3 train` in a child interpreter that first runs `fault`: a fault at a real point of a real run."""
@@ -527,6 +553,27 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_from_the_pr
     assert line.endswith("free space, then train again (it resumes from step 1)")
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000001"]  # no half-written one
     assert load_checkpoint(run_dir / "checkpoints" / "step-00000001").verified
+    resumed = eagle3(config, "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _squeezed(f"resuming run {run_dir.name} from step 1") in _squeezed(resumed.stdout)
+    assert _logged_steps(run_dir) == [("train", 1), ("train", 2), ("val", 2)]
+
+
+def test_a_full_disk_in_the_metric_log_is_one_line_leaves_whole_rows_and_the_run_resumes(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config = _copy(shard_store, tmp_path / "p", SHORT)
+    full = _train_child(config, DISK_FULL_IN_THE_METRIC_LOG_AT_STEP_2)
+    assert full.returncode == 2, full.stdout + full.stderr
+    assert "Traceback" not in full.stderr
+    run_dir = _run_dir(tmp_path / "p")
+    line = _error_line(full.stdout)
+    assert line.startswith(
+        f"error: {run_dir}: the disk filled up while writing the train row of step 2 to metrics.jsonl "
+        "(No space left on device); "
+    )
+    assert line.endswith("free space, then train again (it resumes from step 1)")
+    assert _logged_steps(run_dir) == [("train", 1)]  # step 2's row is not there in part
     resumed = eagle3(config, "train")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _squeezed(f"resuming run {run_dir.name} from step 1") in _squeezed(resumed.stdout)

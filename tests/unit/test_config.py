@@ -9,6 +9,7 @@ from eagle3_core.config import (
     SGLangHttpBackendConfig,
     TransformersBackendConfig,
     load_config,
+    without_url_passwords,
 )
 from tests.conftest import write_config
 
@@ -205,3 +206,33 @@ def test_a_config_nested_too_deeply_is_refused_in_one_line(tmp_path: Path) -> No
 def test_a_config_path_that_is_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"not a file \(--config names the YAML file itself\)"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("http://user:secret@host:8000", "http://user:***@host:8000"),
+        ("https://user:secret@host/v1?x=1", "https://user:***@host/v1?x=1"),
+        ("http://user:se@cr/et@host:8000/v1", "http://user:***@host:8000/v1"),  # "@" and "/" unescaped
+        ("http://:secret@host", "http://:***@host"),
+        (
+            "server at http://a:secret@h1 and http://b:secret@h2 is down",
+            "server at http://a:***@h1 and http://b:***@h2 is down",
+        ),
+        ("(got 'ftp://user:secret@host')", "(got 'ftp://user:***@host')"),
+        # nothing to hide: no password, or no userinfo at all
+        ("http://user@host:8000/v1", "http://user@host:8000/v1"),
+        ("http://127.0.0.1:30000/generate", "http://127.0.0.1:30000/generate"),
+        ("no URL: a:b@c", "no URL: a:b@c"),
+    ],
+)
+def test_a_urls_password_is_shown_as_stars_its_user_and_host_kept(text: str, shown: str) -> None:
+    assert without_url_passwords(text) == shown
+
+
+def test_a_url_the_config_refuses_is_quoted_without_its_password(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "store: s\nregenerate: {server: {url: 'ftp://user:secret@host'}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert "regenerate.server.url" in str(err.value) and "ftp://user:***@host" in str(err.value)
+    assert "secret" not in str(err.value)

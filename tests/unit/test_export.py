@@ -13,9 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_cli.main import main
 from eagle3_core.draft.model import Eagle3Drafter
-from eagle3_core.errors import ExportError
+from eagle3_core.errors import ExportError, TargetError
 from eagle3_core.export import (
+    ExportTarget,
     FormatName,
     detect_format,
     export_sglang,
@@ -26,8 +28,10 @@ from eagle3_core.export import (
     written_layer_ids,
 )
 from eagle3_core.export.common import drafter_shapes
+from tests.conftest import write_config
 from tests.exports import LLAMA_8L, drafter_config, hand_mapping, random_drafter
 from tests.helpers import FLAG_VARIANTS, SPECULATORS_FLAGS
+from tests.records import DAMAGED_JSON
 
 TARGET = LLAMA_8L
 K = 24
@@ -858,3 +862,64 @@ def test_an_export_of_the_first_schema_still_loads(tmp_path: Path, pristine: dic
         (out / "config.json").write_text(json.dumps(config))
         with pytest.raises(ExportError, match="another drafter than the one trained: norm_output True"):
             validate_export(out, fmt)
+
+
+# ---- damaged JSON: one line naming the file ----------------------------------------------------------------
+@pytest.mark.parametrize("damage", sorted(DAMAGED_JSON))
+def test_eval_of_a_drafter_directory_whose_config_json_is_damaged_is_one_line(
+    damage: str, tmp_path: Path, pristine: dict[FormatName, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`eagle3 eval --drafter DIR` reads DIR/config.json first: bad bytes there are the user's to fix."""
+    data, said = DAMAGED_JSON[damage]
+    drafter_dir = Path(shutil.copytree(pristine["speculators"], tmp_path / "drafter"))
+    (drafter_dir / "config.json").write_bytes(data)
+    config = write_config(tmp_path / "project", "store: store\n")
+    capsys.readouterr()
+    rc = main(["--config", str(config), "eval", "--drafter", str(drafter_dir)])
+    out = capsys.readouterr().out
+    assert rc == 2 and out.count("\n") == 1 and "Traceback" not in out, out
+    assert out.startswith(f"error: {drafter_dir / 'config.json'}: ") and said in out, out
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_JSON))
+def test_a_damaged_shard_index_of_a_drafter_from_elsewhere_is_an_export_error(
+    damage: str, tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    data, said = DAMAGED_JSON[damage]
+    out = external(variant_exports["speculators"][1], tmp_path / "sharded")
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors.index.json").write_bytes(data)
+    with pytest.raises(ExportError) as caught:
+        load_drafter_dir(out)
+    assert str(caught.value).startswith(f"{out / 'model.safetensors.index.json'}: ") and said in str(
+        caught.value
+    )
+
+
+def test_a_shard_index_without_a_weight_map_names_the_field(
+    tmp_path: Path, variant_exports: dict[str, tuple[Eagle3Drafter, Path]]
+) -> None:
+    out = external(variant_exports["speculators"][1], tmp_path / "sharded")
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"fc.weight": 3}}')
+    with pytest.raises(
+        ExportError, match=r"index\.json: weight_map\.fc\.weight: Input should be a valid string"
+    ):
+        load_drafter_dir(out)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_JSON))
+def test_a_damaged_target_config_json_is_a_target_error_at_export(damage: str, tmp_path: Path) -> None:
+    data, said = DAMAGED_JSON[damage]
+    (tmp_path / "config.json").write_bytes(data)
+    with pytest.raises(TargetError) as caught:
+        ExportTarget.from_model_dir(tmp_path, (2, 4, 5), "post_norm")
+    assert str(caught.value).startswith(f"{tmp_path / 'config.json'}: ") and said in str(caught.value)
+
+
+def test_a_target_config_json_without_a_size_names_the_field(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"num_hidden_layers": 8, "vocab_size": 64}})
+    )
+    with pytest.raises(TargetError, match=r"config\.json: text_config\.hidden_size: Field required"):
+        ExportTarget.from_model_dir(tmp_path, (2, 4, 5), "post_norm")

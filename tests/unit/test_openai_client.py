@@ -446,6 +446,33 @@ def test_the_journal_drops_a_torn_line_and_refuses_another_fingerprint(tmp_path:
     assert RegenerationJournal(path, "f1").open(["a"]) == {}  # it was rewritten for f2
 
 
+def test_the_journal_keeps_a_reply_with_a_line_separator_and_drops_lines_no_writer_made(
+    tmp_path: Path,
+) -> None:
+    """Lines are bytes split at newlines: a line cut inside a UTF-8 character (a kill or a full disk mid-write)
+    or nested past the parser's limit is dropped like any torn line, and a reply holding U+2028, which JSON
+    writes as is, is one line, not two halves dropped."""
+    path = tmp_path / "r-00000.journal.jsonl"
+
+    def entry(sample: str, reply: str) -> dict[str, Any]:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]
+        row = {"id": sample, "source": None, "turns_regenerated": 1, "messages": messages, "stop": "complete"}
+        return {"id": sample, "row": row, "counts": {"replies": 1}, "new_tokens": 3}
+
+    def line(obj: dict[str, Any]) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+    kept = entry("a", "one\u2028two")
+    deep = b'{"id": "c", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    torn = line(entry("b", "caf\u00e9 ok"))
+    torn = torn[: torn.index("\u00e9".encode()) + 1]  # the first byte of two
+    path.write_bytes(line({"journal": 1, "fingerprint": "f1"}) + line(kept) + deep + torn)
+    journal = RegenerationJournal(path, "f1")
+    assert {k: e.dump() for k, e in journal.open(["a", "b", "c"]).items()} == {"a": kept}
+    journal.close()
+    assert path.read_bytes().count(b"\n") == 2  # rewritten clean: the header and "a"
+
+
 CHILD = """
 import json, sys
 from transformers import AutoTokenizer

@@ -27,6 +27,7 @@ from eagle3_core.store.records import (
     ConversationRow,
     JournalEntry,
     JournalHeader,
+    Message,
     RegeneratedRow,
     RegenerationError,
     RejectRow,
@@ -205,6 +206,38 @@ def test_a_torn_conversation_file_is_one_line_naming_it(tmp_path: Path) -> None:
     with pytest.raises(RecordError) as err:
         load_conversation_shard(root, "t-00000")
     assert str(err.value).startswith(f"{path} line 4: not valid JSON") and "\n" not in str(err.value)
+
+
+DAMAGED_LINES = {
+    "not UTF-8": (lambda line: line.replace(b'"content":"', b'"content":"\xff', 1), "not UTF-8 text"),
+    "nested too deeply": (
+        lambda line: b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+        "nested too deeply for Python's parser",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_LINES))
+def test_a_damaged_conversation_line_is_one_line_naming_it(tmp_path: Path, damage: str) -> None:
+    change, said = DAMAGED_LINES[damage]
+    root, path = _store(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[2] = change(lines[2])
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(RecordError) as err:
+        load_conversation_shard(root, "t-00000")
+    assert str(err.value).startswith(f"{path} line 3: ") and said in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_row_holding_a_line_separator_reads_back_as_one_row(tmp_path: Path) -> None:
+    """JSON writes U+2028 as is (UTF-8 as is, store/atomic.py `write_jsonl`): it is not a line break there."""
+    rows = [
+        Message(role="user", content="one\u2028two\u0085three"),
+        Message(role="assistant", content="four"),
+    ]
+    write_rows(tmp_path / "rows.jsonl", rows)
+    assert read_rows(tmp_path / "rows.jsonl", Message.model_validate) == rows
 
 
 def test_a_wrong_regenerated_row_names_the_line_and_the_field(tmp_path: Path) -> None:

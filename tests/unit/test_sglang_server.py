@@ -20,6 +20,7 @@ from eagle3_core.engines.sglang_capture import hooked_layer_ids
 from eagle3_core.engines.sglang_server import launch_command, nvidia_smi_held, proc_stat
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.steps.serving import serve_commands, serve_markdown
+from tests.records import DAMAGED_JSON
 
 
 def make_config(tmp: Path, **sections: object) -> Eagle3Config:
@@ -408,3 +409,14 @@ def test_serving_reads_the_block_the_exporter_writes() -> None:
     from eagle3_core.steps.serving import ServedSGLangConfig
 
     assert ServedSGLangConfig.model_fields["provenance"].alias == PROVENANCE_KEY
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_JSON))
+def test_the_architectures_of_a_damaged_config_json_are_one_line(damage: str, tmp_path: Path) -> None:
+    data, said = DAMAGED_JSON[damage]
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_bytes(data)
+    with pytest.raises(ConfigError) as caught:
+        launch_command(make_config(tmp_path), target, "extract", aux_layer_ids=[2, 30, 58])
+    assert str(caught.value).startswith(f"{target / 'config.json'}: ") and said in str(caught.value)

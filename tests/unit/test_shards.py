@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_core.errors import DiskSpaceError
 from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import (
-    DiskSpaceError,
     ShardCorruptError,
     ShardReader,
     ShardWriter,

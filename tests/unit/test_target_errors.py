@@ -115,6 +115,31 @@ def _nested_too_deeply(target: Path) -> None:
     (target / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}")
 
 
+def _tokenizer_config_only(target: Path, text: str) -> None:
+    """tokenizer_config.json holds the chat template once chat_template.jinja, which transformers prefers,
+    is gone; `text` replaces the file."""
+    (target / "chat_template.jinja").unlink()
+    (target / "tokenizer_config.json").write_text(text)
+
+
+def _tokenizer_config_nested_too_deeply(target: Path) -> None:
+    depth = 100_000
+    _tokenizer_config_only(target, '{"chat_template": "x", "x": ' + "[" * depth + "]" * depth + "}")
+
+
+def _tokenizer_config_not_json(target: Path) -> None:
+    _tokenizer_config_only(target, '{"chat_template": "x",\n "model_max_length": 8,,}')
+
+
+def _tokenizer_config_not_utf8(target: Path) -> None:
+    (target / "chat_template.jinja").unlink()
+    (target / "tokenizer_config.json").write_bytes(b'{"chat_template": "\xff"}')
+
+
+def _tokenizer_config_a_list(target: Path) -> None:
+    _tokenizer_config_only(target, '[{"chat_template": "x"}]')
+
+
 # (how the copy is broken, what the one line must say)
 CASES: dict[str, tuple[Break, list[str]]] = {
     "pickled weights only": (
@@ -154,6 +179,22 @@ CASES: dict[str, tuple[Break, list[str]]] = {
     "config.json nested too deeply": (
         _nested_too_deeply,
         ["broken-target/config.json", "not readable JSON", "nested too deeply"],
+    ),
+    "tokenizer_config.json nested too deeply": (
+        _tokenizer_config_nested_too_deeply,
+        ["broken-target/tokenizer_config.json", "not readable JSON", "nested too deeply"],
+    ),
+    "tokenizer_config.json not json": (
+        _tokenizer_config_not_json,
+        ["broken-target/tokenizer_config.json", "not valid JSON", "line 2 column"],
+    ),
+    "tokenizer_config.json not utf-8": (
+        _tokenizer_config_not_utf8,
+        ["broken-target/tokenizer_config.json", "not UTF-8 text", "at byte 19"],
+    ),
+    "tokenizer_config.json a list": (
+        _tokenizer_config_a_list,
+        ["broken-target/tokenizer_config.json", "expected a JSON object, got list"],
     ),
     "hidden_size disagrees with the weights": (
         lambda t: _edit_config(t, hidden_size=256),
@@ -204,6 +245,8 @@ COMMAND_CASES = [("extract", "", case) for case in CASES] + [
         "jinja syntax error",
         "unknown model_type",
         "config.json nested too deeply",
+        "tokenizer_config.json nested too deeply",
+        "tokenizer_config.json not json",
         "hidden_size disagrees with the weights",
     )
     # through a server, no weights are read here, so none is compared with the config

@@ -15,6 +15,7 @@ import torch
 from eagle3_core.errors import RecordError
 from eagle3_core.store.records import STEP_KEY, CheckpointState, RunProgress, TrainRow, ValRow
 from eagle3_core.train.checkpoint import STATE, load_checkpoint, save_checkpoint
+from eagle3_core.train.distributed import World
 from eagle3_core.train.loss import TTTStats
 from eagle3_core.train.run_dir import METRICS, MetricsLog, read_metrics
 
@@ -105,7 +106,7 @@ def _val_row_dict(step: int = 4) -> dict[str, Any]:
 
 
 def test_metric_log_rows_write_the_bytes_the_dict_writer_wrote(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path / METRICS, enabled=True)
+    log = MetricsLog(tmp_path / METRICS, World(0, 1, torch.device("cpu")))
     train, val = TrainRow.model_validate(_train_row_dict()), ValRow.model_validate(_val_row_dict())
     log.write(train)
     log.write(val)
@@ -138,12 +139,32 @@ def test_the_figures_tttstats_measures_are_a_rows_figures() -> None:
         (json.dumps({**_train_row_dict(), "tau_3": 1.7}), "tau_3: beyond the 2 TTT steps"),
         (json.dumps({k: v for k, v in _train_row_dict().items() if k != "tokens"}), "tokens: Field required"),
         (json.dumps({**_val_row_dict(), "lr": 0.1}), "lr: Extra inputs are not permitted"),
+        # a flipped bit, a planted line: named like a torn one, never a traceback
+        ('{"kind": "tr\udcffain"}', "not UTF-8 text (invalid start byte at byte 12)"),
+        ("[" * 100_000 + "]" * 100_000, "not readable JSON: arrays or objects nested too deeply"),
     ],
 )
 def test_a_torn_or_wrong_metric_row_is_one_line_naming_the_file_line_and_field(
     tmp_path: Path, line: str, expected: str
 ) -> None:
-    (tmp_path / METRICS).write_text(json.dumps(_train_row_dict(2)) + "\n" + line + "\n")
+    text = json.dumps(_train_row_dict(2)) + "\n" + line + "\n"
+    (tmp_path / METRICS).write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff: the byte 0xff
     with pytest.raises(RecordError, match="^" + re.escape(f"{tmp_path / METRICS} line 2: {expected}")) as err:
         read_metrics(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_a_resume_cuts_the_metric_log_back_and_never_pads_it(tmp_path: Path) -> None:
+    """`cut_to` drops the rows after a checkpoint, a torn one with them; a log already shorter than the
+    checkpoint recorded (cut by hand) stays as it is, never padded with NUL bytes no reader can parse."""
+    log = MetricsLog(tmp_path / METRICS, World(0, 1, torch.device("cpu")))
+    first, second = (TrainRow.model_validate(_train_row_dict(step)) for step in (1, 2))
+    log.write(first)
+    checkpointed = log.durable_size()
+    log.write(second)
+    with open(tmp_path / METRICS, "a") as f:
+        f.write('{"kind": "val", "st')  # torn by a kill
+    log.cut_to(checkpointed)
+    assert read_metrics(tmp_path) == [first]
+    log.cut_to(checkpointed + 500)
+    assert (tmp_path / METRICS).stat().st_size == checkpointed and read_metrics(tmp_path) == [first]
