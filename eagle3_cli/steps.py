@@ -47,7 +47,8 @@ class ProgressLog:
     def __call__(self, message: str) -> None:
         match = _PROGRESS_LINE.match(message)
         if match is None or not self.console.is_terminal:
-            self.console.print(f"[dim]{message}[/dim]")
+            # escaped: a step's message is text, and its brackets ([redacted api key], a list) are shown
+            self.console.print(f"[dim]{escape(message)}[/dim]")
             return
         if self.bars is None:
             self.bars = Progress(

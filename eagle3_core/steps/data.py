@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from eagle3_core.config import Eagle3Config
+from eagle3_core.config import Eagle3Config, without_url_passwords
 from eagle3_core.conventions import AUX_LAYER_CONVENTION
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.data.ingest import load_conversation_shard
@@ -94,7 +94,7 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
         result = regenerate_through_server(cfg, layout.regenerated(key), train, progress, log)
         fresh_tokens = result.fresh_tokens
         source: dict[str, Any] = {
-            "server": cfg.regenerate.server.url,
+            "server": without_url_passwords(cfg.regenerate.server.url),
             "resumed_samples": result.resumed,
             "requested_samples": result.requested,
             "request_retries": result.retries,

@@ -32,3 +32,15 @@ def test_a_pipe_gets_every_line_and_no_bar() -> None:
         "chat-00000: 64/128 samples extracted",
         "chat-00000: 128/128 samples extracted",
     ]
+
+
+def test_a_line_with_brackets_is_printed_as_it_is_not_read_as_markup() -> None:
+    """A step's line is text: a reason quoting `[redacted api key]` or a list keeps its brackets."""
+    out = io.StringIO()
+    log = ProgressLog(Console(file=out, force_terminal=False, width=200))
+    log("chat-00000: 2 requests failed: 401 Incorrect API key: Bearer [redacted api key]")
+    log("aux layers [2, 15, 27] [bold]")
+    assert out.getvalue().splitlines() == [
+        "chat-00000: 2 requests failed: 401 Incorrect API key: Bearer [redacted api key]",
+        "aux layers [2, 15, 27] [bold]",
+    ]
