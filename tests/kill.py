@@ -65,6 +65,12 @@ def run_killed_at_call(where: str, step: Callable[..., Any], *args: Any) -> int:
     return run_child(killing_at_call, where, step, args)
 
 
+def run_killed_at_nth_call(where: str, n: int, step: Callable[..., Any], *args: Any) -> int:
+    """Run `step(*args)` in a child whose calls of `where` ("module:Name.attr") go through until the nth,
+    which SIGKILLs the child in its place; its exit code (-SIGKILL when it got there, 0 when it finished)."""
+    return run_child(killing_at_nth_call, where, n, step, args)
+
+
 def run_child(target: Callable[..., None], *args: Any) -> int:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # only before the server's first start; later it is kept
@@ -94,12 +100,24 @@ def killing_at_rename(n: int, step: Callable[..., Any], args: tuple[Any, ...]) -
 
 
 def killing_at_call(where: str, step: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    killing_at_nth_call(where, 1, step, args)
+
+
+def killing_at_nth_call(where: str, n: int, step: Callable[..., Any], args: tuple[Any, ...]) -> None:
     module, _, path = where.partition(":")
     *parents, name = path.split(".")
     owner = importlib.import_module(module)
     for parent in parents:
         owner = getattr(owner, parent)
-    setattr(owner, name, lambda *a, **kw: os.kill(os.getpid(), signal.SIGKILL))
+    real = getattr(owner, name)
+    calls = iter(range(1, 10**9))
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        if next(calls) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **kw)
+
+    setattr(owner, name, counted)
     step(*args)
 
 

@@ -18,25 +18,24 @@ The API key (`api_key_env`) goes out as `http.ApiKey`, and every answer is read 
 reason, error row, journal line or reply is built from it: a server that quotes the key back in a 401 puts
 `[redacted api key]` in what eagle3 prints and stores, never the key.
 
-Resume: every finished sample is appended to a journal beside the shard (one JSON line, fsynced) before the
-next is counted, keyed by sample id and bound by a fingerprint to the settings, tokenizer and sample ids that
-produced it. A run that dies or fails mid-shard leaves the journal; the next run takes the samples in it and
-requests only the others, and the shard is written whole, in input order, each sample once.
+Resume: every finished sample is appended to the shard's journal (eagle3_core/store/journal.py, the one the
+in-process path keeps too). A run that dies or fails mid-shard leaves the journal; the next run takes the
+samples in it and requests only the others, and the shard is written whole, in input order, each sample once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import os
 import random
+import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -45,25 +44,20 @@ from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.engines import http
 from eagle3_core.errors import ConfigError, Eagle3Error
-from eagle3_core.store.atomic import fsync_path
-from eagle3_core.store.records import (
-    ConversationRow,
-    JournalEntry,
-    JournalHeader,
-    RegenerationError,
-    write_rows,
-)
+from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path
+from eagle3_core.store.records import ConversationRow, JournalEntry, RegenerationError
 from eagle3_core.targets.regenerate import (
     Dialogue,
+    RegenerationProgress,
     RegenerationResult,
     append_reply,
     dialogue_of,
     finish_row,
+    request_seed,
 )
 
 RETRY_STATUS = frozenset({408, 429})  # and every 5xx: the server's trouble, not the request's
 MAX_BACKOFF_S = 60.0
-JOURNAL_VERSION = 1
 
 
 class RequestFailed(Exception):
@@ -212,110 +206,10 @@ def _parse(text: str, attempts: int) -> ChatReply:
         ) from None
 
 
-def request_seed(seed: int, sample_id: str, turn: int) -> int:
-    """One seed per request, from the configured seed, the sample and the turn: a sampled reply does not
-    depend on the order the requests happened to be scheduled in (servers that honour `seed` repeat it)."""
-    digest = hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-# ---- the journal -------------------------------------------------------------------------------------------
-def journal_path(shard: Path) -> Path:
-    """Beside the shard it belongs to: `regenerated/<key>.journal.jsonl`."""
-    return shard.with_name(f"{shard.stem}.journal.jsonl")
-
-
-class RegenerationJournal:
-    """The finished samples of one shard, one fsynced JSON line each: `{"id", "row", "counts", "new_tokens"}`.
-
-    The first line is a header with the fingerprint of what produced the entries; a journal with another
-    fingerprint (other settings, tokenizer or samples) is discarded, never mixed into the shard. A line torn
-    by a kill is dropped, and the journal is rewritten clean before anything is appended after it.
-    """
-
-    def __init__(self, path: Path, fingerprint: str) -> None:
-        self.path = path
-        self.fingerprint = fingerprint
-        self._file: IO[str] | None = None
-        self.discarded = ""  # why an existing journal was not used, for the log
-
-    def open(self, sample_ids: Iterable[str]) -> dict[str, JournalEntry]:
-        """The usable entries by sample id; the journal is then open for appending."""
-        wanted = set(sample_ids)
-        entries: dict[str, JournalEntry] = {}
-        if self.path.exists():
-            # bytes: a line cut mid-character is dropped as torn, and a reply's U+2028 (JSON leaves it as is,
-            # str.splitlines would break there) stays inside its line
-            lines = self.path.read_bytes().splitlines()
-            header = _line_as(JournalHeader, lines[0]) if lines else None
-            if header is None or header.fingerprint != self.fingerprint:
-                self.discarded = "written for other settings, tokenizer or samples"
-            else:
-                for line in lines[1:]:
-                    entry = _line_as(JournalEntry, line)
-                    if entry is not None and entry.id in wanted and entry.id not in entries:
-                        entries[entry.id] = entry
-        header_row = JournalHeader(journal=JOURNAL_VERSION, fingerprint=self.fingerprint)
-        write_rows(self.path, [header_row, *entries.values()])
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-        return entries
-
-    def append(self, entry: JournalEntry) -> None:
-        if self._file is None:
-            raise RuntimeError("the journal is not open")
-        self._file.write(json.dumps(entry.dump(), ensure_ascii=False, separators=(",", ":")) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())  # a sample counted as done survives a kill of this process
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def remove_journal(shard: Path) -> None:
-    """Once `shard` is committed, its journal (if a server run left one) has nothing left to give."""
-    path = journal_path(shard)
-    if path.exists():
-        path.unlink()
-        fsync_path(path.parent)
-
-
-J = TypeVar("J", JournalHeader, JournalEntry)
-
-
-def _line_as(record: type[J], line: bytes) -> J | None:
-    """A journal line as its record; None for a line a kill tore (or that is not one)."""
-    try:
-        return record.model_validate(json.loads(line))
-    # not UTF-8, not JSON, or not the record (UnicodeDecodeError and pydantic's ValidationError are
-    # ValueErrors); nested past the parser's recursion limit: not a line eagle3 wrote either
-    except (ValueError, RecursionError):
-        return None
-
-
-def journal_fingerprint(
-    cfg: RegenerateConfig, max_seq_len: int, tokenizer_fingerprint: str, sample_ids: list[str]
-) -> str:
-    """What a journaled reply depends on. Transport settings (URL, concurrency, timeouts, retries, key) are
-    left out: the same model behind a restarted server on another port gives the same replies."""
-    server = cfg.server
-    what = {
-        "regenerate": cfg.model_dump(exclude={"server", "batch_size", "enabled"}),
-        "model": server.model if server is not None else None,
-        "max_seq_len": max_seq_len,
-        "tokenizer": tokenizer_fingerprint,
-        "samples": hashlib.sha256("\n".join(sample_ids).encode()).hexdigest(),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
 # ---- regeneration ------------------------------------------------------------------------------------------
 @dataclass
 class ServerRegenerationResult(RegenerationResult):
-    resumed: int = 0  # samples taken from the journal
     requested: int = 0  # samples whose turns were requested in this run
-    fresh_tokens: int = 0  # new tokens generated in this run (new_tokens counts the journaled ones too)
     retries: int = 0
     failures: dict[str, str] = field(default_factory=dict)  # sample id -> reason
 
@@ -341,7 +235,7 @@ class ServerRegenerator:
         self,
         samples: Sequence[ConversationRow],
         journal: RegenerationJournal | None = None,
-        progress: Callable[[int, int], None] = lambda _d, _t: None,
+        progress: Callable[[RegenerationProgress], None] = lambda _p: None,
         log: Callable[[str], None] = lambda _m: None,
     ) -> ServerRegenerationResult:
         """Rows in the order of `samples`; raises ServerRegenerationFailed (journal kept) past the threshold."""
@@ -355,28 +249,30 @@ class ServerRegenerator:
         self,
         samples: Sequence[ConversationRow],
         journal: RegenerationJournal | None,
-        progress: Callable[[int, int], None],
+        progress: Callable[[RegenerationProgress], None],
         log: Callable[[str], None],
     ) -> ServerRegenerationResult:
+        started = time.perf_counter()
         entries = journal.open([s.id for s in samples]) if journal is not None else {}
         if journal is not None and journal.discarded:
             log(f"{journal.path.name}: discarded ({journal.discarded})")
         result = ServerRegenerationResult(rows=[], resumed=len(entries))
         todo = [s for s in samples if s.id not in entries]
         dialogues = [dialogue_of(s, self.cfg.max_turns) for s in todo]
-        total_turns = sum(len(d.pending_users) for d in dialogues)
         allowed = math.floor(self.server.max_failed_fraction * len(samples))
         queue: asyncio.Queue[Dialogue] = asyncio.Queue()
         for d in dialogues:
             queue.put_nowait(d)
         aborted = asyncio.Event()
-        turns = [0]
 
-        def turn_done() -> None:
-            turns[0] += 1
+        def sample_done() -> None:
+            done = len(entries) + len(result.failures)
             # As often as the in-process path reports (once per batch), not once per request.
-            if turns[0] % self.cfg.batch_size == 0 or turns[0] == total_turns:
-                progress(turns[0], total_turns)
+            if (done - result.resumed) % self.cfg.batch_size == 0 or done == len(samples):
+                seconds = time.perf_counter() - started
+                progress(
+                    RegenerationProgress(done, len(samples), result.resumed, result.fresh_tokens, seconds)
+                )
 
         async with ChatClient(self.server) as client:
 
@@ -385,11 +281,12 @@ class ServerRegenerator:
                     d = queue.get_nowait()
                     result.requested += 1
                     try:
-                        entry = await self._conversation(client, d, aborted, turn_done)
+                        entry = await self._conversation(client, d, aborted)
                     except RequestFailed as err:
                         result.failures[d.sample.id] = err.reason
                         if len(result.failures) > allowed:
                             aborted.set()  # the shard fails anyway: stop spending requests on it
+                        sample_done()
                         continue
                     except _Aborted:
                         continue
@@ -397,6 +294,7 @@ class ServerRegenerator:
                     result.fresh_tokens += entry.new_tokens
                     if journal is not None:
                         journal.append(entry)
+                    sample_done()
 
             await asyncio.gather(*(worker() for _ in range(min(self.server.concurrency, len(todo)))))
             result.retries = client.retried
@@ -407,14 +305,10 @@ class ServerRegenerator:
             entry = entries.get(s.id)
             if entry is None:  # its request failed, within what max_failed_fraction allows
                 entry = _failed_entry(s, result.failures[s.id])
-            result.rows.append(entry.row)
-            result.counts.update(entry.counts)
-            result.new_tokens += entry.new_tokens
+            result.add(entry)
         return result
 
-    async def _conversation(
-        self, client: ChatClient, d: Dialogue, aborted: asyncio.Event, turn_done: Callable[[], None]
-    ) -> JournalEntry:
+    async def _conversation(self, client: ChatClient, d: Dialogue, aborted: asyncio.Event) -> JournalEntry:
         counts: Counter[str] = Counter()
         new_tokens = 0
         turn = 0
@@ -431,7 +325,6 @@ class ServerRegenerator:
             hit_limit = reply.finish_reason == "length"
             append_reply(d, text, hit_limit, counts, self.tokenizer, self.max_seq_len)
             turn += 1
-            turn_done()
         row = finish_row(d, counts)
         return JournalEntry(id=d.sample.id, row=row, counts=dict(counts), new_tokens=new_tokens)
 
@@ -495,7 +388,7 @@ def regenerate_through_server(
     cfg: Eagle3Config,
     shard: Path,
     samples: Sequence[ConversationRow],
-    progress: Callable[[int, int], None] = lambda _d, _t: None,
+    progress: Callable[[RegenerationProgress], None] = lambda _p: None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> ServerRegenerationResult:
     """Regenerate one shard's samples through `cfg.regenerate.server`, journaled beside `shard`.
@@ -510,8 +403,13 @@ def regenerate_through_server(
 
     model_dir = target_dir(cfg, log=log, weights=False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    server = cfg.regenerate.server
     fingerprint = journal_fingerprint(
-        cfg.regenerate, cfg.tokenize.max_seq_len, tokenizer_fingerprint(model_dir), [s.id for s in samples]
+        cfg.regenerate,
+        cfg.tokenize.max_seq_len,
+        tokenizer_fingerprint(model_dir),
+        [s.id for s in samples],
+        model=server.model if server is not None else None,
     )
     journal = RegenerationJournal(journal_path(shard), fingerprint)
     regenerator = ServerRegenerator(tokenizer, cfg.regenerate, cfg.tokenize.max_seq_len)

@@ -720,8 +720,8 @@ class JournalHeader(Record):
 
 
 class JournalEntry(Record):
-    """regenerated/<key>.journal.jsonl, every later line: a sample regenerated through a server, its row as
-    the shard will hold it, the regenerator's counts for it and the tokens it generated."""
+    """regenerated/<key>.journal.jsonl, every later line: a sample regenerated (in process or through a
+    server), its row as the shard will hold it, the regenerator's counts for it and the tokens it generated."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 

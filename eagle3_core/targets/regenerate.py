@@ -1,18 +1,30 @@
 """Regeneration in process: every assistant turn replaced by the target's own reply, turn by turn.
 
-Turn t of every conversation in the shard is generated in batches (prompts sorted by length, left padded),
-each prompt being the conversation so far with the target's own earlier replies, so the drafter later learns
-the distribution the target really produces. A conversation stops early, counted, when its prompt no longer
-fits `max_seq_len - max_new_tokens`, when the conversation with a reply would exceed `max_seq_len`, when
-the target replies with nothing, or after `max_turns`. The output keeps the sample id of the conversation
-it came from: results are keyed by id, and the shard is written whole and atomically, so a crash never
-leaves a duplicated or skipped sample.
+The shard's conversations are taken in groups of prompts of about one length (their first prompts sorted by
+token length, a group at most `batch_size` long and its longest prompt at most twice its shortest, so that no
+batch is left-padded to one long outlier), and each group is regenerated to its end before the next one
+starts: turn t of every conversation of the group in one batch (again grouped by length), each prompt being
+the conversation so far with the target's own earlier replies, so the drafter later learns the distribution
+the target really produces. Outputs do not depend on the batches: rows come back in input order.
+
+A conversation stops early, counted, when its prompt no longer fits `max_seq_len - max_new_tokens`, when the
+conversation with a reply would exceed `max_seq_len`, when the target replies with nothing, or after
+`max_turns`.
+
+Every finished conversation goes to the shard's journal (eagle3_core/store/journal.py, the one the server
+path keeps) as soon as it is done, so a run killed mid-shard keeps what it finished and the next run
+regenerates only the rest; each group is seeded from `seed` and its first sample, so that what a resumed run
+samples does not depend on what the killed one got through. The output keeps the sample id of the
+conversation it came from, and the shard is written whole and atomically by the step, so a crash never leaves
+a duplicated or skipped sample.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +33,16 @@ import torch
 from eagle3_core.config import RegenerateConfig
 from eagle3_core.data.conversation import normalise_content
 from eagle3_core.data.tokenize import generation_prompt_ids
-from eagle3_core.store.records import ConversationRow, RegeneratedRow, RegenerationError, RegenerationRow
+from eagle3_core.store.journal import RegenerationJournal
+from eagle3_core.store.records import (
+    ConversationRow,
+    JournalEntry,
+    RegeneratedRow,
+    RegenerationError,
+    RegenerationRow,
+)
+
+MAX_LENGTH_RATIO = 2  # a batch's longest prompt is at most this many times as long as its shortest
 
 
 @dataclass
@@ -33,19 +54,92 @@ class Dialogue:
     pending_users: list[str]
     turns_regenerated: int = 0
     stop: str = ""
+    counts: Counter[str] = field(default_factory=Counter)  # what regenerating it counted
+    new_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_users or bool(self.stop)
 
 
 @dataclass
 class RegenerationResult:
     rows: list[RegenerationRow]
     counts: Counter[str] = field(default_factory=Counter)
-    new_tokens: int = 0
+    new_tokens: int = 0  # of every row, the journaled ones included
+    resumed: int = 0  # samples taken from the journal
+    fresh_tokens: int = 0  # new tokens generated in this run
+
+    def add(self, entry: JournalEntry) -> None:
+        """One sample's row, counts and tokens, in the order the rows are added."""
+        self.rows.append(entry.row)
+        self.counts.update(entry.counts)
+        self.new_tokens += entry.new_tokens
+
+
+@dataclass(frozen=True)
+class RegenerationProgress:
+    """Where a shard's regeneration stands: what its step logs after each batch."""
+
+    samples_done: int  # finished, the ones taken from the journal included
+    samples_total: int
+    resumed: int  # of those, taken from the journal
+    new_tokens: int  # generated in this run
+    seconds: float  # since this run started
+
+    def line(self) -> str:
+        """`12/40 samples regenerated; 1834 new tokens, 55.2 tokens/s, ETA 1m31s` (ETA from this run's pace)."""
+        fresh = self.samples_done - self.resumed
+        left = self.samples_total - self.samples_done
+        eta = duration(left * self.seconds / fresh) if fresh else "unknown"
+        rate = self.new_tokens / max(self.seconds, 1e-9)
+        return (
+            f"{self.samples_done}/{self.samples_total} samples regenerated; "
+            f"{self.new_tokens} new tokens, {rate:.1f} tokens/s, ETA {eta}"
+        )
+
+
+def duration(seconds: float) -> str:
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str  # decoded without special tokens, normalised as ingest normalises content
+    tokens: int  # generated, the end-of-turn token not counted
+    cut: bool  # stopped by max_new_tokens, not by an end-of-turn token
 
 
 def dialogue_of(sample: ConversationRow, max_turns: int | None) -> Dialogue:
     system = [m.model_dump() for m in sample.messages if m.role == "system"]
     users = [m.content for m in sample.messages if m.role == "user"]
     return Dialogue(sample, system, users[:max_turns] if max_turns else users)
+
+
+def request_seed(seed: int, sample_id: str, turn: int) -> int:
+    """One seed per (sample, turn), from the configured seed: a sampled reply does not depend on the order
+    the work happened to be scheduled in (a server's requests; a resumed run's groups)."""
+    digest = hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def prompt_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices of prompts by length (ties in input order), in batches of at most `batch_size` whose longest
+    prompt is at most MAX_LENGTH_RATIO times the shortest: a batch is left-padded to its longest prompt, so
+    a long outlier is batched with prompts of its own length, never with short ones padded to it."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        batch = batches[-1] if batches else []
+        if not batch or len(batch) == batch_size or lengths[i] > MAX_LENGTH_RATIO * lengths[batch[0]]:
+            batches.append([i])
+        else:
+            batch.append(i)
+    return batches
 
 
 class Regenerator:
@@ -61,31 +155,78 @@ class Regenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     def regenerate(
-        self, samples: Sequence[ConversationRow], progress: Callable[[int, int], None] = lambda _d, _t: None
+        self,
+        samples: Sequence[ConversationRow],
+        journal: RegenerationJournal | None = None,
+        progress: Callable[[RegenerationProgress], None] = lambda _p: None,
+        log: Callable[[str], None] = lambda _m: None,
     ) -> RegenerationResult:
-        torch.manual_seed(self.cfg.seed)
-        dialogues = [dialogue_of(s, self.cfg.max_turns) for s in samples]
-        result = RegenerationResult(rows=[])
-        total_turns = sum(len(d.pending_users) for d in dialogues)
-        done_turns = 0
-        while active := [d for d in dialogues if d.pending_users and not d.stop]:
-            prompts = [self._prompt_ids(d) for d in active]
-            fits = [(d, p) for d, p in zip(active, prompts, strict=True) if len(p) <= self.max_prompt_tokens]
-            for d in active:
-                if not any(d is f for f, _ in fits):
-                    d.stop = "context_limit"
-            fits.sort(key=lambda dp: len(dp[1]))
-            for start in range(0, len(fits), self.cfg.batch_size):
-                batch = fits[start : start + self.cfg.batch_size]
-                replies, new_tokens = self._generate([p for _, p in batch])
-                result.new_tokens += new_tokens
-                for (d, _), (reply, hit_limit) in zip(batch, replies, strict=True):
-                    append_reply(d, reply, hit_limit, result.counts, self.tokenizer, self.max_seq_len)
-                done_turns += len(batch)
-                progress(done_turns, total_turns)
-        for d in dialogues:
-            result.rows.append(finish_row(d, result.counts))
+        """Rows in the order of `samples`; the samples in `journal` are taken from it, the others regenerated
+        and appended to it one by one as they finish."""
+        started = time.perf_counter()
+        entries = journal.open([s.id for s in samples]) if journal is not None else {}
+        if journal is not None and journal.discarded:
+            log(f"{journal.path.name}: discarded ({journal.discarded})")
+        resumed = len(entries)
+        fresh_tokens = 0
+
+        def finish(group: Iterable[Dialogue]) -> None:
+            for d in group:
+                if d.finished and d.sample.id not in entries:
+                    row = finish_row(d, d.counts)
+                    entry = JournalEntry(
+                        id=d.sample.id, row=row, counts=dict(d.counts), new_tokens=d.new_tokens
+                    )
+                    entries[d.sample.id] = entry
+                    if journal is not None:
+                        journal.append(entry)
+
+        def batch_done(group: list[Dialogue], new_tokens: int) -> None:
+            nonlocal fresh_tokens
+            fresh_tokens += new_tokens
+            finish(group)
+            seconds = time.perf_counter() - started
+            progress(RegenerationProgress(len(entries), len(samples), resumed, fresh_tokens, seconds))
+
+        try:
+            for group in self._groups(
+                [dialogue_of(s, self.cfg.max_turns) for s in samples if s.id not in entries]
+            ):
+                torch.manual_seed(request_seed(self.cfg.seed, group[0].sample.id, 0))
+                self._regenerate_group(group, batch_done)
+                finish(group)  # those stopped before a batch of theirs ran (context_limit)
+        finally:
+            if journal is not None:
+                journal.close()
+        result = RegenerationResult(rows=[], resumed=resumed, fresh_tokens=fresh_tokens)
+        for s in samples:
+            result.add(entries[s.id])
         return result
+
+    def _groups(self, dialogues: list[Dialogue]) -> list[list[Dialogue]]:
+        """The dialogues in groups of about one first-prompt length, regenerated one group after another."""
+        lengths = [len(self._prompt_ids(d)) if d.pending_users else 0 for d in dialogues]
+        return [[dialogues[i] for i in batch] for batch in prompt_batches(lengths, self.cfg.batch_size)]
+
+    def _regenerate_group(
+        self, group: list[Dialogue], batch_done: Callable[[list[Dialogue], int], None]
+    ) -> None:
+        """Every turn of the group's dialogues, batch by batch (grouped by prompt length again each turn)."""
+        while active := [d for d in group if not d.finished]:
+            fits: list[tuple[Dialogue, list[int]]] = []
+            for d in active:
+                prompt = self._prompt_ids(d)
+                if len(prompt) > self.max_prompt_tokens:
+                    d.stop = "context_limit"
+                else:
+                    fits.append((d, prompt))
+            for batch in prompt_batches([len(p) for _, p in fits], self.cfg.batch_size):
+                chosen = [fits[i] for i in batch]
+                replies = self.generate_batch([p for _, p in chosen])
+                for (d, _), reply in zip(chosen, replies, strict=True):
+                    d.new_tokens += reply.tokens
+                    append_reply(d, reply.text, reply.cut, d.counts, self.tokenizer, self.max_seq_len)
+                batch_done(group, sum(r.tokens for r in replies))
 
     def _prompt_ids(self, d: Dialogue) -> list[int]:
         return generation_prompt_ids(
@@ -93,7 +234,8 @@ class Regenerator:
         )
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> tuple[list[tuple[str, bool]], int]:
+    def generate_batch(self, prompts: list[list[int]]) -> list[Reply]:
+        """The target's replies to a batch of prompts (token ids), in their order."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -113,14 +255,13 @@ class Regenerator:
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
         )
-        replies, new_tokens = [], 0
+        replies = []
         for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            tokens = row if cut is None else row[:cut]
-            new_tokens += len(tokens)
+            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            tokens = row if end is None else row[:end]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            replies.append((normalise_content(text), cut is None))
-        return replies, new_tokens
+            replies.append(Reply(normalise_content(text), len(tokens), cut=end is None))
+        return replies
 
 
 def conversation_length(tokenizer: Any, messages: list[dict[str, str]]) -> int:

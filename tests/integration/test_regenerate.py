@@ -1,6 +1,11 @@
 """In-process regeneration on a real (tiny, random) transformers target."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +14,16 @@ from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.steps.data import regenerate_step
 from eagle3_core.store.atomic import read_jsonl
+from eagle3_core.store.journal import journal_path
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
+from eagle3_core.targets.regenerate import Regenerator, Reply
 from tests.conftest import write_config
-from tests.helpers import save_tiny_chat_target
+from tests.helpers import save_scripted_chat_target, save_tiny_chat_target
+from tests.kill import eagle3, run_killed_at_nth_call
+
+# tiny models, generating a few tokens: a second OpenMP thread only waits (tests/conftest.py one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +105,146 @@ def test_a_regenerated_shard_is_whole_with_its_manifest_or_absent(
     regenerate_step(cfg, "r-00000", target)
     assert layout.regenerated("r-00000").read_bytes() == reference
     assert json.loads(layout.regenerated_manifest("r-00000").read_text())["key"] == "r-00000"
+
+
+# ---- a scripted target (its reply is known on any CPU): progress, kills, batches ---------------------------
+SHORT = [f"hello number {i}" for i in range(6)]
+MEDIUM = ["tell me about " + "the hills and the dog " * 6, "what is yours? " + "the weather is nice " * 7]
+LONG = "i went hiking with my dog in the hills " * 40  # an opening turn far longer than the others
+SCRIPTED_KEY = "s-00000"
+
+
+def _scripted_rows() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for i, user in enumerate([*SHORT, *MEDIUM, LONG]):
+        turns = [{"role": "user", "content": user}, {"role": "assistant", "content": "original reply"}]
+        turns += [{"role": "user", "content": "tell me more"}] * (i % 2)  # odd rows: a second turn
+        rows.append({"messages": turns})
+    return rows
+
+
+def _scripted_store(
+    root: Path, target_dir: Path, regenerate: str = "max_new_tokens: 12, batch_size: 3"
+) -> Path:
+    """A config (and its ingested store) of the conversations above, all of them training conversations."""
+    root.mkdir(parents=True, exist_ok=True)
+    source = root.parent / "scripted.jsonl"
+    if (
+        not source.exists()
+    ):  # one source file for every store: rows of two stores are byte for byte comparable
+        source.write_text("".join(json.dumps(row) + "\n" for row in _scripted_rows()))
+    config = write_config(
+        root,
+        f"store: store\ndata: {{dataset: s, holdout_fraction: 0.0, sources: [{{path: {source}}}]}}\n"
+        f"target: {{path: {target_dir}, device: cpu}}\nregenerate: {{{regenerate}}}\n",
+    )
+    ingest(load_config(config))
+    return config
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_scripted_chat_target(tmp_path_factory.mktemp("scripted") / "target")
+
+
+class BatchSpy:
+    """Wraps Regenerator.generate_batch: the prompt lengths of every batch it was given, in call order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.batches: list[list[int]] = []
+        real = Regenerator.generate_batch
+
+        def spied(regenerator: Regenerator, prompts: list[list[int]]) -> list[Reply]:
+            self.batches.append([len(p) for p in prompts])
+            return real(regenerator, prompts)
+
+        monkeypatch.setattr(Regenerator, "generate_batch", spied)
+
+
+PROGRESS = re.compile(
+    rf"^{SCRIPTED_KEY}: (\d+)/(\d+) samples regenerated; (\d+) new tokens, [\d.]+ tokens/s, ETA (\S+)$"
+)
+
+
+def test_regeneration_logs_samples_tokens_rate_and_eta_after_every_batch(
+    scripted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(_scripted_store(tmp_path / "p", scripted))
+    spy = BatchSpy(monkeypatch)
+    logged: list[str] = []
+    target = TransformersTarget(scripted, cfg.target)
+    result = regenerate_step(cfg, SCRIPTED_KEY, target, logged.append)
+    lines = [m for m in logged if "samples regenerated" in m]
+    assert len(lines) == len(spy.batches) > 1  # one line per batch
+    parsed = [PROGRESS.match(line) for line in lines]
+    assert all(parsed), lines
+    done = [int(m[1]) for m in parsed if m]
+    tokens = [int(m[3]) for m in parsed if m]
+    assert done == sorted(done) and tokens == sorted(tokens) and 0 < done[0] < done[-1]
+    assert {int(m[2]) for m in parsed if m} == {len(_scripted_rows())}
+    assert done[-1] == len(_scripted_rows()) and tokens[-1] == result.metadata["new_tokens"] > 0
+    assert parsed[-1] is not None and parsed[-1][4] == "0s"  # nothing left
+
+
+def test_regeneration_batches_prompts_of_one_length_and_gives_what_unbatched_generation_gives(
+    scripted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is left-padded to its longest prompt: the long opening turn is batched alone, not with short
+    prompts padded to its length; the rows are those of one prompt at a time (float32), in input order."""
+    unbatched = load_config(_scripted_store(tmp_path / "one", scripted, "max_new_tokens: 12, batch_size: 1"))
+    batched = load_config(_scripted_store(tmp_path / "four", scripted, "max_new_tokens: 12, batch_size: 4"))
+    target = TransformersTarget(scripted, batched.target)
+    assert target.info.dtype == "float32"
+    spy = BatchSpy(monkeypatch)
+    rows = regenerate_step(batched, SCRIPTED_KEY, target).path.read_bytes()
+    assert max(len(b) for b in spy.batches) == 4  # batched, up to batch_size
+    for lengths in spy.batches:
+        assert max(lengths) <= 2 * min(lengths), spy.batches  # no batch pads a prompt to twice its length
+    longest = max(max(b) for b in spy.batches)
+    assert [longest] in spy.batches  # the outlier alone
+    spy.batches.clear()
+    assert regenerate_step(unbatched, SCRIPTED_KEY, target).path.read_bytes() == rows
+    assert all(len(b) == 1 for b in spy.batches)
+    samples, _ = load_conversation_shard(batched.store_root, SCRIPTED_KEY)
+    assert [json.loads(line)["id"] for line in rows.splitlines()] == [s.id for s in samples]
+
+
+def test_a_regenerate_killed_after_some_batches_keeps_them_and_a_rerun_does_only_the_rest(
+    scripted: Path, tmp_path: Path
+) -> None:
+    """`eagle3 regenerate` SIGKILLed in place of its third batch: the samples the first two finished are in
+    the shard's journal; the next `eagle3 regenerate` takes them from it, generates only the others, and
+    writes exactly the rows of an uninterrupted run."""
+    reference_cfg = load_config(_scripted_store(tmp_path / "reference", scripted))
+    target = TransformersTarget(scripted, reference_cfg.target)
+    reference = regenerate_step(reference_cfg, SCRIPTED_KEY, target).path.read_bytes()
+
+    config = _scripted_store(tmp_path / "killed", scripted)
+    shard = StoreLayout(load_config(config).store_root).regenerated(SCRIPTED_KEY)
+    code = run_killed_at_nth_call(
+        "eagle3_core.targets.regenerate:Regenerator.generate_batch",
+        3,
+        eagle3,
+        "--config",
+        str(config),
+        "regenerate",
+    )
+    assert code == -signal.SIGKILL
+    assert not shard.exists()  # nothing committed
+    journaled = [json.loads(line)["id"] for line in journal_path(shard).read_text().splitlines()[1:]]
+    total = len(_scripted_rows())
+    assert 0 < len(journaled) < total and len(set(journaled)) == len(journaled)
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "eagle3_cli.main", "--config", str(config), "regenerate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resumed_samples={len(journaled)}" in rerun.stdout
+    first = PROGRESS.match(next(line for line in rerun.stdout.splitlines() if "samples regenerated" in line))
+    assert first is not None and int(first[1]) > len(journaled)  # counted on from the journaled ones
+    assert shard.read_bytes() == reference  # each sample once, in input order, as if never killed
+    assert not journal_path(shard).exists()

@@ -25,9 +25,10 @@ import torch
 
 from eagle3_core.config import Eagle3Config, RegenerateServerConfig, load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
-from eagle3_core.engines.openai_client import ServerRegenerationFailed, journal_path
+from eagle3_core.engines.openai_client import ServerRegenerationFailed
 from eagle3_core.steps.data import regenerate_step
 from eagle3_core.store.atomic import read_jsonl
+from eagle3_core.store.journal import journal_path
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conftest import write_config
@@ -169,13 +170,13 @@ def _fresh_shard(cfg: Eagle3Config) -> Path:
     return layout.regenerated(KEY)
 
 
-def _kill_after(proc: subprocess.Popen[bytes], turns: int, killed: list[int]) -> Any:
-    """A step log that SIGKILLs the server's group once `turns` turns are done: a server lost mid-shard."""
+def _kill_after(proc: subprocess.Popen[bytes], samples: int, killed: list[int]) -> Any:
+    """A step log that SIGKILLs the server's group once `samples` samples are done: a server lost mid-shard."""
 
     def log(message: str) -> None:
-        if "turns regenerated" in message and not killed:
-            done = int(message.rsplit(": ", 1)[1].split("/")[0])
-            if done >= turns:
+        if "samples regenerated" in message and not killed:
+            done = int(message.split(": ", 1)[1].split("/")[0])
+            if done >= samples:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=20)
                 killed.append(done)

@@ -25,16 +25,14 @@ from transformers import AutoTokenizer
 from eagle3_core.config import RegenerateConfig, RegenerateServerConfig, config_from_dict
 from eagle3_core.engines.openai_client import (
     ChatClient,
-    RegenerationJournal,
     RequestFailed,
     ServerRegenerationFailed,
     ServerRegenerator,
     backoff_delay,
     completions_endpoint,
-    journal_fingerprint,
-    journal_path,
 )
 from eagle3_core.errors import ConfigError
+from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path
 from eagle3_core.store.records import ConversationRow, JournalEntry, RegeneratedRow, RegenerationError
 from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 
@@ -410,7 +408,7 @@ def test_failures_past_the_threshold_fail_the_shard_and_a_rerun_requests_only_th
     fake.script = script
     convs = samples(10, users=2)
     cfg = regen_cfg(fake.url, server={"concurrency": 2, "retries": 1, "max_failed_fraction": 0.0})
-    fp = journal_fingerprint(cfg, 256, "tok", [s.id for s in convs])
+    fp = journal_fingerprint(cfg, 256, "tok", [s.id for s in convs], model=None)
     path = journal_path(tmp_path / "r-00000.jsonl")
     with pytest.raises(ServerRegenerationFailed, match=r"1 of 10 samples failed .*HTTP 503.*run again"):
         ServerRegenerator(tokenizer, cfg, 256).regenerate(convs, RegenerationJournal(path, fp))
@@ -477,7 +475,8 @@ CHILD = """
 import json, sys
 from transformers import AutoTokenizer
 from eagle3_core.config import RegenerateConfig
-from eagle3_core.engines.openai_client import RegenerationJournal, ServerRegenerator
+from eagle3_core.engines.openai_client import ServerRegenerator
+from eagle3_core.store.journal import RegenerationJournal
 from eagle3_core.store.records import ConversationRow
 args = json.loads(sys.argv[1])
 cfg = RegenerateConfig.model_validate(args["cfg"])

@@ -12,10 +12,10 @@ def test_a_terminal_gets_one_bar_per_task_closed_when_all_are_done() -> None:
     log = ProgressLog(Console(file=out, force_terminal=True, width=100))
     log("chat-00000: 64/128 samples extracted")
     assert log.bars is not None and len(log.bars.tasks) == 1
-    log("chat-00001: 10/20 turns regenerated")
+    log("chat-00001: 10/20 samples regenerated")
     log("chat-00000: 128/128 samples extracted")
     assert log.bars is not None and len(log.bars.tasks) == 2  # one task still running
-    log("chat-00001: 20/20 turns regenerated")
+    log("chat-00001: 20/20 samples regenerated")
     assert log.bars is None  # everything finished: the live display is closed
     log("vocab: done")  # an ordinary line is printed as it is
     text = out.getvalue()
@@ -44,3 +44,15 @@ def test_a_line_with_brackets_is_printed_as_it_is_not_read_as_markup() -> None:
         "chat-00000: 2 requests failed: 401 Incorrect API key: Bearer [redacted api key]",
         "aux layers [2, 15, 27] [bold]",
     ]
+
+
+def test_a_progress_line_with_details_drives_a_bar_that_shows_them() -> None:
+    """Regeneration's lines carry tokens, rate and ETA after a semicolon (its rate has a slash): still a bar."""
+    out = io.StringIO()
+    log = ProgressLog(Console(file=out, force_terminal=True, width=160))
+    log("chat-00000: 12/40 samples regenerated; 1834 new tokens, 55.2 tokens/s, ETA 1m31s")
+    assert log.bars is not None and len(log.bars.tasks) == 1
+    log("chat-00000: 40/40 samples regenerated; 6012 new tokens, 56.0 tokens/s, ETA 0s")
+    assert log.bars is None
+    text = out.getvalue()
+    assert "chat-00000 (samples regenerated)" in text and "56.0 tokens/s, ETA 0s" in text

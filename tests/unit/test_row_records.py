@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from eagle3_core.data.ingest import MAX_KEPT_RAW, load_conversation_shard
-from eagle3_core.engines.openai_client import RegenerationJournal
 from eagle3_core.errors import RecordError
 from eagle3_core.evaluate.prompts import heldout_prompts
 from eagle3_core.store.atomic import write_jsonl
+from eagle3_core.store.journal import RegenerationJournal
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import (
     ConversationRow,
