@@ -14,6 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from eagle3_core.config import Eagle3Config, without_url_passwords
@@ -115,10 +117,16 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
         "errors": result.counts["errors"],
         "heldout_skipped": len(samples) - len(train),
         "replies": result.counts["replies"],
+        # kept, marked "length" in the rows' finish_reasons; extraction leaves their end-of-turn untrained
+        "replies_cut_at_max_new_tokens": result.counts["replies_cut_at_max_new_tokens"],
         "new_tokens": result.new_tokens,
         "tokens_per_second": round(fresh_tokens / max(seconds, 1e-9), 1),
         "seconds": round(seconds, 2),
-        **{k: v for k, v in sorted(result.counts.items()) if k not in {"errors", "replies"}},
+        **{
+            k: v
+            for k, v in sorted(result.counts.items())
+            if k not in {"errors", "replies", "replies_cut_at_max_new_tokens"}
+        },
         **source,
         "temperature": cfg.regenerate.temperature,
         "max_new_tokens": cfg.regenerate.max_new_tokens,
@@ -172,6 +180,7 @@ def _extraction_input(
     rows = read_rows(path, regeneration_row)
     regenerated = [r for r in rows if isinstance(r, RegeneratedRow)]
     counts["regeneration_errors"] = len(rows) - len(regenerated)
+    counts["cut_replies"] = 0  # counted as they are tokenised (untrained_endings)
     return regenerated
 
 
@@ -182,10 +191,14 @@ def _tokenize_all(
     dropped: dict[str, str],
 ) -> list[TokenizedSample]:
     out = []
+    end_of_turn = chat.tokenizer(chat.end_of_turn, add_special_tokens=False)["input_ids"]
     for row in rows:
         conv = Conversation(tuple((m.role, m.content) for m in row.messages))
         try:
             sample = replace(chat.tokenize(conv), sample_id=row.id)
+            if isinstance(row, RegeneratedRow) and row.cut_turns:
+                sample = untrained_endings(sample, row.cut_turns, end_of_turn)
+                counts["cut_replies"] += len(row.cut_turns)
         except TemplateError as err:
             dropped[row.id] = f"template: {err}"
             continue
@@ -198,6 +211,37 @@ def _tokenize_all(
             continue
         out.append(sample)
     return out
+
+
+def untrained_endings(sample: TokenizedSample, turns: list[int], end_of_turn: list[int]) -> TokenizedSample:
+    """`sample` with the closing end-of-turn of each assistant turn in `turns` (0-based among its assistant
+    turns) out of the loss: those replies were cut at max_new_tokens, so the target never ended them there,
+    and a drafter trained on that ending would learn to end replies where the target goes on.
+
+    Each assistant turn's loss span (content through its end-of-turn) is one run of 1s in the mask, the runs
+    in turn order, apart from each other by the user turns between them; a turn truncation cut off has no
+    end-of-turn left to take out.
+    """
+    mask = sample.loss_mask.copy()
+    ends = _run_ends(mask)
+    for turn in turns:
+        if turn >= len(ends):
+            continue  # truncation cut this turn off, with its end-of-turn
+        end = ends[turn]
+        if [int(t) for t in sample.input_ids[end - len(end_of_turn) : end]] == end_of_turn:
+            mask[end - len(end_of_turn) : end] = 0
+        elif not (sample.truncated and end == sample.length):
+            raise TemplateError(
+                f"{sample.sample_id[:12]}: assistant turn {turn} was cut at max_new_tokens, but its loss span "
+                f"does not end on the end-of-turn tokens {end_of_turn}"
+            )
+    return replace(sample, loss_mask=mask)
+
+
+def _run_ends(mask: npt.NDArray[np.uint8]) -> list[int]:
+    """Where each run of 1s in `mask` ends (the index after its last 1), in order."""
+    steps = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    return [int(i) for i in np.flatnonzero(steps == -1)]
 
 
 def length_batches(lengths: list[int], max_tokens: int, max_size: int) -> Iterator[list[int]]:

@@ -496,6 +496,7 @@ class ShardCounts(OptionalFields):
     truncated_loss_tokens: int = 0
     heldout_skipped: int = 0
     regeneration_errors: int = 0
+    cut_replies: int = 0  # regenerated replies cut at max_new_tokens: kept, their end-of-turn untrained
     dropped: int = 0
     samples: int
     tokens: int
@@ -675,8 +676,9 @@ class RejectRow(Record):
 
 
 class RegeneratedRow(Record):
-    """regenerated/<key>.jsonl: a training conversation with its assistant turns the target's own, and why
-    it stopped (`complete`, or the rule that ended it early)."""
+    """regenerated/<key>.jsonl: a training conversation with its assistant turns the target's own, why it
+    stopped (`complete`, or the rule that ended it early), and how each reply ended: `stop` on end-of-turn,
+    `length` cut at max_new_tokens (empty in rows written before eagle3 recorded it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -685,6 +687,27 @@ class RegeneratedRow(Record):
     turns_regenerated: int
     messages: list[Message]
     stop: str
+    finish_reasons: list[Literal["stop", "length"]] = []  # one per assistant turn, in order
+
+    @model_validator(mode="after")
+    def _a_reason_per_reply(self) -> RegeneratedRow:
+        if self.finish_reasons and len(self.finish_reasons) != self.turns_regenerated:
+            raise ValueError(
+                f"finish_reasons: {len(self.finish_reasons)} reasons for {self.turns_regenerated} replies"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _reasons_when_recorded(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if not self.finish_reasons:  # a row of an eagle3 that did not record them is written as it was
+            out.pop("finish_reasons", None)
+        return out
+
+    @property
+    def cut_turns(self) -> list[int]:
+        """The assistant turns (0-based, counting assistant turns only) cut at max_new_tokens."""
+        return [i for i, reason in enumerate(self.finish_reasons) if reason == "length"]
 
 
 class RegenerationError(Record):

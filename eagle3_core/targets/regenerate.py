@@ -9,7 +9,9 @@ the target really produces. Outputs do not depend on the batches: rows come back
 
 A conversation stops early, counted, when its prompt no longer fits `max_seq_len - max_new_tokens`, when the
 conversation with a reply would exceed `max_seq_len`, when the target replies with nothing, or after
-`max_turns`.
+`max_turns`. A reply cut at `max_new_tokens` is kept, marked "length" in the row's `finish_reasons` (a
+finished one "stop") and counted (`replies_cut_at_max_new_tokens`): extraction then leaves its end-of-turn
+untrained, since the target never ended it there (steps/data.py).
 
 Every finished conversation goes to the shard's journal (eagle3_core/store/journal.py, the one the server
 path keeps) as soon as it is done, so a run killed mid-shard keeps what it finished and the next run
@@ -54,6 +56,7 @@ class Dialogue:
     pending_users: list[str]
     turns_regenerated: int = 0
     stop: str = ""
+    finish_reasons: list[str] = field(default_factory=list)  # per kept reply: "stop", or "length" (cut)
     counts: Counter[str] = field(default_factory=Counter)  # what regenerating it counted
     new_tokens: int = 0
 
@@ -291,6 +294,7 @@ def append_reply(
         return
     d.done = turns
     d.turns_regenerated += 1
+    d.finish_reasons.append("length" if hit_limit else "stop")
     counts["replies"] += 1
     if hit_limit:
         counts["replies_cut_at_max_new_tokens"] += 1
@@ -316,6 +320,7 @@ def finish_row(d: Dialogue, counts: Counter[str]) -> RegenerationRow:
             "turns_regenerated": d.turns_regenerated,
             "messages": d.done,
             "stop": d.stop or "complete",
+            "finish_reasons": d.finish_reasons,
         }
     )
 

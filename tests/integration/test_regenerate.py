@@ -6,20 +6,21 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from eagle3_core.config import load_config
+from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
-from eagle3_core.steps.data import regenerate_step
+from eagle3_core.steps.data import extract_step, regenerate_step
 from eagle3_core.store.atomic import read_jsonl
 from eagle3_core.store.journal import journal_path
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import Regenerator, Reply
 from tests.conftest import write_config
-from tests.helpers import save_scripted_chat_target, save_tiny_chat_target
+from tests.helpers import SCRIPTED_REPLY, save_scripted_chat_target, save_tiny_chat_target
 from tests.kill import eagle3, run_killed_at_nth_call
 
 # tiny models, generating a few tokens: a second OpenMP thread only waits (tests/conftest.py one_torch_thread)
@@ -248,3 +249,54 @@ def test_a_regenerate_killed_after_some_batches_keeps_them_and_a_rerun_does_only
     assert first is not None and int(first[1]) > len(journaled)  # counted on from the journaled ones
     assert shard.read_bytes() == reference  # each sample once, in input order, as if never killed
     assert not journal_path(shard).exists()
+
+
+def _masked_ends(cfg: Eagle3Config, eot: int) -> tuple[int, int, int]:
+    """Over the extracted shard: the assistant turns (runs of loss), how many of them end on end-of-turn, and
+    how many are followed by an untrained end-of-turn."""
+    from eagle3_core.store.shards import ShardReader
+
+    runs = on_eot = before_eot = 0
+    with closing(ShardReader(StoreLayout(cfg.store_root).hidden_states(SCRIPTED_KEY))) as shard:
+        for i in range(len(shard)):
+            s = shard.sample(i)
+            ids, mask = s.input_ids.tolist(), s.loss_mask.tolist()
+            ends = [t for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+            runs += len(ends)
+            on_eot += sum(ids[t] == eot for t in ends)
+            before_eot += sum(t + 1 < len(ids) and ids[t + 1] == eot for t in ends)
+    return runs, on_eot, before_eot
+
+
+def test_a_reply_cut_at_max_new_tokens_is_marked_counted_and_not_trained_as_an_ending(
+    scripted: Path, tmp_path: Path
+) -> None:
+    """The scripted reply is 4 tokens and end-of-turn; at max_new_tokens 2 it is cut. The cut reply is kept
+    (its tokens are the target's), marked `length` in the row, counted at regeneration and extraction, and
+    its closing end-of-turn carries no loss: the target never ended a reply there."""
+    finished = load_config(_scripted_store(tmp_path / "finished", scripted))
+    cut = load_config(_scripted_store(tmp_path / "cut", scripted, "max_new_tokens: 2, batch_size: 3"))
+    target = TransformersTarget(scripted, cut.target)
+    eot = int(target.tokenizer.convert_tokens_to_ids("<|eot_id|>"))
+    for cfg in (finished, cut):
+        regenerate_step(cfg, SCRIPTED_KEY, target)
+    full, short = (regenerate_step(c, SCRIPTED_KEY, target).metadata for c in (finished, cut))
+    assert full["replies_cut_at_max_new_tokens"] == 0 and full["replies"] > 0
+    assert short["replies_cut_at_max_new_tokens"] == short["replies"] == full["replies"]  # counted, all kept
+    for cfg, reason in ((finished, "stop"), (cut, "length")):
+        rows = read_jsonl(StoreLayout(cfg.store_root).regenerated(SCRIPTED_KEY))
+        assert all(r["finish_reasons"] == [reason] * r["turns_regenerated"] for r in rows)
+    replies = [
+        m for r in read_jsonl(StoreLayout(cut.store_root).regenerated(SCRIPTED_KEY)) for m in r["messages"]
+    ]
+    [kept] = {m["content"] for m in replies if m["role"] == "assistant"}
+    assert SCRIPTED_REPLY.startswith(kept) and kept != SCRIPTED_REPLY  # the target's first tokens, kept
+
+    extracted = {
+        name: extract_step(cfg, SCRIPTED_KEY, target) for name, cfg in (("full", finished), ("cut", cut))
+    }
+    assert extracted["cut"].metadata["cut_replies"] == short["replies"]
+    assert extracted["full"].metadata["cut_replies"] == 0
+    assert _masked_ends(finished, eot) == (full["replies"], full["replies"], 0)  # trained through end-of-turn
+    # a cut reply is trained up to its last token and no further: its end-of-turn follows, untrained
+    assert _masked_ends(cut, eot) == (short["replies"], 0, short["replies"])

@@ -349,6 +349,7 @@ def test_each_turn_sees_the_conversation_so_far_as_in_process(fake: FakeServer, 
         "messages": first["messages"]
         + [{"role": "assistant", "content": "second\nreply to user 0 turn 1"}],  # normalised, as in process
         "stop": "complete",
+        "finish_reasons": ["stop", "length"],  # the second came back cut: marked, not closed as finished
     }
     assert result.counts == {"replies": 4, "replies_cut_at_max_new_tokens": 2}
     assert result.new_tokens == 2 * (

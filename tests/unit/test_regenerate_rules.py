@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from eagle3_core.data.tokenize import TemplateError, TokenizedSample
+from eagle3_core.steps.data import untrained_endings
 from eagle3_core.store.records import ConversationRow, RegeneratedRow, RegenerationError
-from eagle3_core.targets.regenerate import append_reply, conversation_length, dialogue_of, finish_row
+from eagle3_core.targets.regenerate import (
+    MAX_LENGTH_RATIO,
+    append_reply,
+    conversation_length,
+    dialogue_of,
+    finish_row,
+    prompt_batches,
+)
 from eagle3_core.toy.tokenizer import train_tokenizer
 
 CORPUS = ["hello there, how are you doing today?", "great thanks, and you? I went for a run."] * 20
@@ -37,6 +47,7 @@ def test_a_reply_that_fits_is_kept(tok: PreTrainedTokenizerFast) -> None:
     assert counts == Counter(replies=1, replies_cut_at_max_new_tokens=1)
     row = finish_row(d, counts)
     assert isinstance(row, RegeneratedRow) and row.stop == "complete"
+    assert row.finish_reasons == ["length"] and row.cut_turns == [0]  # cut at max_new_tokens: marked
 
 
 def test_a_reply_whose_conversation_exceeds_max_seq_len_stops_it_before_the_reply(
@@ -74,3 +85,32 @@ def test_no_room_for_the_first_reply_is_an_error_row(tok: PreTrainedTokenizerFas
     row = finish_row(d, counts)
     assert isinstance(row, RegenerationError) and row.error == "context_limit" and row.messages == []
     assert counts["errors"] == 1
+
+
+def test_prompts_are_batched_by_length_so_an_outlier_pads_no_short_prompt() -> None:
+    lengths = [100] * 15 + [1752]
+    assert prompt_batches(lengths, 16) == [list(range(15)), [15]]
+    lengths = [40, 7, 300, 12, 90, 33, 41, 8, 620, 85, 20, 19]
+    batches = prompt_batches(lengths, 3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # each prompt once
+    for b in batches:
+        assert len(b) <= 3 and max(lengths[i] for i in b) <= MAX_LENGTH_RATIO * min(lengths[i] for i in b)
+    assert [lengths[b[0]] for b in batches] == sorted(lengths[b[0]] for b in batches)  # shortest first
+    assert prompt_batches([5, 5, 5], 2) == [[0, 1], [2]]  # ties in input order
+
+
+def _sample_of(ids: list[int], mask: list[int], truncated: int = 0) -> TokenizedSample:
+    return TokenizedSample("s", np.asarray(ids, np.int32), np.asarray(mask, np.uint8), truncated)
+
+
+def test_a_cut_reply_keeps_its_tokens_and_loses_only_its_end_of_turn_from_the_loss() -> None:
+    eot = 9
+    # user, reply 0 (2 tokens + eot), user, reply 1 (1 token + eot): runs of loss are the replies
+    sample = _sample_of([1, 2, 5, 6, eot, 3, 4, 7, eot], [0, 0, 1, 1, 1, 0, 0, 1, 1])
+    assert untrained_endings(sample, [1], [eot]).loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 0]
+    assert untrained_endings(sample, [0, 1], [eot]).loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 1, 0]
+    # truncation took reply 1's end-of-turn (and all of a later turn): nothing left to take out
+    cut_short = _sample_of([1, 2, 5, 6, eot, 3, 4, 7], [0, 0, 1, 1, 1, 0, 0, 1], truncated=1)
+    assert untrained_endings(cut_short, [1, 2], [eot]).loss_mask.tolist() == cut_short.loss_mask.tolist()
+    with pytest.raises(TemplateError, match="assistant turn 0 was cut at max_new_tokens"):
+        untrained_endings(_sample_of([1, 5, 6, 3], [0, 1, 1, 0]), [0], [eot])

@@ -123,6 +123,14 @@ def test_regenerated_and_error_rows_write_the_dicts_bytes(
     assert read_rows(tmp_path / "new.jsonl", regeneration_row) == new
 
 
+def test_a_regenerated_row_says_how_each_reply_ended_one_reason_per_reply() -> None:
+    row = {**_old_finish_row(SOURCE, 2, ""), "finish_reasons": ["stop", "length"]}
+    read = regeneration_row(row)
+    assert isinstance(read, RegeneratedRow) and read.cut_turns == [1] and read.dump() == row
+    with pytest.raises(ValueError, match="finish_reasons: 1 reasons for 2 replies"):
+        regeneration_row({**row, "finish_reasons": ["stop"]})
+
+
 def test_the_journal_writes_the_dicts_bytes(tmp_path: Path) -> None:
     header = {"journal": 1, "fingerprint": "f" * 64}
     failed = {
