@@ -248,15 +248,32 @@ def latest_summary(layout: StoreLayout) -> RunSummary:
     return RunSummary.read(latest_final(layout) / SUMMARY)
 
 
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def export_dtype(cfg: Eagle3Config, target: Path) -> torch.dtype:
-    """The dtype the target is served in (engines/sglang_models.py `serving_dtype`), which the drafter is
-    exported in: an fp16 target gets an fp16 drafter."""
+    """The dtype the drafter is exported in: `target.dtype` when it is set; under auto, the target checkpoint's
+    own (float32 when its config.json declares none), so a float32 checkpoint gets a float32 drafter.
+
+    Under `--dtype auto` SGLang takes the drafter's dtype from the drafter's config by the rule it applies to
+    the target's (engines/sglang_models.py `serving_dtype`: float32 becomes float16), so the two are served in
+    one dtype, which `fc` needs (it meets the target's states without a cast). Where the rule differs by
+    architecture (a float32 Gemma is served in bfloat16, a float32 Llama-architecture drafter in float16),
+    the drafter is exported in the dtype the target is served in. vLLM serves a drafter in the target's.
+    """
     from eagle3_core.engines.sglang_models import serving_dtype
     from eagle3_core.targets.model_config import read_text_config
 
     # the fields as the file gives them (serving_dtype reads a config dict, as SGLang does)
-    name = serving_dtype(cfg.target.dtype, read_text_config(target).model_dump(exclude_unset=True))
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    fields = read_text_config(target).model_dump(exclude_unset=True)
+    target_served = serving_dtype(cfg.target.dtype, fields)
+    name = target_served
+    if cfg.target.dtype == "auto":
+        own = str(fields.get("dtype") or fields.get("torch_dtype") or "float32")
+        drafter_served = serving_dtype("auto", {"dtype": own, "model_type": "llama"})
+        if own in EXPORT_DTYPES and drafter_served == target_served:
+            name = own
+    return EXPORT_DTYPES[name]
 
 
 def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:

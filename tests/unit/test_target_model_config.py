@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from eagle3_core.config import DrafterVariant
+from eagle3_core.config import DrafterVariant, Eagle3Config
 from eagle3_core.draft.model import DrafterConfig
 from eagle3_core.errors import TargetError
+from eagle3_core.steps.drafter import export_dtype
 from eagle3_core.targets.model_config import read_text_config
 from eagle3_core.train.trainer import drafter_config_for
 
@@ -112,3 +114,24 @@ def test_a_torn_config_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "interm')
     with pytest.raises(TargetError, match=re.escape(f"{tmp_path / 'config.json'}: not valid JSON")):
         read_text_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("target_dtype", "fields", "exported"),
+    [
+        ("auto", {"torch_dtype": "float32"}, torch.float32),  # the checkpoint's own, not SGLang's float16
+        ("auto", {"torch_dtype": None}, torch.float32),  # undeclared: the weights' float32
+        ("auto", {"torch_dtype": "bfloat16"}, torch.bfloat16),
+        ("auto", {"dtype": "float16"}, torch.float16),
+        # SGLang serves a float32 Gemma in bfloat16 but would serve a float32 drafter in float16: bfloat16
+        ("auto", {"torch_dtype": "float32", "model_type": "gemma2"}, torch.bfloat16),
+        ("float16", {"torch_dtype": "float32"}, torch.float16),  # target.dtype set: that one
+        ("bfloat16", {"torch_dtype": "float32"}, torch.bfloat16),
+    ],
+)
+def test_the_export_dtype_follows_the_checkpoint_unless_target_dtype_is_set(
+    tmp_path: Path, target_dtype: str, fields: dict[str, Any], exported: torch.dtype
+) -> None:
+    config = {k: v for k, v in {**LLAMA, **fields}.items() if v is not None}
+    cfg = Eagle3Config.model_validate({"target": {"dtype": target_dtype}})
+    assert export_dtype(cfg, _target(tmp_path, config)) == exported
