@@ -376,7 +376,13 @@ def print_other_reports(written: Path, gate_k: int) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eagle3_core.steps.evaluation import eval_drafter_dir_step, eval_step, promote_step, report_file
+    from eagle3_core.steps.evaluation import (
+        eval_drafter_dir_step,
+        eval_prompt_file_step,
+        eval_step,
+        promote_step,
+        report_file,
+    )
 
     cfg = _config(args)
     prompts = Path(args.prompts) if args.prompts else None
@@ -392,10 +398,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         console.print(f"report: {escape(str(written))}", soft_wrap=True)
         print_other_reports(written, cfg.evaluate.gate_k)
         return 0
-    if prompts is not None:
-        raise ConfigError(
-            "--prompts goes with --drafter; for the pipeline's drafter set evaluate.prompt_files"
-        )
+    if prompts is not None:  # the pipeline's newest export, on this file alone
+        if args.promote:
+            raise ConfigError(
+                "--promote gates on the held-out prompts and evaluate.prompt_files; a --prompts file is "
+                "only measured"
+            )
+        result = eval_prompt_file_step(cfg, prompts, progress_log)
+        report = result.record_as(DrafterDirReport)
+        print_evaluation(report, sorted(set(cfg.evaluate.ks)))
+        written = report_file(result.path, report.format, prompts)
+        console.print(f"report: {escape(str(written))}", soft_wrap=True)
+        return 0
     result = eval_step(cfg, progress_log)
     print_evaluation(result.record_as(EvalReport), sorted(set(cfg.evaluate.ks)))
     if args.promote:
@@ -472,7 +486,8 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prompts",
-        help="With --drafter: measure on this prompt file (JSONL) only; each file's report is kept apart.",
+        help="Measure on this prompt file (JSONL) only (the newest export, or --drafter's directory); each "
+        "file's report is kept apart.",
     )
     p = add(
         "bench-sglang",

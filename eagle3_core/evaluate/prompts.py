@@ -53,13 +53,21 @@ def _user_prefixes(conv: Conversation, limit: int | None) -> Iterator[Messages]:
         yield messages[: end + 1]
 
 
-def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> PromptSet:
-    """The held-out conversations of every conversation shard, in shard and row order, up to `limit` prompts."""
+def heldout_prompts(
+    store_root: Path, *, per_conversation: int, limit: int, holdout_fraction: float | None = None
+) -> PromptSet:
+    """The held-out conversations of every conversation shard, in shard and row order, up to `limit` prompts.
+
+    None held out is an Eagle3Error that says how many conversations there are and, given the configured
+    `holdout_fraction`, at which fraction none of them was held out (a small store can hold out none at 0.02).
+    """
     layout = StoreLayout(store_root)
     shards = sorted(layout.root.glob("conversations/*.jsonl"))
     prompts: list[EvalPrompt] = []
+    conversations = 0
     for shard in (s for s in shards if not s.name.endswith(".rejects.jsonl")):
         for sample in read_rows(shard, ConversationRow.model_validate):
+            conversations += 1
             if sample.split != "heldout":
                 continue
             conv = build_conversation([(m.role, m.content) for m in sample.messages], require_assistant=False)
@@ -68,11 +76,21 @@ def heldout_prompts(store_root: Path, *, per_conversation: int, limit: int) -> P
                 if len(prompts) == limit:
                     return PromptSet("heldout", prompts)
     if not prompts:
-        raise Eagle3Error(
-            f"{layout.root}: no held-out conversations (data.holdout_fraction is 0, or ingest has not run); "
-            "evaluate on a prompt file instead (evaluate.prompt_files)"
-        )
+        raise Eagle3Error(_no_heldout_message(layout.root, conversations, holdout_fraction))
     return PromptSet("heldout", prompts)
+
+
+def _no_heldout_message(root: Path, conversations: int, holdout_fraction: float | None) -> str:
+    if conversations == 0:
+        return (
+            f"{root}: no conversations to hold out prompts from (run `eagle3 ingest`), or pass --prompts FILE"
+        )
+    at = f" at data.holdout_fraction {holdout_fraction:g}" if holdout_fraction is not None else ""
+    return (
+        f"{root}: 0 of {conversations} conversations are held out{at} (the split is fixed by sample id at "
+        "ingest; a larger fraction holds out more of a store ingested anew); evaluate on a prompt file: "
+        "`eagle3 eval --prompts FILE`, or evaluate.prompt_files"
+    )
 
 
 def _turns(record: Any) -> list[tuple[object, object]]:

@@ -114,17 +114,21 @@ def load_exported(export_dir: Path, fmt: str, target: Target) -> tuple[Any, torc
 
 def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
     """The held-out set, then each prompt file. The first set is the one the gate compares and the page leads
-    with; without held-out conversations (data.holdout_fraction 0) that is the first prompt file."""
+    with; without held-out conversations (data.holdout_fraction 0, or a store too small to hold any out at
+    it) that is the first prompt file."""
     ev = cfg.evaluate
     system = cfg.data.system_prompt
     files = [
         file_prompts(cfg.resolve(f), limit=ev.max_prompts, system_prompt=system) for f in ev.prompt_files
     ]
     try:
-        sets = [
-            heldout_prompts(cfg.store_root, per_conversation=ev.per_conversation, limit=ev.max_prompts),
-            *files,
-        ]
+        heldout = heldout_prompts(
+            cfg.store_root,
+            per_conversation=ev.per_conversation,
+            limit=ev.max_prompts,
+            holdout_fraction=cfg.data.holdout_fraction,
+        )
+        sets = [heldout, *files]
     except Eagle3Error:
         if not files:
             raise
@@ -273,23 +277,30 @@ def _current_on_same_prompts(
     return Incumbent(current.run, _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
 
 
+def newest_export(layout: StoreLayout) -> tuple[Path, RunSummary, Path]:
+    """The newest run's final checkpoint, summary and export (both formats, as the gate measures only what
+    can be promoted); Eagle3Error when it is not exported yet."""
+    final = latest_final(layout)
+    summary = RunSummary.read(final / SUMMARY)
+    export_root = layout.exports / summary.run
+    if not export_root.exists():
+        raise Eagle3Error(
+            f"{export_root}: run {summary.run} is not exported yet (materialize drafter_export, or `eagle3 export`)"
+        )
+    check_complete_export(export_root)
+    return final, summary, export_root
+
+
 def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     """Measure the newest export on the held-out prompts and prompt files; write report-<format>.json and PNGs."""
     ev = cfg.evaluate
     layout = StoreLayout(cfg.store_root)
-    final = latest_final(layout)
-    summary = RunSummary.read(final / SUMMARY)
+    final, summary, export_root = newest_export(layout)
     run = summary.run
-    export_root = layout.exports / run
-    if not export_root.exists():
-        raise Eagle3Error(
-            f"{export_root}: run {run} is not exported yet (materialize drafter_export, or `eagle3 export`)"
-        )
-    check_complete_export(export_root)  # the gate measures only what can be promoted: both formats
+    sets = _prompt_sets(cfg)  # before the target is loaded: no prompt to measure on is said at once
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
-    sets = _prompt_sets(cfg)
     fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, ks, log)
     encoded = {name: [ids for _, ids in kept] for name, kept in fitting.items()}  # the incumbent's too
     primary = sets[0].name
@@ -325,6 +336,36 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}"
     )
     return StepResult("drafter_eval", out, _metadata(report, gate.passed, ev.gate_k), record=report)
+
+
+def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quiet) -> StepResult:
+    """Measure the newest export (the one `eval_step` measures, in `evaluate.export_format`) on one prompt
+    file, into a report of that file's own beside its evaluation (`report_file`); no gate: a prompt file
+    chosen at the command line does not promote."""
+    ev = cfg.evaluate
+    layout = StoreLayout(cfg.store_root)
+    _, summary, export_root = newest_export(layout)
+    sets = [file_prompts(prompts_file, limit=ev.max_prompts, system_prompt=cfg.data.system_prompt)]
+    target = load_target(cfg, log)
+    drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
+    ks = tuple(sorted(set(ev.ks)))
+    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, ks, log)
+    out = layout.export_eval(summary.run)
+    report = DrafterDirReport(
+        run=summary.run,
+        drafter_dir=str((export_root / ev.export_format).resolve()),
+        format=ev.export_format,
+        variant=drafter.cfg.model_dump(include=set(DrafterVariant.model_fields)),
+        aux_layer_ids=list(target.aux_layer_ids),
+        device=str(target.device),
+        dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        settings=_settings(cfg, ks),
+        tau={str(k): summary.tau(k) for k in ks},
+        primary=sets[0].name,
+        sets=set_reports(sets, fitting, measured),
+    )
+    report.write(report_file(out, ev.export_format, prompts_file))
+    return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
 
 
 def _settings(cfg: Eagle3Config, ks: tuple[int, ...]) -> dict[str, Any]:

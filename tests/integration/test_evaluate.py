@@ -2,6 +2,7 @@
 acceptance, the pictures, and the promotion gate through Dagster (worse refused, better promoted)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from eagle3_core.config import Eagle3Config, load_config
-from eagle3_core.data.ingest import ingest
+from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.evaluate.measure import DecodeSettings, measure
 from eagle3_core.evaluate.prompts import encode, heldout_prompts
 from eagle3_core.steps.common import StepResult
@@ -129,7 +130,8 @@ def test_each_export_format_is_measured_into_its_own_report(project: Path, evalu
 
 def _eagle3(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "eagle3_cli.steps", "--config", str(project / "eagle3.yaml"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in this process (one_torch_thread)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_eval_drafter_measures_a_directory_from_elsewhere_on_a_prompt_file(
@@ -264,3 +266,60 @@ def test_the_gate_promotes_a_better_drafter_and_refuses_a_worse_one(
     materialized = {e.asset_key.path[-1] for e in third.get_asset_materialization_events()}
     assert materialized == {"drafter_eval"}  # drafter_current did not run
     assert read_current(layout).run == good  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def small_project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
+    """A few dozen conversations at the default data.holdout_fraction 0.02, which holds none of them out (by
+    sample id), and a drafter trained on them a few steps and exported."""
+    project = tmp_path_factory.mktemp("small") / "project"
+    project.mkdir()
+    (project / "eagle3.yaml").write_text(
+        "store: store\ndata: {dataset: t, shard_size: 100, sources: [{kind: chitchat, limit: 40}]}\n"
+        f"target: {{path: {toy_target_dir}}}\nregenerate: {{enabled: false}}\ntokenize: {{max_seq_len: 512}}\n"
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 3, log_every: 1, "
+        "eval_every: 100, checkpoint_every: 100, val_fraction: 0.1}\n" + EVALUATE
+    )
+    cfg = load_config(project / "eagle3.yaml")
+    assert cfg.data.holdout_fraction == 0.02  # the default
+    target = TransformersTarget(toy_target_dir, cfg.target)
+    for key in ingest(cfg).all_shards:
+        extract_step(cfg, key, target)
+    target.close()
+    vocab_step(cfg)
+    drafter_checkpoint_step(cfg, log=lambda _: None)
+    export_step(cfg)
+    return project
+
+
+def test_eval_says_how_many_conversations_are_held_out_and_measures_a_prompt_file_without_drafter(
+    small_project: Path,
+) -> None:
+    """`eagle3 eval` on a store that held none of its 40 conversations out says so at the fraction it used (not
+    that the fraction is 0); `eagle3 eval --prompts FILE` then measures the run's newest export on that file."""
+    cfg = load_config(small_project / "eagle3.yaml")
+    [(samples, _)] = [load_conversation_shard(cfg.store_root, key) for key in ingest(cfg).all_shards]
+    assert len(samples) > 20 and all(s.split == "train" for s in samples)
+    refused = _eagle3(small_project, "eval")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    said = f"0 of {len(samples)} conversations are held out at data.holdout_fraction 0.02"
+    assert said in " ".join(refused.stdout.split())  # one line, whatever the console's width
+    assert "eagle3 eval --prompts FILE" in refused.stdout
+
+    prompts = FIXTURES / "prompts.jsonl"
+    done = _eagle3(small_project, "eval", "--prompts", str(prompts))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "K=3: AL" in done.stdout
+    layout = StoreLayout(cfg.store_root)
+    [run] = [p.name for p in layout.exports.iterdir()]
+    report = json.loads(report_file(layout.export_eval(run), "sglang", prompts).read_text())
+    assert (
+        report["run"] == run
+        and list(report["sets"]) == ["prompts"]
+        and report["sets"]["prompts"]["prompts"] == 4
+    )
+    assert report["sets"]["prompts"]["by_k"]["3"]["greedy_mismatches"] == 0  # the export, decoding losslessly
+    assert not report_file(layout.export_eval(run), "sglang").exists()  # the gate's report: not this one
+
+    promote = _eagle3(small_project, "eval", "--prompts", str(prompts), "--promote")
+    assert promote.returncode == 2 and "a --prompts file is only measured" in promote.stdout

@@ -210,7 +210,7 @@ def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Pa
     )
     assert [s.name for s in _prompt_sets(cfg)] == ["prompts"]
     bare = config_from_dict({"store": "store"}, tmp_path)
-    with pytest.raises(Eagle3Error, match="no held-out conversations"):
+    with pytest.raises(Eagle3Error, match="no conversations to hold out prompts from"):
         _prompt_sets(bare)
 
 
