@@ -162,8 +162,9 @@ def captured_layer_ids(
 def serving_dtype(target_dtype: str, config: dict[str, object]) -> str:
     """The dtype SGLang serves a target in, from `target.dtype` and the target's config.json: the dtype
     given, or `--dtype auto`'s (srt/configs/model_config.py): the checkpoint's own dtype, float16 for a float32
-    (or undeclared) checkpoint, bfloat16 for a float32 Gemma. An export is written in it: under auto SGLang
-    takes the drafter's dtype from the drafter's config and runs fc on the target's states without a cast."""
+    (or undeclared) checkpoint, bfloat16 for a float32 Gemma. Under auto SGLang resolves the drafter's dtype
+    from the drafter's config by the same rule and runs fc on the target's states without a cast, so the export
+    is written in a dtype both resolve to the same (steps/drafter.py `export_dtype`)."""
     if target_dtype != "auto":
         return target_dtype
     declared = config.get("dtype") or config.get("torch_dtype")

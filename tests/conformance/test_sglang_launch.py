@@ -94,7 +94,7 @@ def test_the_preflight_reads_sglangs_resolved_server_info_as_intended(
     assert "does not run eagle3's capture hooks" in problems[4][0]
 
 
-def test_the_export_dtype_is_the_dtype_sglangs_own_resolution_serves_the_target_in(
+def test_the_serving_dtype_is_the_dtype_sglangs_own_resolution_serves_a_checkpoint_in(
     sglang_probe: Probe,
 ) -> None:
     cases = [

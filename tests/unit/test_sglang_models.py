@@ -123,7 +123,7 @@ def test_an_export_for_deepseek_refuses_a_first_aux_layer_of_1_and_unsorted_ids(
         ("float16", {"torch_dtype": "bfloat16"}, "float16"),  # target.dtype given: that one
     ],
 )
-def test_the_export_dtype_is_the_one_sglang_serves_the_target_in(
+def test_the_serving_dtype_is_the_one_sglang_serves_the_target_in(
     target_dtype: str, config: dict[str, object], served: str
 ) -> None:
     assert serving_dtype(target_dtype, config) == served
