@@ -33,6 +33,15 @@ def eagle3(*argv: str) -> None:
     sys.exit(main(list(argv)))
 
 
+def eagle3_on_one_thread(*argv: str) -> None:
+    """`eagle3` on one intra-op thread, for a tiny target whose ops a second thread only slows down (as
+    tests/conftest.py `one_torch_thread` does in the test's own process)."""
+    import torch
+
+    torch.set_num_threads(1)
+    eagle3(*argv)
+
+
 def export_latest(config: Path) -> None:
     """`eagle3 export`: the newest trained drafter in both formats."""
     export_step(load_config(config))

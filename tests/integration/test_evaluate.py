@@ -293,18 +293,22 @@ def small_project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path
 
 
 def test_eval_says_how_many_conversations_are_held_out_and_measures_a_prompt_file_without_drafter(
-    small_project: Path,
+    small_project: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`eagle3 eval` on a store that held none of its 40 conversations out says so at the fraction it used (not
-    that the fraction is 0); `eagle3 eval --prompts FILE` then measures the run's newest export on that file."""
+    """`eagle3 eval` on a store that held none of its conversations out says so at the fraction it used (not
+    that the fraction is 0); `eagle3 eval --prompts FILE` then measures the run's newest export on that file
+    (the real command in a process of its own; the refusals through its main, in this process)."""
+    from eagle3_cli.steps import main
+
     cfg = load_config(small_project / "eagle3.yaml")
     [(samples, _)] = [load_conversation_shard(cfg.store_root, key) for key in ingest(cfg).all_shards]
     assert len(samples) > 20 and all(s.split == "train" for s in samples)
-    refused = _eagle3(small_project, "eval")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    said = f"0 of {len(samples)} conversations are held out at data.holdout_fraction 0.02"
-    assert said in " ".join(refused.stdout.split())  # one line, whatever the console's width
-    assert "eagle3 eval --prompts FILE" in refused.stdout
+    capsys.readouterr()
+    assert main(["--config", str(small_project / "eagle3.yaml"), "eval"]) == 2
+    refused = " ".join(capsys.readouterr().out.split())  # one line, whatever the console's width
+    assert refused.startswith("error: ") and refused.count("error: ") == 1
+    assert f"0 of {len(samples)} conversations are held out at data.holdout_fraction 0.02" in refused
+    assert "eagle3 eval --prompts FILE" in refused
 
     prompts = FIXTURES / "prompts.jsonl"
     done = _eagle3(small_project, "eval", "--prompts", str(prompts))
@@ -313,13 +317,13 @@ def test_eval_says_how_many_conversations_are_held_out_and_measures_a_prompt_fil
     layout = StoreLayout(cfg.store_root)
     [run] = [p.name for p in layout.exports.iterdir()]
     report = json.loads(report_file(layout.export_eval(run), "sglang", prompts).read_text())
-    assert (
-        report["run"] == run
-        and list(report["sets"]) == ["prompts"]
-        and report["sets"]["prompts"]["prompts"] == 4
-    )
+    assert report["run"] == run and list(report["sets"]) == ["prompts"]
+    assert report["sets"]["prompts"]["prompts"] == 4  # the file's usable rows
     assert report["sets"]["prompts"]["by_k"]["3"]["greedy_mismatches"] == 0  # the export, decoding losslessly
     assert not report_file(layout.export_eval(run), "sglang").exists()  # the gate's report: not this one
 
-    promote = _eagle3(small_project, "eval", "--prompts", str(prompts), "--promote")
-    assert promote.returncode == 2 and "a --prompts file is only measured" in promote.stdout
+    assert (
+        main(["--config", str(small_project / "eagle3.yaml"), "eval", "--prompts", str(prompts), "--promote"])
+        == 2
+    )
+    assert "a --prompts file is only measured" in capsys.readouterr().out

@@ -1,11 +1,8 @@
 """In-process regeneration on a real (tiny, random) transformers target."""
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from contextlib import closing
 from pathlib import Path
 
@@ -21,7 +18,7 @@ from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import Regenerator, Reply
 from tests.conftest import write_config
 from tests.helpers import SCRIPTED_REPLY, save_scripted_chat_target, save_tiny_chat_target
-from tests.kill import eagle3, run_killed_at_nth_call
+from tests.kill import eagle3_on_one_thread, run_killed_at_nth_call
 
 # tiny models, generating a few tokens: a second OpenMP thread only waits (tests/conftest.py one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -211,7 +208,7 @@ def test_regeneration_batches_prompts_of_one_length_and_gives_what_unbatched_gen
 
 
 def test_a_regenerate_killed_after_some_batches_keeps_them_and_a_rerun_does_only_the_rest(
-    scripted: Path, tmp_path: Path
+    scripted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`eagle3 regenerate` SIGKILLed in place of its third batch: the samples the first two finished are in
     the shard's journal; the next `eagle3 regenerate` takes them from it, generates only the others, and
@@ -225,7 +222,7 @@ def test_a_regenerate_killed_after_some_batches_keeps_them_and_a_rerun_does_only
     code = run_killed_at_nth_call(
         "eagle3_core.targets.regenerate:Regenerator.generate_batch",
         3,
-        eagle3,
+        eagle3_on_one_thread,
         "--config",
         str(config),
         "regenerate",
@@ -236,16 +233,12 @@ def test_a_regenerate_killed_after_some_batches_keeps_them_and_a_rerun_does_only
     total = len(_scripted_rows())
     assert 0 < len(journaled) < total and len(set(journaled)) == len(journaled)
 
-    rerun = subprocess.run(
-        [sys.executable, "-m", "eagle3_cli.main", "--config", str(config), "regenerate"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"resumed_samples={len(journaled)}" in rerun.stdout
-    first = PROGRESS.match(next(line for line in rerun.stdout.splitlines() if "samples regenerated" in line))
+    from eagle3_cli.main import main  # the rerun: `eagle3 regenerate` again, in this process
+
+    assert main(["--config", str(config), "regenerate"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed_samples={len(journaled)}" in out
+    first = PROGRESS.match(next(line for line in out.splitlines() if "samples regenerated" in line))
     assert first is not None and int(first[1]) > len(journaled)  # counted on from the journaled ones
     assert shard.read_bytes() == reference  # each sample once, in input order, as if never killed
     assert not journal_path(shard).exists()
