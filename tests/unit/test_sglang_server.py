@@ -212,9 +212,10 @@ def test_the_target_comes_from_the_export_else_the_verifier_else_the_config(tmp_
     assert serve_commands(cfg, a)["target"] == "org/verifier"
     (a / "speculators" / "config.json").write_text("{}")
     assert serve_commands(cfg, a)["target"] == str(tmp_path / "models" / "t")
-    toy = make_config(tmp_path)  # the toy target has no path to print
-    with pytest.raises(Eagle3Error, match="does not say which target"):
-        serve_commands(toy, a)
+    # the targets eagle3 builds into its cache (the toy, smollm2, a *.gguf file's) have no path to print
+    for built in ({}, {"target": {"path": "smollm2"}}, {"target": {"path": "models/m.gguf"}}):
+        with pytest.raises(Eagle3Error, match="does not say which target"):
+            serve_commands(make_config(tmp_path, **built), a)
 
 
 @pytest.mark.parametrize(
