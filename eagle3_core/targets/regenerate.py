@@ -44,7 +44,7 @@ from eagle3_core.store.records import (
     RegenerationRow,
 )
 
-MAX_LENGTH_RATIO = 2  # a batch's longest prompt is at most this many times as long as its shortest
+MAX_LENGTH_RATIO = 2  # on a CPU, a batch's longest prompt is at most this many times as long as its shortest
 
 
 @dataclass
@@ -131,14 +131,20 @@ def request_seed(seed: int, sample_id: str, turn: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-def prompt_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def prompt_batches(
+    lengths: Sequence[int], batch_size: int, max_ratio: float | None = MAX_LENGTH_RATIO
+) -> list[list[int]]:
     """Indices of prompts by length (ties in input order), in batches of at most `batch_size` whose longest
-    prompt is at most MAX_LENGTH_RATIO times the shortest: a batch is left-padded to its longest prompt, so
-    a long outlier is batched with prompts of its own length, never with short ones padded to it."""
+    prompt is at most `max_ratio` times the shortest: a batch is left-padded to its longest prompt, so on a
+    CPU, where every padded position is computed, a long outlier is batched with prompts of its own length,
+    never with short ones padded to it. None: no ratio (a GPU, where a batch costs its decode steps, each
+    launch-bound whatever the padding, so fewer, fuller batches are faster: on an H200 with SmolLM2, batches
+    cut at a ratio of 2 ran at 425-490 new tokens/s against 2,200 for a full batch of 256)."""
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         batch = batches[-1] if batches else []
-        if not batch or len(batch) == batch_size or lengths[i] > MAX_LENGTH_RATIO * lengths[batch[0]]:
+        too_long = max_ratio is not None and lengths[i] > max_ratio * lengths[batch[0]] if batch else False
+        if not batch or len(batch) == batch_size or too_long:
             batches.append([i])
         else:
             batch.append(i)
@@ -156,6 +162,8 @@ class Regenerator:
         self.max_prompt_tokens = max_seq_len - cfg.max_new_tokens
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        self.max_ratio: float | None = None if on_gpu else MAX_LENGTH_RATIO
 
     def regenerate(
         self,
@@ -209,7 +217,10 @@ class Regenerator:
     def _groups(self, dialogues: list[Dialogue]) -> list[list[Dialogue]]:
         """The dialogues in groups of about one first-prompt length, regenerated one group after another."""
         lengths = [len(self._prompt_ids(d)) if d.pending_users else 0 for d in dialogues]
-        return [[dialogues[i] for i in batch] for batch in prompt_batches(lengths, self.cfg.batch_size)]
+        return [
+            [dialogues[i] for i in batch]
+            for batch in prompt_batches(lengths, self.cfg.batch_size, self.max_ratio)
+        ]
 
     def _regenerate_group(
         self, group: list[Dialogue], batch_done: Callable[[list[Dialogue], int], None]
@@ -223,7 +234,7 @@ class Regenerator:
                     d.stop = "context_limit"
                 else:
                     fits.append((d, prompt))
-            for batch in prompt_batches([len(p) for _, p in fits], self.cfg.batch_size):
+            for batch in prompt_batches([len(p) for _, p in fits], self.cfg.batch_size, self.max_ratio):
                 chosen = [fits[i] for i in batch]
                 replies = self.generate_batch([p for _, p in chosen])
                 for (d, _), reply in zip(chosen, replies, strict=True):

@@ -99,6 +99,12 @@ def test_prompts_are_batched_by_length_so_an_outlier_pads_no_short_prompt() -> N
     assert prompt_batches([5, 5, 5], 2) == [[0, 1], [2]]  # ties in input order
 
 
+def test_on_a_gpu_prompts_fill_whole_batches_whatever_their_lengths() -> None:
+    # a GPU batch costs its decode steps, not its padding: no length ratio splits it
+    lengths = [100] * 15 + [1752, 90]
+    assert prompt_batches(lengths, 16, max_ratio=None) == [[16, *range(15)], [15]]
+
+
 def _sample_of(ids: list[int], mask: list[int], truncated: int = 0) -> TokenizedSample:
     return TokenizedSample("s", np.asarray(ids, np.int32), np.asarray(mask, np.uint8), truncated)
 
