@@ -1,0 +1,55 @@
+"""bench/real_model.py end to end at a tiny size on the toy target: the data stage through the `eagle3`
+commands, eagle3's trainer, its drafter decoded by two worker processes, and the report (speculators' trainer
+on the same shards is tests/integration/test_vs_speculators_bench.py's; the pairing of seeds and their spread,
+tests/unit/test_real_model_report.py's). The assertions hold whatever the toy says (its replies differ by CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.real_model import main
+from tests.conftest import CACHE
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
+    results = tmp_path / "report.json"
+    argv = [
+        "--stage", "all", "--workdir", str(tmp_path / "work"), "--cache", str(CACHE), "--target", "toy",
+        "--chitchat-rows", "80", "--holdout-fraction", "0.1", "--shard-size", "40", "--regen-batch", "8",
+        "--regen-max-new-tokens", "8", "--max-len", "256", "--seeds", "0",
+        "--eagle3-set", "epochs=1", "--eagle3-set", "ttt_steps=1", "--eagle3-set", "draft_vocab_size=512",
+        "--skip-speculators", "--prompt-file", str(prompts), "--prompts-per-source", "3",
+        "--per-conversation", "1", "--ks", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "8",
+        "--eval-workers", "2", "--results", str(results),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(results.read_text())
+    data = report["data"]
+    assert set(data["seconds"]) == {"ingest", "regenerate", "extract", "stats"}
+    assert data["samples"]["samples"] > 0 and data["samples"]["tokens"] > 0
+    runs = report["train"]["runs"]
+    assert set(runs) == {"eagle3-0"}
+    assert all(r["process_wall_s"] > 0 for r in runs.values())
+    assert report["eval"]["prompt_sets"]["questions"]["prompts"] == 3
+    for key in ("0.0|heldout", "0.0|questions", "0.7|heldout", "0.7|questions"):
+        for k in ("1", "2"):
+            row = report["al"][key][k]
+            for name in runs:
+                assert row[name]["al"] == pytest.approx(1 + sum(row[name]["per_position"]), abs=1e-3)
+                assert 1 <= row[name]["al"] <= int(k) + 1
+                if key.startswith("0.0"):
+                    assert row[name]["greedy_mismatches"] == 0  # float32 greedy verification is lossless
+        lengths = report["target_reply_tokens"][key]
+        assert 1 <= lengths["min"] <= lengths["median"] <= lengths["max"] <= 8
+
+    # a second call finds every stage done and redoes nothing but the evaluation
+    before = json.loads((tmp_path / "work" / "train" / "state.json").read_text())
+    assert main([*argv[:1], "eval", *argv[2:]]) == 0
+    assert json.loads((tmp_path / "work" / "train" / "state.json").read_text()) == before
