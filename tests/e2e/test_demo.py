@@ -46,5 +46,8 @@ def test_the_demo_runs_every_stage_and_reports_al_with_its_interval(
         assert low <= al <= high
         assert re.search(rf"K={k}: .*speedup \d+\.\d+x \(median over prompts\)", out)
     assert "promoted (gate: passed)" in out
+    # the figures say whose they are, and where a real model's are and how to reproduce them
+    assert "The figures below are the toy target's" in out
+    assert "These are the toy target's figures" in out and "eagle3 demo --target smollm2" in out
     assert f"{EAGLE3} --config {workdir / 'eagle3.yaml'} ui" in out
     assert (workdir / "store" / "drafter" / "current" / "sglang" / "config.json").is_file()

@@ -211,22 +211,25 @@ def ids_of(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def expected_mask(tokenizer: Any, messages: list[dict[str, str]], text: str) -> list[int]:
+def expected_mask(
+    tokenizer: Any, messages: list[dict[str, str]], text: str, ended: list[bool] | None = None
+) -> list[int]:
     """The trained positions found in the rendered text, independently of eagle3: each assistant turn's content
-    is located after its `<|im_start|>assistant\\n` header, and its tokens with the `<|im_end|>` after it are
-    the ones trained, at the positions the text before them tokenises to."""
+    is located after its `<|im_start|>assistant\\n` header, and its tokens, with the `<|im_end|>` after them
+    where the target ended the turn (`ended`, one per assistant turn; all of them by default), are the ones
+    trained, at the positions the text before them tokenises to."""
     full = ids_of(tokenizer, text)
     mask = [0] * len(full)
     cursor = 0
-    for message in messages:
-        if message["role"] != "assistant":
-            continue
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    for content, closed in zip(replies, ended or [True] * len(replies), strict=True):
         header = "<|im_start|>assistant\n"
-        start = text.index(header + message["content"] + "<|im_end|>", cursor) + len(header)
+        start = text.index(header + content + "<|im_end|>", cursor) + len(header)
         before = len(ids_of(tokenizer, text[:start]))
-        trained = [*ids_of(tokenizer, message["content"]), tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        assert full[before : before + len(trained)] == trained  # the turn tokenises on its own boundaries
-        mask[before : before + len(trained)] = [1] * len(trained)
+        tokens = [*ids_of(tokenizer, content), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        assert full[before : before + len(tokens)] == tokens  # the turn tokenises on its own boundaries
+        trained = len(tokens) if closed else len(tokens) - 1  # a reply cut at max_new_tokens: not its end
+        mask[before : before + trained] = [1] * trained
         cursor = start
     return mask
 
@@ -352,7 +355,10 @@ def test_every_step_ran_on_the_real_model_and_the_shards_hold_its_states(
                 ids = ids_of(tokenizer, text)
                 length = len(ids)
                 assert sample.input_ids.tolist() == ids  # the token count is the tokenised render's
-                assert sample.loss_mask.tolist() == expected_mask(tokenizer, messages, text)
+                reasons = regenerated[sample.sample_id].finish_reasons  # the target ended it, or it was cut
+                assert len(reasons) == sum(m["role"] == "assistant" for m in messages)
+                ended = [reason == "stop" for reason in reasons]
+                assert sample.loss_mask.tolist() == expected_mask(tokenizer, messages, text, ended)
                 assert sample.aux_hidden_states.shape == (length, 3 * HIDDEN)
                 assert sample.last_hidden_states.shape == (length, HIDDEN)
                 assert sample.aux_hidden_states.dtype == torch.float32
