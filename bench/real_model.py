@@ -96,6 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eagle3-set", action="append", default=[], metavar="KEY=VALUE",
         help="a TrainConfig field for eagle3's runs (YAML value; dotted for nested fields); repeatable",
     )  # fmt: skip
+    p.add_argument(
+        "--recipe", default="",
+        help="a name for these eagle3 runs (with --eagle3-set): runs of several recipes accumulate, each is "
+        "evaluated and paired with speculators' run of the same seed",
+    )  # fmt: skip
     p.add_argument("--speculators-epochs", type=int, default=SPECULATORS_EPOCHS, help="its default: 20")
     p.add_argument(
         "--speculators-total-seq-len", type=int, default=8192,
@@ -106,7 +111,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prompt-file", action="append", default=[], type=Path,
         help=f"a prompt source beside the held-out chitchat (default {DEFAULT_PROMPTS.relative_to(REPO)})",
     )  # fmt: skip
-    p.add_argument("--prompts-per-source", type=int, default=200)
+    p.add_argument("--prompts-per-source", type=int, default=100)
     p.add_argument("--per-conversation", type=int, default=2)
     p.add_argument("--ks", default="1,3,5,7")
     p.add_argument("--temperatures", default="0,0.7")
@@ -284,7 +289,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     state = stage_state(args, "train")
     runs: dict[str, Any] = state.get("runs", {})
     for seed in args.seeds:
-        name = f"eagle3-{seed}"
+        name = f"eagle3-{args.recipe}-{seed}" if args.recipe else f"eagle3-{seed}"
         if name not in runs:
             cfg = eagle3_config(args, seed)
             log(f"== {name}: train_drafter at its defaults (seed {seed})")
@@ -293,7 +298,8 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 data.shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log)
             )
             runs[name] = {
-                "trainer": "eagle3", "seed": seed, "final_dir": str(result.final_dir), "steps": result.steps,
+                "trainer": "eagle3", "recipe": f"eagle3-{args.recipe}" if args.recipe else "eagle3",
+                "seed": seed, "final_dir": str(result.final_dir), "steps": result.steps,
                 "tokens": result.tokens, "train_loop_s": round(result.seconds, 1),
                 "process_wall_s": round(time.perf_counter() - started, 1), "val": result.val,
                 "config": cfg.model_dump(mode="json"),
@@ -514,22 +520,29 @@ def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) 
                 "greedy_mismatches": entry["mismatches"].get(str(k)) if float(temperature) == 0 else None,
             }
     pairs: dict[str, Any] = {}
-    seeds = sorted({r["seed"] for r in runs.values()})
+    recipes: dict[str, list[str]] = {}  # recipe -> its runs (one per seed)
+    for name, run in runs.items():
+        recipes.setdefault(str(run.get("recipe", run["trainer"])), []).append(name)
     for key, by_k in table.items():
         temperature, set_name = key.split("|")
         for k in by_k:
-            for seed in seeds:
-                e, s = f"eagle3-{seed}", f"speculators-{seed}"
-                if f"{e}|{temperature}|{set_name}" in decoded and f"{s}|{temperature}|{set_name}" in decoded:
-                    diff = paired_al_difference(
-                        prompt_runs(decoded[f"{e}|{temperature}|{set_name}"][k]),
-                        prompt_runs(decoded[f"{s}|{temperature}|{set_name}"][k]),
-                    )
-                    pairs.setdefault(key, {}).setdefault(k, {})[f"seed {seed}"] = diff.as_dict()
-            for trainer in ("eagle3", "speculators"):
-                als = [by_k[k][f"{trainer}-{s}"]["al"] for s in seeds if f"{trainer}-{s}" in by_k[k]]
+            for recipe, names in recipes.items():
+                for name in [n for n in names if runs[n]["trainer"] == "eagle3"]:
+                    other = f"speculators-{runs[name]['seed']}"
+                    mine, theirs = f"{name}|{key}", f"{other}|{key}"
+                    if mine in decoded and theirs in decoded:
+                        diff = paired_al_difference(
+                            prompt_runs(decoded[mine][k]), prompt_runs(decoded[theirs][k])
+                        )
+                        label = (
+                            f"seed {runs[name]['seed']}"
+                            if recipe == "eagle3"
+                            else f"{recipe} seed {runs[name]['seed']}"
+                        )
+                        pairs.setdefault(key, {}).setdefault(k, {})[label] = diff.as_dict()
+                als = [by_k[k][n]["al"] for n in names if n in by_k[k]]
                 if len(als) > 1:
-                    by_k[k][f"{trainer} seed spread"] = round(max(als) - min(als), 4)
+                    by_k[k][f"{recipe} seed spread"] = round(max(als) - min(als), 4)
     lengths: dict[str, Any] = {}
     for key, entry in decoded.items():
         name, temperature, set_name = key.split("|")

@@ -47,3 +47,20 @@ def test_summary_pools_rounds_pairs_seeds_and_reports_reply_lengths() -> None:
     assert pairs["seed 0"]["prompts"] == 3
     lengths = report["target_reply_tokens"]["0.0|chat"]
     assert (lengths["min"], lengths["median"], lengths["max"]) == (10, 10, 30)
+
+
+def test_each_named_recipe_is_paired_with_speculators_of_its_seed() -> None:
+    runs = {
+        "eagle3-0": {"trainer": "eagle3", "recipe": "eagle3", "seed": 0},
+        "eagle3-muon-0": {"trainer": "eagle3", "recipe": "eagle3-muon", "seed": 0},
+        "speculators-0": {"trainer": "speculators", "seed": 0},
+    }
+    accepted = {"eagle3-0": [1, 1], "eagle3-muon-0": [2, 1], "speculators-0": [0, 1]}
+    decoded = {
+        f"{name}|0.7|chat": {"2": _rows([a, a], reply_tokens=5), "mismatches": {}}
+        for name, a in accepted.items()
+    }
+    pairs = summarise(decoded, runs, ks=[2])["eagle3_minus_speculators"]["0.7|chat"]["2"]
+    assert set(pairs) == {"seed 0", "eagle3-muon seed 0"}
+    assert pairs["seed 0"]["difference"] == pytest.approx(0.5)  # AL 2.0 against 1.5
+    assert pairs["eagle3-muon seed 0"]["difference"] == pytest.approx(1.0)  # AL 2.5 against 1.5
