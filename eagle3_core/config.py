@@ -291,6 +291,14 @@ class RegenerateConfig(_Model):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: Annotated[int, Field(gt=0)] = 1024
     batch_size: Annotated[int, Field(gt=0)] = 16
+    kv_cache: Literal["auto", "dynamic", "static"] = Field(
+        default="auto",
+        description=(
+            "The in-process target's KV cache while it generates: static (preallocated; on a GPU transformers "
+            "compiles the decode step, prompts padded to a multiple of 64 tokens so few shapes are compiled) "
+            "or dynamic (grown each step); auto: static on CUDA, dynamic elsewhere. Same replies either way."
+        ),
+    )
     max_turns: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Keep at most this many assistant turns of each conversation."
     )

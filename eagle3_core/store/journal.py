@@ -106,10 +106,11 @@ def journal_fingerprint(
 ) -> str:
     """What a journaled reply depends on: the settings, the model that replies (through a server, the
     request's `model`; in process, the target's fingerprint and dtype), the tokenizer and the samples.
-    Transport settings (URL, concurrency, timeouts, retries, key) and the batch size are left out: the same
-    model behind a restarted server on another port, or in batches of another size, gives the same replies."""
+    Transport settings (URL, concurrency, timeouts, retries, key), the batch size and the KV cache are left out:
+    the same model behind a restarted server on another port, in batches of another size or with another cache,
+    gives the same replies."""
     what = {
-        "regenerate": cfg.model_dump(exclude={"server", "batch_size", "enabled"}),
+        "regenerate": cfg.model_dump(exclude={"server", "batch_size", "kv_cache", "enabled"}),
         "model": model,
         "max_seq_len": max_seq_len,
         "tokenizer": tokenizer_fingerprint,

@@ -69,3 +69,20 @@ def test_the_checkpoint_bench_saves_and_resumes_a_verified_checkpoint_beside_pla
     assert 3 * 4 * params < report["checkpoint_bytes"] < 3 * 4 * params + 200_000
     assert all(seconds[k] > 0 for k in ("save_plain", "save_eagle3", "resume_eagle3"))
     assert [p.name for p in tmp_path.iterdir()] == [results.name]  # its working files removed
+
+
+def test_the_regeneration_speed_bench_gives_each_kv_cache_the_same_replies(tmp_path: Path) -> None:
+    """bench/regenerate_speed.py on a tiny random Llama on the CPU (the H200 figures are SmolLM2 at batch
+    512): every cache runs the same chitchat prompts and gives the dynamic cache's token ids."""
+    from bench import regenerate_speed
+    from tests.helpers import save_tiny_chat_target
+
+    target = save_tiny_chat_target(tmp_path / "target")
+    results = tmp_path / "speed.json"
+    args = ["--target", str(target), "--device", "cpu", "--prompts", "5", "--batch", "2"]
+    assert regenerate_speed.main([*args, "--max-new-tokens", "3", "--results", str(results)]) == 0
+    report = json.loads(results.read_text())
+    assert report["prompts"] == 5 and list(report["caches"]) == ["dynamic", "static", "static_eager"]
+    for facts in report["caches"].values():
+        assert facts["same_ids_as_first"] and facts["rows_differing_from_first"] == 0
+        assert 0 < facts["new_tokens"] <= 5 * 3 and facts["ms_per_decode_step"] > 0

@@ -20,6 +20,7 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
     assert cfg.data.shard_size == 256
     assert cfg.tokenize.max_seq_len == 4096
     assert cfg.regenerate.temperature == 0.0
+    assert cfg.regenerate.kv_cache == "auto"
 
 
 @pytest.mark.parametrize(
@@ -31,6 +32,7 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
         ("target: {aux_layer_ids: [2, 2, 5]}\n", "target.aux_layer_ids", "distinct"),
         ("target: {aux_layer_ids: [30, 2, 58]}\n", "target.aux_layer_ids", "ascending layer order"),
         ("extract: {store_dtype: int8}\n", "extract.store_dtype", "bfloat16"),
+        ("regenerate: {kv_cache: paged}\n", "regenerate.kv_cache", "'static'"),
         ("data: {shard_sise: 10}\n", "data.shard_sise", "Extra inputs"),
         ("data: {sources: [{kind: file}]}\n", "data.sources.0.path", "Field required"),
         ("data: {dataset: My-Data}\n", "data.dataset", "pattern"),
