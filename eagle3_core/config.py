@@ -292,11 +292,12 @@ class RegenerateConfig(_Model):
     max_new_tokens: Annotated[int, Field(gt=0)] = 1024
     batch_size: Annotated[int, Field(gt=0)] = 16
     kv_cache: Literal["auto", "dynamic", "static"] = Field(
-        default="auto",
+        default="dynamic",
         description=(
             "The in-process target's KV cache while it generates: static (preallocated; on a GPU transformers "
             "compiles the decode step, prompts padded to a multiple of 64 tokens so few shapes are compiled) "
-            "or dynamic (grown each step); auto: static on CUDA, dynamic elsewhere. Same replies either way."
+            "or dynamic (grown each step); auto: static on CUDA, dynamic elsewhere. Same replies either way. "
+            "dynamic by default until bench/regenerate_speed.py has measured static on a GPU."
         ),
     )
     max_turns: Annotated[int, Field(gt=0)] | None = Field(

@@ -1,15 +1,15 @@
 """Regeneration in process: every assistant turn replaced by the target's own reply, turn by turn.
 
 The shard's conversations are taken in groups of prompts of about one length (their first prompts sorted by
-token length, a group at most `batch_size` long and its longest prompt at most twice its shortest, so that no
-batch is left-padded to one long outlier), and each group is regenerated to its end before the next one
-starts: turn t of every conversation of the group in one batch (again grouped by length), each prompt being
+token length, a group at most `batch_size` long and, on a CPU, its longest prompt at most twice its shortest,
+so that no batch is left-padded to one long outlier), and each group is regenerated to its end before the next
+one starts: turn t of every conversation of the group in one batch (again grouped by length), each prompt being
 the conversation so far with the target's own earlier replies, so the drafter later learns the distribution
 the target really produces. Outputs do not depend on the batches: rows come back in input order.
 
-On a GPU the target generates with a static KV cache (`regenerate.kv_cache`), which transformers compiles
-the decode step for: a dynamic cache grows every layer's keys and values by one token each step, and at batch
-512 with SmolLM2 on an H200 a decode step took ~127 ms. A static batch is left-padded to a multiple of
+On a GPU the target can generate with a static KV cache (`regenerate.kv_cache: static` or `auto`), which
+transformers compiles the decode step for: a dynamic cache grows every layer's keys and values by one token
+each step, and at batch 512 with SmolLM2 on an H200 a decode step took ~127 ms. A static batch is left-padded to a multiple of
 `STATIC_WIDTH_MULTIPLE` tokens so that the compiled step sees few shapes; the token ids do not change.
 
 A conversation stops early, counted, when its prompt no longer fits `max_seq_len - max_new_tokens`, when the

@@ -20,7 +20,7 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
     assert cfg.data.shard_size == 256
     assert cfg.tokenize.max_seq_len == 4096
     assert cfg.regenerate.temperature == 0.0
-    assert cfg.regenerate.kv_cache == "auto"
+    assert cfg.regenerate.kv_cache == "dynamic"
 
 
 @pytest.mark.parametrize(
