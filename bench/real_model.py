@@ -177,8 +177,8 @@ def save_state(args: argparse.Namespace, stage: str, state: dict[str, Any]) -> N
 def run_data(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     """Each eagle3 command in turn, timed; a command that finished in an earlier call is not run again. A
     command cut off by its call's time limit resumes in the next call (regeneration and extraction keep what
-    they finished), and its seconds are then the finishing call's only: each shard's own report in the store
-    (`regenerated` / `hidden_states` manifests) holds its full time."""
+    they finished), and its seconds are then the finishing call's only: the share of the call that was cut
+    off is not recorded, so a result timed that way says so."""
     from eagle3_cli.steps import main as eagle3
 
     config_path, cfg = project(args)
