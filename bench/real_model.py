@@ -443,15 +443,14 @@ def eval_worker(job: EvalJob) -> None:
 
 
 def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
-    from eagle3_core.steps.evaluation import load_target
+    from transformers import AutoTokenizer
 
     data = load_data(args, log)
     trained = stage_state(args, "train").get("runs", {})
     if not trained:
         raise Eagle3Error("no trained drafters: run --stage train first")
-    target = load_target(data.cfg, log)
-    sets, facts = prompt_sets(args, data, target.tokenizer)
-    del target
+    # the tokenizer alone: only the workers load the weights
+    sets, facts = prompt_sets(args, data, AutoTokenizer.from_pretrained(data.target_dir))
     device_is_gpu = torch.cuda.is_available()
     workers = args.eval_workers or (8 if device_is_gpu else 1)
     # one thread per worker on a CPU, where each thread computes (oversubscribed, 2 workers of 2 threads on a

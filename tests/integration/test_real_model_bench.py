@@ -43,11 +43,10 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
             row = report["al"][key][k]
             for name in runs:
                 assert row[name]["al"] == pytest.approx(1 + sum(row[name]["per_position"]), abs=1e-3)
-                assert 1 <= row[name]["al"] <= int(k) + 1
                 if key.startswith("0.0"):
                     assert row[name]["greedy_mismatches"] == 0  # float32 greedy verification is lossless
         lengths = report["target_reply_tokens"][key]
-        assert 1 <= lengths["min"] <= lengths["median"] <= lengths["max"] <= 8
+        assert lengths["max"] <= 8  # the target alone stops at --max-new-tokens
 
     # a second call finds every stage done and redoes nothing but the evaluation
     before = json.loads((tmp_path / "work" / "train" / "state.json").read_text())
