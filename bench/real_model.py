@@ -66,6 +66,7 @@ DEFAULT_PROMPTS = (
     REPO / "bench" / "data" / "truthfulqa.jsonl"
 )  # another style: short factual questions  # the materialised target, shared with the tests and the demo
 STATE = "state.json"  # per stage: what it made, and its seconds
+RUNS = "runs"  # under train/: one record per finished run
 SPECULATORS_EPOCHS = 20  # speculators 0.9.0's default (its TrainConfig.epochs)
 
 
@@ -89,6 +90,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regen-batch", type=int, default=256, help="regenerate.batch_size")
     p.add_argument("--regen-max-new-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
+    p.add_argument(
+        "--regen-kv-cache",
+        choices=["auto", "dynamic", "static"],
+        default=None,
+        help="regenerate.kv_cache (default: eagle3's)",
+    )
     p.add_argument("--max-turns", type=int, default=1, help="regenerated assistant turns per conversation")
     p.add_argument("--max-len", type=int, default=2048, help="tokenize.max_seq_len (both trainers)")
     p.add_argument("--seeds", default="0,1")
@@ -107,6 +114,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="its default: 8,192 tokens packed a step (a tiny CPU run needs less: attention is quadratic in it)",
     )  # fmt: skip
     p.add_argument("--skip-speculators", action="store_true", help="train (and evaluate) eagle3 only")
+    p.add_argument(
+        "--skip-eagle3", action="store_true",
+        help="train speculators only (runs of both, started as separate processes, may train at once)",
+    )  # fmt: skip
     p.add_argument(
         "--prompt-file", action="append", default=[], type=Path,
         help=f"a prompt source beside the held-out chitchat (default {DEFAULT_PROMPTS.relative_to(REPO)})",
@@ -146,6 +157,7 @@ def config_dict(args: argparse.Namespace) -> dict[str, Any]:
             "max_new_tokens": args.regen_max_new_tokens,
             "batch_size": args.regen_batch,
             "max_turns": args.max_turns,
+            **({"kv_cache": args.regen_kv_cache} if args.regen_kv_cache else {}),
         },
         "tokenize": {"max_seq_len": args.max_len},
         "train": {"max_len": args.max_len},
@@ -167,11 +179,25 @@ def stage_state(args: argparse.Namespace, stage: str) -> dict[str, Any]:
 
 
 def save_state(args: argparse.Namespace, stage: str, state: dict[str, Any]) -> None:
-    path = args.workdir / stage / STATE
+    _write_json(args.workdir / stage / STATE, state)
+
+
+def _write_json(path: Path, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def trained_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """Every finished training run's record, by name: one file per run, so that trainers started as
+    separate processes (several recipes at once on one GPU) never overwrite each other's."""
+    directory = args.workdir / "train" / RUNS
+    return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
+
+
+def save_run(args: argparse.Namespace, name: str, record: dict[str, Any]) -> None:
+    _write_json(args.workdir / "train" / RUNS / f"{name}.json", record)
 
 
 def run_data(args: argparse.Namespace, log: Log) -> dict[str, Any]:
@@ -289,28 +315,26 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
 
     data = load_data(args, log)
     mapping = draft_mapping(data, args, log)
-    state = stage_state(args, "train")
-    runs: dict[str, Any] = state.get("runs", {})
-    for seed in args.seeds:
+    done = trained_runs(args)
+    for seed in [] if args.skip_eagle3 else args.seeds:
         name = f"eagle3-{args.recipe}-{seed}" if args.recipe else f"eagle3-{seed}"
-        if name not in runs:
+        if name not in done:
             cfg = eagle3_config(args, seed)
-            log(f"== {name}: train_drafter at its defaults (seed {seed})")
+            log(f"== {name}: train_drafter (seed {seed}; {' '.join(args.eagle3_set) or 'its defaults'})")
             started = time.perf_counter()
             result = train_drafter(
                 data.shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log)
             )
-            runs[name] = {
+            save_run(args, name, {
                 "trainer": "eagle3", "recipe": f"eagle3-{args.recipe}" if args.recipe else "eagle3",
                 "seed": seed, "final_dir": str(result.final_dir), "steps": result.steps,
                 "tokens": result.tokens, "train_loop_s": round(result.seconds, 1),
                 "process_wall_s": round(time.perf_counter() - started, 1), "val": result.val,
-                "config": cfg.model_dump(mode="json"),
-            }  # fmt: skip
-            save_state(args, "train", {"runs": runs})
+                "config": cfg.model_dump(mode="json"), "set": args.eagle3_set,
+            })  # fmt: skip
             log(f"   {name}: {result.steps} steps in {result.seconds:.0f} s; val {result.val}")
     if args.skip_speculators:
-        return {"runs": runs}
+        return {"runs": trained_runs(args)}
     check_speculators_version()
     head = load_target_head(data.target_dir)
     if head.final_norm is None:
@@ -321,29 +345,29 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     started = time.perf_counter()
     dataset = write_offline_dataset(
         data.shards, head.final_norm, args.workdir / "train" / "speculators-data",
-        val_fraction=reference.val_fraction, max_val=reference.max_val_samples, states_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
-        log=log,
+        val_fraction=reference.val_fraction, max_val=reference.max_val_samples,
+        states_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32, log=log,
     )  # fmt: skip
     d2t, t2d = write_vocab_files(
         mapping, args.workdir / "train" / f"speculators-vocab-{mapping.draft_vocab_size}"
     )
     conversion_s = round(time.perf_counter() - started, 1)
+    save_state(args, "train", {"speculators_data": dataset.as_dict(), "conversion_s": conversion_s})
     for seed in args.seeds:
         name = f"speculators-{seed}"
-        if name in runs:
+        if name in done:
             continue
         settings = speculators_settings(args, data, dataset, (d2t, t2d), mapping.draft_vocab_size, seed)
         log(f"== {name}: speculators train at its defaults (seed {seed})")
         spec = train_speculators(settings, args.workdir / "train" / name, log)
-        runs[name] = {
+        save_run(args, name, {
             "trainer": "speculators", "seed": seed, "checkpoint": spec["checkpoint"],
             "steps": spec.get("steps"), "train_loop_s": spec.get("train_loop_s"),
             "process_wall_s": spec["process_wall_s"], "val": spec.get("val"), "flags": spec.get("flags"),
             "conversion_s": conversion_s,
-        }  # fmt: skip
-        save_state(args, "train", {"runs": runs, "speculators_data": dataset.as_dict()})
+        })  # fmt: skip
         log(f"   {name}: {spec['process_wall_s']:.0f} s")
-    return {"runs": runs, "speculators_data": dataset.as_dict()}
+    return {"runs": trained_runs(args)}
 
 
 def speculators_settings(
@@ -446,7 +470,7 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     data = load_data(args, log)
-    trained = stage_state(args, "train").get("runs", {})
+    trained = trained_runs(args)
     if not trained:
         raise Eagle3Error("no trained drafters: run --stage train first")
     # the tokenizer alone: only the workers load the weights
@@ -571,7 +595,7 @@ def write_report(args: argparse.Namespace, parts: dict[str, Any], log: Log) -> P
         "speculators_version": SPECULATORS_VERSION,
         "argv": sys.argv[1:],
         "data": stage_state(args, "data"),
-        "train": stage_state(args, "train"),
+        "train": {**stage_state(args, "train"), "runs": trained_runs(args)},
         **parts,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -589,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_train(args, _log)
         if args.stage in ("eval", "all"):
             evaluated = run_eval(args, _log)
-            summary = summarise(evaluated.pop("decoded"), stage_state(args, "train")["runs"], args.ks)
+            summary = summarise(evaluated.pop("decoded"), trained_runs(args), args.ks)
             write_report(args, {"eval": evaluated, **summary}, _log)
     except Eagle3Error as err:
         print(f"error: {err}", file=sys.stderr)
