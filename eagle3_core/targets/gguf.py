@@ -32,7 +32,7 @@ from eagle3_core.store.locks import directory_lock
 from eagle3_core.store.records import GgufTargetReport
 
 # Bump when a change here changes what a build writes: it is part of the cache key.
-GGUF_CODE_VERSION = "1"
+GGUF_CODE_VERSION = "2"
 REPORT_FILE = "gguf_target.json"
 WEIGHTS_FILE = "model.safetensors"
 GGUF_SUFFIX = ".gguf"
@@ -258,16 +258,53 @@ def _loader_failure(file: Path, err: Exception) -> TargetError:
 def load_gguf(file: Path) -> tuple[Any, Any]:
     """The tokenizer and the float32 model transformers builds from the GGUF file."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    tokenizer = load_gguf_tokenizer(file)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError, OSError) as err:  # unsupported or damaged file
         raise _loader_failure(file, err) from err
+    return tokenizer, model.eval()
+
+
+def load_gguf_tokenizer(file: Path) -> Any:
+    """transformers' tokenizer of the GGUF file, its special tokens those the file names by id."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (ValueError, KeyError, NotImplementedError, OSError) as err:
+        raise _loader_failure(file, err) from err
     if not getattr(tokenizer, "chat_template", None):
         raise TargetError(f"{file}: the GGUF file carries no chat template; eagle3 trains on chat renders")
-    return tokenizer, model.eval()
+    for role, token in gguf_special_tokens(file).items():
+        # the file's own ids, whatever transformers' converter assigned: transformers 5.17 turned SmolLM2's
+        # eos into <|im_start|>, and every assistant turn then failed to tokenize (no end of turn found)
+        setattr(tokenizer, f"{role}_token", token)
+    return tokenizer
+
+
+def gguf_special_tokens(file: Path) -> dict[str, str]:
+    """The bos, eos and pad tokens the GGUF metadata names by id (`tokenizer.ggml.*_token_id`), as text."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(file))
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    if vocab is None:
+        return {}
+    found: dict[str, str] = {}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if not 0 <= token_id < len(vocab.data):
+            raise TargetError(
+                f"{file}: tokenizer.ggml.{key} {token_id} is outside its {len(vocab.data)} tokens"
+            )
+        found[role] = bytes(vocab.parts[vocab.data[token_id]]).decode("utf-8")
+    return found
 
 
 def weights_to_save(model: Any) -> dict[str, Any]:
@@ -323,6 +360,12 @@ def check_written_directory(model: Any, tokenizer: Any, out_dir: Path) -> tuple[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reloaded_tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    for role in ("bos", "eos", "pad"):
+        wanted, written = getattr(tokenizer, f"{role}_token"), getattr(reloaded_tokenizer, f"{role}_token")
+        if written != wanted:
+            raise TargetError(
+                f"{out_dir}: the written tokenizer's {role}_token is {written!r}, not {wanted!r}"
+            )
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, use_safetensors=True).eval()
     messages = list(CHECK_MESSAGES)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

