@@ -328,6 +328,13 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
     rows = _extraction_input(cfg, key, counts)
     chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)
     samples = _tokenize_all(chat, rows, counts, dropped)
+    if rows and not samples:  # a setting, not the data: say so before writing a shard with nothing to train
+        reasons = Counter(reason.split(": assistant turn")[0] for reason in dropped.values())
+        first_id, first_reason = next(iter(dropped.items()))
+        raise TemplateError(
+            f"{key}: none of its {len(rows)} conversations can be trained on ({dict(reasons.most_common(3))}); "
+            f"sample {first_id[:12]}: {first_reason}"
+        )
     info = target.info
     facts = ShardFacts(
         conversation_shard=key,

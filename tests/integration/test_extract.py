@@ -106,6 +106,29 @@ def test_truncation_is_counted(tmp_path: Path, tiny_target_dir: Path, target: Tr
         assert max(s.lengths) == 24
 
 
+def test_a_shard_with_no_sample_left_to_train_on_is_one_line_and_no_shard(
+    tmp_path: Path, tiny_target_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An end of turn the template never writes drops every sample: a setting, not the data. Seen on the H200
+    host, where transformers 5.17 gave SmolLM2's tokenizer the eos <|im_start|> and extraction wrote 13
+    empty shards; the vocabulary step then failed far from the cause."""
+    _conversations(tmp_path / "c.jsonl", 6)
+    config = write_config(
+        tmp_path,
+        f"store: store\ndata: {{dataset: t, holdout_fraction: 0.0, sources: [{{path: c.jsonl}}]}}\n"
+        f"target: {{path: {tiny_target_dir}, aux_layer_ids: [1, 4, 6]}}\nregenerate: {{enabled: false}}\n"
+        "tokenize: {end_of_turn: '<never-written>'}\n",
+    )
+    assert main(["--config", str(config), "ingest"]) == 0
+    capsys.readouterr()
+    assert main(["--config", str(config), "extract"]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert "none of its 6 conversations can be trained on" in lines[0]
+    assert "end-of-turn '<never-written>' not found" in lines[0] and "set tokenize.end_of_turn" in lines[0]
+    assert not StoreLayout(tmp_path / "store").hidden_state_shards()
+
+
 def test_a_sample_gets_the_same_states_alone_or_in_a_mixed_batch_of_8(target: TransformersTarget) -> None:
     g = torch.Generator().manual_seed(1)
     lengths = [37, 5, 64, 12, 50, 3, 29, 41]
