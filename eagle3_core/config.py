@@ -356,7 +356,8 @@ class DrafterVariant(_Model):
 
 
 class TrainConfig(_Model):
-    """The drafter and how it is trained (defaults measured on bench/vs_speculators.py; see docs/)."""
+    """The drafter and how it is trained (defaults measured on a real model, SmolLM2-135M-Instruct, on an H200:
+    bench/real_model.py and docs/recipe.md)."""
 
     variant: DrafterVariant = Field(default_factory=DrafterVariant)
     init_from: Literal["scratch", "current"] = Field(
@@ -365,11 +366,11 @@ class TrainConfig(_Model):
         "as a nightly retrain on fresh data does.",
     )
     optimizer: Literal["adamw", "muon"] = Field(
-        default="adamw",
+        default="muon",
         description="muon: torch.optim.Muon on the 2-D weights of fc and the decoder layer, AdamW on the rest.",
     )
     schedule: Literal["cosine", "linear"] = Field(
-        default="cosine", description="Learning-rate decay to zero after the warmup."
+        default="linear", description="Learning-rate decay to zero after the warmup."
     )
     loss: Literal["kl", "lk_hybrid"] = Field(
         default="kl",
@@ -386,7 +387,7 @@ class TrainConfig(_Model):
     step_weight: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         default=1.0, description="Step k of the unroll weighs step_weight**k in the loss."
     )
-    epochs: Annotated[int, Field(gt=0)] = 2
+    epochs: Annotated[int, Field(gt=0)] = 10
     max_steps: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Stop after this many optimizer steps."
     )
@@ -394,7 +395,7 @@ class TrainConfig(_Model):
         default="auto",
         description=(
             "Padded tokens per optimizer step, summed over all ranks (the global batch). auto: the largest "
-            "power of two from 1,024 to 16,384 that still gives the run at least 300 optimizer steps, and "
+            "power of two from 1,024 to 8,192 that still gives the run at least 300 optimizer steps, and "
             "never less than the longest sample once per rank (docs/recipe.md)."
         ),
     )
@@ -411,7 +412,7 @@ class TrainConfig(_Model):
     max_len: Annotated[int, Field(gt=8)] = Field(
         default=4096, description="Samples are cut to this many tokens."
     )
-    lr: Annotated[float, Field(gt=0.0)] = 3e-3
+    lr: Annotated[float, Field(gt=0.0)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
     warmup_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.015
     grad_clip: Annotated[float, Field(gt=0.0)] | None = 0.5

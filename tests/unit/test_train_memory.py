@@ -94,8 +94,8 @@ def test_when_nothing_fits_it_says_what_to_lower() -> None:
 
 
 def test_auto_batch_tokens_keeps_to_what_fits_the_device() -> None:
-    refs = [SampleRef(0, i, 2000, f"{i:064x}") for i in range(100_000)]  # large: auto wants 16,384
+    refs = [SampleRef(0, i, 2000, f"{i:064x}") for i in range(100_000)]  # large: auto wants 8,192
     cfg = TrainConfig(max_len=4096)
-    assert resolve_batch_tokens(cfg, refs, [], world=1).batch_tokens == 16384
-    assert resolve_batch_tokens(cfg, refs, [], world=1, ceiling=9000).batch_tokens == 8192
+    assert resolve_batch_tokens(cfg, refs, [], world=1).batch_tokens == 8192
+    assert resolve_batch_tokens(cfg, refs, [], world=1, ceiling=5000).batch_tokens == 4096
     assert resolve_batch_tokens(cfg, refs, [], world=1, ceiling=700).batch_tokens == 2000  # one sample
