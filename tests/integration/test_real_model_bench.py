@@ -53,3 +53,15 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     before = record.read_text()
     assert main([*argv[:1], "eval", *argv[2:]]) == 0
     assert record.read_text() == before
+
+    # an evaluation cut short: the report keeps what every worker finished, and only that
+    full = json.loads(results.read_text())["al"]
+    worker = tmp_path / "work" / "eval" / "worker-1.json"
+    decoded = json.loads(worker.read_text())
+    del decoded["eagle3-0|0.7|questions"]  # worker 1 was stopped before its last prompt set
+    worker.write_text(json.dumps(decoded))
+    assert main([*argv[:1], "report", *argv[2:]]) == 0
+    partial = json.loads(results.read_text())
+    assert partial["eval"]["partial"] is True
+    assert set(partial["al"]) == set(full) - {"0.7|questions"}
+    assert all(partial["al"][key] == full[key] for key in partial["al"])
