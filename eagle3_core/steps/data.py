@@ -7,6 +7,7 @@ flat `metadata` is what the CLI prints and what Dagster shows on the partition's
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -213,6 +214,11 @@ def _tokenize_all(
     return out
 
 
+def _drop_kind(reason: str) -> str:
+    """A dropped sample's reason without what names the sample, so that one cause counts once."""
+    return re.sub(r"^template: [0-9a-f]{1,12}: assistant turn \d+: ", "template: ", reason)
+
+
 def untrained_endings(sample: TokenizedSample, turns: list[int], end_of_turn: list[int]) -> TokenizedSample:
     """`sample` with the closing end-of-turn of each assistant turn in `turns` (0-based among its assistant
     turns) out of the loss: those replies were cut at max_new_tokens, so the target never ended them there,
@@ -329,11 +335,11 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
     chat = ChatTokenizer.from_config(target.tokenizer, cfg.tokenize)
     samples = _tokenize_all(chat, rows, counts, dropped)
     if rows and not samples:  # a setting, not the data: say so before writing a shard with nothing to train
-        reasons = Counter(reason.split(": assistant turn")[0] for reason in dropped.values())
-        first_id, first_reason = next(iter(dropped.items()))
+        kinds = Counter(_drop_kind(reason) for reason in dropped.values())
+        (kind, count), others = kinds.most_common(1)[0], len(dropped) - kinds.most_common(1)[0][1]
         raise TemplateError(
-            f"{key}: none of its {len(rows)} conversations can be trained on ({dict(reasons.most_common(3))}); "
-            f"sample {first_id[:12]}: {first_reason}"
+            f"{key}: none of its {len(rows)} conversations can be trained on; {count} dropped for: {kind}"
+            + (f" ({others} for other reasons)" if others else "")
         )
     info = target.info
     facts = ShardFacts(

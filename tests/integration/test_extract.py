@@ -124,8 +124,8 @@ def test_a_shard_with_no_sample_left_to_train_on_is_one_line_and_no_shard(
     assert main(["--config", str(config), "extract"]) == 2
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
-    assert "none of its 6 conversations can be trained on" in lines[0]
-    assert "end-of-turn '<never-written>' not found" in lines[0] and "set tokenize.end_of_turn" in lines[0]
+    assert "none of its 6 conversations can be trained on; 6 dropped for: template: end-of-turn" in lines[0]
+    assert "'<never-written>' not found" in lines[0] and lines[0].endswith("set tokenize.end_of_turn")
     assert not StoreLayout(tmp_path / "store").hidden_state_shards()
 
 
