@@ -35,6 +35,7 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import Acceptance, acceptance
+from eagle3_core.evaluate.graphed_target import GraphedTarget
 from eagle3_core.evaluate.prompts import EvalPrompt
 from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, speculative_generate, target_generate
 from eagle3_core.store.records import KMeasurement, PromptResult
@@ -46,6 +47,7 @@ class DecodeSettings:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    graphed_target: bool = False  # the target's step as an engine runs it (evaluate/graphed_target.py)
 
 
 @dataclass
@@ -250,16 +252,33 @@ def measure(
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     sampling = Sampling(settings.temperature, generator if settings.temperature > 0 else None)
 
-    def target(p: list[int]) -> list[int]:
-        return target_generate(model, p, settings.max_new_tokens, eos_ids, sampling)
-
-    # one drafter cache for every prompt and K: its CUDA graphs are captured once, during the warm-up
+    # one drafter cache (and one graphed target) for every prompt and K: their CUDA graphs are captured
+    # once, during the warm-up
     longest = max((len(p) for p in prompts), default=0)
-    decoder = DraftDecoder(drafter, longest + settings.max_new_tokens + max(settings.ks) + 1, graphs=True)
+    capacity = longest + settings.max_new_tokens + max(settings.ks) + 1
+    decoder = DraftDecoder(drafter, capacity, graphs=True)
+    graphed = (
+        GraphedTarget(model, aux_layer_ids, capacity, graph_widths={1, *(k + 1 for k in settings.ks)})
+        if settings.graphed_target
+        else None
+    )
+
+    def target(p: list[int]) -> list[int]:
+        return target_generate(model, p, settings.max_new_tokens, eos_ids, sampling, graphed)
 
     def spec(p: list[int], k: int) -> Any:
         return speculative_generate(
-            model, drafter, d2t, aux_layer_ids, p, settings.max_new_tokens, k, eos_ids, sampling, decoder
+            model,
+            drafter,
+            d2t,
+            aux_layer_ids,
+            p,
+            settings.max_new_tokens,
+            k,
+            eos_ids,
+            sampling,
+            decoder,
+            graphed,
         )
 
     with attention_without_cudnn():

@@ -26,6 +26,7 @@ the eager path run the same code (`DraftDecoder._round`), so the CPU tests check
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_core.draft.model import Eagle3Drafter, rope_angles
+from eagle3_core.evaluate.graphed_target import GraphedTarget
 
 
 class DraftDecoder:
@@ -283,21 +285,21 @@ def speculative_generate(
     eos_ids: set[int],
     sampling: Sampling | None = None,
     decoder: DraftDecoder | None = None,
+    graphed: GraphedTarget | None = None,
 ) -> SpecResult:
     """Chain speculative decoding of one prompt: greedy (the target's greedy output) or sampled (its distribution).
 
     `decoder` lets a caller keep one drafter cache (and its CUDA graphs) across prompts; its capacity must
-    cover the prompt, max_new_tokens and K.
+    cover the prompt, max_new_tokens and K. `graphed`: the target's step as an engine runs it (its capacity
+    likewise); without it, transformers' eager forward with its dynamic cache.
     """
-    from transformers import DynamicCache
-
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
     decoder = decoder or DraftDecoder(drafter, len(prompt) + max_new_tokens + k + 1)
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)  # draft id -> target id
-    kv = DynamicCache()
+    step, keep = target_steps(model, aux_layer_ids, graphed)
     seq = torch.tensor(prompt, device=device)
-    logits, aux = target_forward(model, seq, kv, aux_layer_ids)
+    logits, aux = step(seq)
     out = [int(sampling.choose(logits[-1]))]
     result = SpecResult(out)
     # the first extend covers the prompt: entry p pairs aux(p) with the next token
@@ -305,9 +307,7 @@ def speculative_generate(
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(prompt) + len(out) - 1  # position of the newest committed token (not yet seen by the target)
         drafts, qs = decoder.draft(committed, committed_aux, start, k, to_target, sampling)
-        vlogits, vaux = target_forward(
-            model, torch.cat([seq.new_tensor(out[-1:]), drafts]), kv, aux_layer_ids
-        )
+        vlogits, vaux = step(torch.cat([seq.new_tensor(out[-1:]), drafts]))
         if sampling.greedy:
             a, accepted = verify_greedy(drafts, vlogits)
         else:
@@ -317,7 +317,7 @@ def speculative_generate(
                 sampling.probs(vlogits),
                 sampling.generator,
             )
-        crop_cache(kv, n + a + 1)  # keep seq[..n] and the accepted drafts
+        keep(n + a + 1)  # seq[..n] and the accepted drafts
         # the next extend writes entries n..n+a: the target's aux states paired with the next committed token
         committed, committed_aux, start = seq.new_tensor(accepted), vaux[: a + 1], n
         emitted = _until_stop(accepted, eos_ids, max_new_tokens - len(out))
@@ -325,6 +325,22 @@ def speculative_generate(
         result.accepted.append(len(emitted) - 1)
         out.extend(emitted)
     return result
+
+
+TargetStep = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def target_steps(
+    model: Any, aux_layer_ids: tuple[int, ...], graphed: GraphedTarget | None
+) -> tuple[TargetStep, Callable[[int], None]]:
+    """A fresh sequence's step (ids [n] appended -> logits [n, V], aux [n, A*H]) and its roll-back to n tokens."""
+    if graphed is not None:
+        graphed.reset()
+        return graphed.extend, graphed.keep
+    from transformers import DynamicCache
+
+    kv = DynamicCache()
+    return (lambda ids: target_forward(model, ids, kv, aux_layer_ids)), (lambda n: crop_cache(kv, n))
 
 
 def _on_target_ids(draft_probs: torch.Tensor | None, to_target: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -352,7 +368,12 @@ def _until_stop(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
 
 @torch.no_grad()
 def target_generate(
-    model: Any, prompt: list[int], max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None
+    model: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    sampling: Sampling | None = None,
+    graphed: GraphedTarget | None = None,
 ) -> list[int]:
     """The target alone with its KV cache: the reference output (greedy) and the baseline speed."""
     from transformers import DynamicCache
@@ -360,10 +381,14 @@ def target_generate(
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
     kv = DynamicCache()
+    if graphed is not None:
+        graphed.reset()
     ids = torch.tensor(prompt, device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and (not out or out[-1] not in eos_ids):
-        logits = cached_forward(model, ids, kv).logits[0, -1]
+        logits = (
+            graphed.extend(ids)[0] if graphed is not None else cached_forward(model, ids, kv).logits[0]
+        )[-1]
         nxt = sampling.choose(logits)
         out.append(int(nxt))
         ids = nxt.reshape(1)

@@ -1,0 +1,198 @@
+"""The target's step as an engine runs it: a preallocated KV cache and, on a GPU, one CUDA graph per width.
+
+transformers' eager forward at batch 1 spends most of its 10-20 ms a step launching kernels and running
+Python (bench/results/specdec_profile_h200.json), so speculative decoding against it measures the host, not
+the drafter: an engine (SGLang, vLLM) replays CUDA graphs. `GraphedTarget` computes the same forward from the
+model's own modules (embedding, norms, projections, MLPs, rotary embedding, head) with the keys and values
+in one buffer, positions as tensors, and attention masked by position (key slot j is seen by the query at
+position p iff j <= p), so every step of a width has one shape and no host-side decision: it can be
+captured once and replayed. Rejected drafts need no crop: their slots lie beyond every later query's
+position until they are written again.
+
+Decoder-only models whose layers are attention (`q_proj`, `k_proj`, `v_proj`, `o_proj`, optional `q_norm`
+and `k_norm` per head) plus an MLP, with full attention on every layer and the rotary embedding at
+`model.model.rotary_emb` (Llama, Mistral, Qwen2, Qwen3, SmolLM2) are supported; anything else is refused in
+one line, and measured with the eager forward instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_core.errors import Eagle3Error
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class UnsupportedTargetError(Eagle3Error):
+    """The target's architecture is not one the graphed step computes."""
+
+
+def check_supported(model: Any) -> None:
+    """UnsupportedTargetError naming what the graphed step cannot compute for `model`."""
+    name = type(model).__name__
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or getattr(inner, "rotary_emb", None) is None:
+        raise UnsupportedTargetError(f"{name}: no model.layers and model.rotary_emb to run a graphed step on")
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise UnsupportedTargetError(f"{name}: sliding-window attention (config.sliding_window)")
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        raise UnsupportedTargetError(f"{name}: layers other than full attention (config.layer_types)")
+    for i, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if attention is None or not all(hasattr(attention, p) for p in ATTENTION_PARTS):
+            raise UnsupportedTargetError(f"{name}: layer {i} has no q/k/v/o projections")
+        if not hasattr(layer, "mlp") or not hasattr(layer, "input_layernorm"):
+            raise UnsupportedTargetError(f"{name}: layer {i} has no mlp or input_layernorm")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [w] static input
+    positions: torch.Tensor  # [w] static input
+    logits: torch.Tensor  # [w, V] static output
+    aux: torch.Tensor  # [w, A*H] static output
+
+
+class GraphedTarget:
+    """One prompt at a time: `reset`, then `extend(ids)` appends tokens and returns their logits and aux
+    states, `keep(n)` rolls the sequence back to its first n tokens. Widths in `graph_widths` run as CUDA
+    graphs on a GPU (captured on first use); other widths, and every width on a CPU, run the same code
+    eagerly."""
+
+    def __init__(
+        self,
+        model: Any,
+        aux_layer_ids: tuple[int, ...],
+        capacity: int,
+        graph_widths: Iterable[int] = (),
+        graphs: bool | None = None,
+    ) -> None:
+        check_supported(model)
+        self.model = model
+        self.layers = list(model.model.layers)
+        if not all(0 <= k < len(self.layers) for k in aux_layer_ids):
+            raise UnsupportedTargetError(
+                f"aux layers {aux_layer_ids} must be inputs of the {len(self.layers)} layers"
+            )
+        self.aux_layer_ids = aux_layer_ids
+        first = self.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.kv_heads = first.k_proj.out_features // self.head_dim
+        self.heads = first.q_proj.out_features // self.head_dim
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.capacity = capacity
+        self.widest = max([1, *graph_widths])
+        # slots past `capacity` are scratch for capture: beyond every real position, so never attended to
+        slots = capacity + self.widest
+        shape = (len(self.layers), self.kv_heads, slots, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.slot_ids = torch.arange(slots, device=self.device)
+        rope_module = sys.modules[type(first).__module__]
+        self.apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_module.apply_rotary_pos_emb
+        self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graph_widths = set(graph_widths)
+        self.graphs: dict[int, _Graph] = {}
+        self.length = 0
+
+    # ---- the sequence -------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.length = 0
+
+    def keep(self, length: int) -> None:
+        """Roll back to the first `length` tokens (the slots after them are overwritten before they are read)."""
+        self.length = min(self.length, length)
+
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] and aux states [n, A*H] of `ids` [n] appended at the current length."""
+        n = ids.numel()
+        if self.length + n > self.capacity:
+            raise ValueError(f"{self.length + n} tokens exceed the graphed target's capacity {self.capacity}")
+        positions = torch.arange(self.length, self.length + n, device=self.device)
+        if self.use_graphs and n in self.graph_widths:
+            logits, aux = self._replay(ids, positions)
+        else:
+            logits, aux = self._forward(ids, positions)
+        self.length += n
+        return logits, aux
+
+    # ---- the forward ---------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inner = self.model.model
+        h = inner.embed_tokens(ids)[None]  # [1, n, H]
+        cos, sin = inner.rotary_emb(h, positions[None])
+        visible = self.slot_ids[None, :] <= positions[:, None]  # [n, slots]
+        inputs: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            inputs[index] = h[0]  # the input of layer `index`, as output_hidden_states gives it
+            x = layer.input_layernorm(h)
+            h = h + self._attention(index, layer.self_attn, x, cos, sin, positions, visible)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(inner.norm(h))[0]
+        return logits, torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1)
+
+    def _attention(
+        self,
+        index: int,
+        attn: Any,
+        x: torch.Tensor,  # [1, n, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,  # [n]
+        visible: torch.Tensor,  # [n, slots]
+    ) -> torch.Tensor:
+        n = x.shape[1]
+        q = attn.q_proj(x).view(1, n, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(1, n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: an RMSNorm per head, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, n, d]
+        self.keys[index].index_copy_(1, positions, k[0])
+        self.values[index].index_copy_(1, positions, v[0])
+        out = F.scaled_dot_product_attention(
+            q,
+            self.keys[index][None],
+            self.values[index][None],
+            attn_mask=visible[None, None],
+            scale=float(attn.scaling),
+            enable_gqa=self.heads != self.kv_heads,
+        )  # [1, heads, n, d]
+        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------------------
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        graph = self.graphs.get(ids.numel()) or self._capture(ids.numel())
+        graph.ids.copy_(ids)
+        graph.positions.copy_(positions)
+        graph.graph.replay()
+        return graph.logits.clone(), graph.aux.clone()
+
+    def _capture(self, width: int) -> _Graph:
+        """Capture the step of `width` tokens, warmed up on a side stream at the scratch slots."""
+        ids = torch.zeros(width, dtype=torch.long, device=self.device)
+        positions = torch.arange(self.capacity, self.capacity + width, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(ids, positions)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits, aux = self._forward(ids, positions)
+        captured = _Graph(graph, ids, positions, logits, aux)
+        self.graphs[width] = captured
+        return captured

@@ -1,0 +1,110 @@
+"""The graphed target step computes what transformers' forward computes, for every family it accepts, across
+appends and roll-backs, and speculative decoding through it is still the target's own output. On a CPU the
+step runs eagerly (the same code a CUDA graph captures on a GPU); float64 keeps the comparisons far from any
+argmax tie, whatever kernels the CPU runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from eagle3_core.evaluate.graphed_target import GraphedTarget, UnsupportedTargetError
+from eagle3_core.evaluate.measure import DecodeSettings, measure
+from eagle3_core.evaluate.specdec import speculative_generate, target_generate
+from tests.integration.test_specdec import _drafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+AUX = (1, 3, 5)
+SIZES = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _model(family: str) -> Any:
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SIZES))
+    elif family == "qwen2":  # biases on q, k, v
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    else:  # qwen3: an RMSNorm on each head's queries and keys
+        model = Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=8))
+    return model.double().eval()
+
+
+def _reference(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[k][0] for k in AUX], dim=-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_appends_and_roll_backs_compute_what_the_whole_forward_does(family: str) -> None:
+    model = _model(family)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits, aux = _reference(model, ids)
+    step = GraphedTarget(model, AUX, capacity=32, graph_widths={1, 4})
+    step.reset()
+    got_logits, got_aux = step.extend(torch.tensor(ids[:9]))  # a prompt
+    torch.testing.assert_close(got_logits, logits[:9], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_aux, aux[:9], rtol=0, atol=1e-10)
+    step.extend(torch.tensor([63, 62, 61, 60]))  # drafts the target rejects ...
+    step.keep(9)  # ... rolled back: their slots hold stale keys until written again
+    for start, end in ((9, 13), (13, 14), (14, 20)):
+        got_logits, got_aux = step.extend(torch.tensor(ids[start:end]))
+        torch.testing.assert_close(got_logits, logits[start:end], rtol=0, atol=1e-10)
+        torch.testing.assert_close(got_aux, aux[start:end], rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="exceed the graphed target's capacity 32"):
+        step.extend(torch.zeros(13, dtype=torch.long))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_through_it_is_the_target_s_own_output(k: int) -> None:
+    model = _model("llama")
+    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=k)
+    step = GraphedTarget(model, AUX, capacity=64, graph_widths={1, k + 1})
+    g = torch.Generator().manual_seed(k)
+    for _ in range(3):
+        prompt = torch.randint(0, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        expected = target_generate(model, prompt, 24, eos_ids=set())
+        assert target_generate(model, prompt, 24, eos_ids=set(), graphed=step) == expected
+        eager = speculative_generate(model, drafter, d2t, AUX, prompt, 24, k, eos_ids=set())
+        graphed = speculative_generate(model, drafter, d2t, AUX, prompt, 24, k, eos_ids=set(), graphed=step)
+        assert graphed.tokens == expected and graphed.accepted == eager.accepted
+
+
+def test_measure_with_the_graphed_target_pools_the_same_rounds() -> None:
+    model = _model("llama")
+    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    eager = measure(model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16))
+    graphed = measure(
+        model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16, graphed_target=True)
+    )
+    for k in (1, 3):
+        assert [r.accepted for r in graphed.runs[k]] == [r.accepted for r in eager.runs[k]]
+    assert graphed.greedy_mismatches == {1: 0, 3: 0}
+
+
+def test_what_it_cannot_compute_is_refused_in_one_line() -> None:
+    sliding = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    sliding.config.sliding_window = 16
+    with pytest.raises(UnsupportedTargetError, match="sliding-window attention"):
+        GraphedTarget(sliding, AUX, capacity=8)
+    with pytest.raises(
+        UnsupportedTargetError, match=r"aux layers \(1, 3, 6\) must be inputs of the 6 layers"
+    ):
+        GraphedTarget(_model("llama"), (1, 3, 6), capacity=8)
+    with pytest.raises(UnsupportedTargetError, match=r"no model\.layers"):
+        GraphedTarget(torch.nn.Linear(2, 2), AUX, capacity=8)
