@@ -14,8 +14,8 @@
    shared for a paired comparison: the samples and their train/validation split, the draft vocabulary (eagle3's
    d2t/t2d), the aux layers, the seed. One run per seed, each alone on the GPU, so its wall time is its own.
 3. Every drafter (weights rounded to bf16, as both save them) decoded by eagle3's evaluator (real speculative
-   decoding, the target in transformers eager mode, the drafter's round a CUDA graph) on the same prompts: the
-   held-out chitchat conversations (never regenerated, extracted or trained on) and each --prompt-file, at
+   decoding; on a GPU the target's step and the drafter's round are CUDA graphs, --target-step) on the same
+   prompts: the held-out chitchat conversations (never regenerated, extracted or trained on) and each --prompt-file, at
    every K and temperature. The prompts are split over --eval-workers processes on the one GPU (a batch-1
    decode leaves it idle most of the time); each prompt's rounds are kept, so the pooled AL, its bootstrap
    interval and the paired difference (eagle3 minus speculators, same seed, same prompts) are computed over
@@ -137,6 +137,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--eval-workers", type=int, default=None, help="default: 8 on a GPU, 1 on a CPU")
+    p.add_argument(
+        "--target-step", choices=["auto", "eager", "graphed"], default="auto",
+        help="the target's step when decoding: transformers' eager forward, or the graphed step an engine "
+        "runs (eagle3_core/evaluate/graphed_target.py: CUDA graphs on a GPU); auto: graphed on a GPU",
+    )  # fmt: skip
     p.add_argument("--results", type=Path, default=None)
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
@@ -420,6 +425,7 @@ class EvalJob:
     max_new_tokens: int
     threads: int  # torch's intra-op threads: the workers share the host's cores
     out: str
+    graphed: bool = False  # the target's step as an engine runs it
 
 
 def prompt_sets(
@@ -465,7 +471,9 @@ def eval_worker(job: EvalJob) -> None:
         drafter = bf16_rounded(drafter).to(target.device, dtype).eval()
         for temperature in job.temperatures:
             for set_name, ids in job.sets.items():
-                settings = DecodeSettings(job.ks, job.max_new_tokens, temperature, seed=0)
+                settings = DecodeSettings(
+                    job.ks, job.max_new_tokens, temperature, seed=0, graphed_target=job.graphed
+                )
                 started = time.perf_counter()
                 m = measure(target.model, drafter, d2t.to(target.device), target.aux_layer_ids, ids,
                             target.eos_ids, settings)  # fmt: skip
@@ -493,6 +501,7 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     # one thread per worker on a CPU, where each thread computes (oversubscribed, 2 workers of 2 threads on a
     # loaded 2-core host took minutes for what 1 thread each did in seconds); on a GPU host a share of the cores
     threads = max(1, (os.cpu_count() or 1) // workers) if device_is_gpu else 1
+    graphed = args.target_step == "graphed" or (args.target_step == "auto" and device_is_gpu)
     out_dir = args.workdir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("worker-*.json"):
@@ -500,7 +509,8 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     _write_json(out_dir / PLAN, {"workers": workers})
     jobs = [
         EvalJob(str(args.workdir / "eagle3.yaml"), trained, {n: ids[w::workers] for n, ids in sets.items()},
-                args.ks, args.temperatures, args.max_new_tokens, threads, str(out_dir / f"worker-{w}.json"))
+                args.ks, args.temperatures, args.max_new_tokens, threads, str(out_dir / f"worker-{w}.json"),
+                graphed)
         for w in range(workers)
     ]  # fmt: skip
     started = time.perf_counter()
@@ -513,7 +523,10 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             pool.map(eval_worker, jobs)
     seconds = round(time.perf_counter() - started, 1)
     merged = merge_workers([json.loads(Path(j.out).read_text()) for j in jobs], workers, sets)
-    return {"prompt_sets": facts, "seconds": seconds, "workers": workers, "decoded": merged}
+    return {
+        "prompt_sets": facts, "seconds": seconds, "workers": workers,
+        "target_step": "graphed" if graphed else "eager", "decoded": merged,
+    }  # fmt: skip
 
 
 def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:

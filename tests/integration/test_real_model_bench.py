@@ -27,7 +27,7 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
         "--eagle3-set", "epochs=1", "--eagle3-set", "ttt_steps=1", "--eagle3-set", "draft_vocab_size=512",
         "--skip-speculators", "--prompt-file", str(prompts), "--prompts-per-source", "3",
         "--per-conversation", "1", "--ks", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "8",
-        "--eval-workers", "2", "--results", str(results),
+        "--eval-workers", "2", "--target-step", "graphed", "--results", str(results),
     ]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(results.read_text())
@@ -38,6 +38,7 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert set(runs) == {"eagle3-0"}
     assert all(r["process_wall_s"] > 0 for r in runs.values())
     assert report["eval"]["prompt_sets"]["questions"]["prompts"] == 3
+    assert report["eval"]["target_step"] == "graphed"  # the engine-like step, run eagerly on a CPU
     for key in ("0.0|heldout", "0.0|questions", "0.7|heldout", "0.7|questions"):
         for k in ("1", "2"):
             row = report["al"][key][k]
