@@ -3,6 +3,7 @@
     python -m bench.real_model --stage data    # ingest chitchat, regenerate replies with SmolLM2, extract, vocab
     python -m bench.real_model --stage train   # per seed: eagle3 at its defaults, speculators at its own, timed
     python -m bench.real_model --stage eval    # AL at K = 1, 3, 5, 7, greedy and sampled, on two prompt sources
+    python -m bench.real_model --stage speedup # batch 1, one process alone: the target eager and graphed
     python -m bench.real_model --stage report  # the report from what an evaluation cut short had decoded
     python -m bench.real_model --stage all
 
@@ -78,7 +79,7 @@ def _log(message: str) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--stage", choices=["data", "train", "eval", "report", "all"], required=True)
+    p.add_argument("--stage", choices=["data", "train", "eval", "speedup", "report", "all"], required=True)
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--cache", type=Path, default=CACHE)
     p.add_argument(
@@ -142,6 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the target's step when decoding: transformers' eager forward, or the graphed step an engine "
         "runs (eagle3_core/evaluate/graphed_target.py: CUDA graphs on a GPU); auto: graphed on a GPU",
     )  # fmt: skip
+    p.add_argument("--speedup-prompts", type=int, default=30, help="held-out chitchat prompts timed")
     p.add_argument("--results", type=Path, default=None)
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
@@ -529,6 +531,58 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    """Speed at batch 1, one process alone on the device: each seed-0 drafter (eagle3's, speculators') decoding
+    the first --speedup-prompts held-out prompts greedily, against the target alone, with the target's step
+    eager (transformers' forward) and graphed (an engine's: CUDA graphs on a GPU). Each prompt is decoded by
+    both paths back to back; the median of the per-prompt ratios is reported per K."""
+    from bench.vs_speculators import bf16_rounded, load_speculators_drafter
+    from eagle3_core.evaluate.measure import DecodeSettings, measure, median_speedup
+    from eagle3_core.steps.evaluation import load_target
+    from eagle3_core.train.run_dir import load_trained
+
+    data = load_data(args, log)
+    seed = args.seeds[0]
+    runs = {n: r for n, r in trained_runs(args).items() if n in (f"eagle3-{seed}", f"speculators-{seed}")}
+    if not runs:
+        raise Eagle3Error(f"no run eagle3-{seed} or speculators-{seed} to time: run --stage train first")
+    target = load_target(data.cfg, lambda _m: None)
+    sets, _ = prompt_sets(args, data, target.tokenizer)
+    prompts = next(iter(sets.values()))[: args.speedup_prompts]  # the held-out chitchat prompts
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    dtype = next(target.model.parameters()).dtype
+    out: dict[str, Any] = {"prompts": len(prompts), "device": str(target.device), "dtype": str(dtype)}
+    for name, run in runs.items():
+        if run["trainer"] == "eagle3":
+            drafter, mapping, _ = load_trained(Path(run["final_dir"]), embed)
+            d2t = mapping.d2t
+        else:
+            drafter, d2t, _ = load_speculators_drafter(Path(run["checkpoint"]), embed)
+        drafter = bf16_rounded(drafter).to(target.device, dtype).eval()
+        for step in ("eager", "graphed"):
+            settings = DecodeSettings(
+                args.ks, args.max_new_tokens, 0.0, seed=0, graphed_target=step == "graphed"
+            )
+            started = time.perf_counter()
+            m = measure(target.model, drafter, d2t.to(target.device), target.aux_layer_ids, prompts,
+                        target.eos_ids, settings)  # fmt: skip
+            out.setdefault(name, {})[step] = {
+                str(k): {
+                    "median_speedup": round(median_speedup(m.runs[k]), 3),
+                    "target_tokens_per_s": round(m.target.tokens_per_s, 1),
+                    "speculative_tokens_per_s": round(m.speculative(k).tokens_per_s, 1),
+                    "al": round(m.acceptance[k].acceptance_length, 4),
+                    "greedy_mismatches": m.greedy_mismatches.get(k),
+                }
+                for k in args.ks
+            }
+            log(f"speedup {name} ({step} target): "
+                + ", ".join(f"K={k} {out[name][step][str(k)]['median_speedup']}x" for k in args.ks)
+                + f" ({time.perf_counter() - started:.0f} s)")  # fmt: skip
+    save_state(args, "speedup", out)
+    return out
+
+
 def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     """What the workers of the last evaluation had decoded when it stopped (a time limit cuts it short):
     the drafters, temperatures and prompt sets every worker finished."""
@@ -651,6 +705,7 @@ def write_report(args: argparse.Namespace, parts: dict[str, Any], log: Log) -> P
         "argv": sys.argv[1:],
         "data": stage_state(args, "data"),
         "train": {**stage_state(args, "train"), "runs": trained_runs(args)},
+        "speedup": stage_state(args, "speedup") or None,
         **parts,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -666,6 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_data(args, _log)
         if args.stage in ("train", "all"):
             run_train(args, _log)
+        if args.stage in ("speedup", "all"):
+            run_speedup(args, _log)
         if args.stage in ("eval", "report", "all"):
             evaluated = run_report(args, _log) if args.stage == "report" else run_eval(args, _log)
             summary = summarise(evaluated.pop("decoded"), trained_runs(args), args.ks)

@@ -39,6 +39,15 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert all(r["process_wall_s"] > 0 for r in runs.values())
     assert report["eval"]["prompt_sets"]["questions"]["prompts"] == 3
     assert report["eval"]["target_step"] == "graphed"  # the engine-like step, run eagerly on a CPU
+    # the speedup stage: both target steps, every K, the same greedy output as the target alone
+    speedup = report["speedup"]
+    assert speedup["prompts"] == 3 and set(speedup["eagle3-0"]) == {"eager", "graphed"}
+    for step in ("eager", "graphed"):
+        for k in ("1", "2"):
+            row = speedup["eagle3-0"][step][k]
+            assert (
+                row["greedy_mismatches"] == 0 and row["median_speedup"] > 0 and row["target_tokens_per_s"] > 0
+            )
     for key in ("0.0|heldout", "0.0|questions", "0.7|heldout", "0.7|questions"):
         for k in ("1", "2"):
             row = report["al"][key][k]
