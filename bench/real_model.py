@@ -597,6 +597,8 @@ def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     paths = [out_dir / f"worker-{w}.json" for w in range(workers)]
     parts = [json.loads(p.read_text()) if p.is_file() else {} for p in paths]
     finished = set.intersection(*(set(p) for p in parts))
+    started = set.union(*(set(p) for p in parts))
+    partial = started != finished or not all(p.is_file() for p in paths)
     parts = [{key: p[key] for key in p if key in finished} for p in parts]
     log(
         f"report: {len(finished)} drafter x temperature x prompt set combinations finished by all {workers} workers"
@@ -604,7 +606,7 @@ def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     return {
         "prompt_sets": facts,
         "workers": workers,
-        "partial": True,
+        "partial": partial,
         "decoded": merge_workers(parts, workers, sets),
     }
 

@@ -66,6 +66,9 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
 
     # an evaluation cut short: the report keeps what every worker finished, and only that
     full = json.loads(results.read_text())["al"]
+    assert main([*argv[:1], "report", *argv[2:]]) == 0  # every worker finished: the same table, whole
+    whole = json.loads(results.read_text())
+    assert whole["eval"]["partial"] is False and whole["al"] == full
     worker = tmp_path / "work" / "eval" / "worker-1.json"
     decoded = json.loads(worker.read_text())
     del decoded["eagle3-0|0.7|questions"]  # worker 1 was stopped before its last prompt set
