@@ -40,6 +40,7 @@ speculators
 recipe ""                                    # eagle3's defaults
 recipe spec optimizer=muon lr=1e-3 schedule=linear ttt_steps=3 epochs=20 batch_tokens=8192
 recipe t7e20 ttt_steps=7 epochs=20
+recipe lr2e3 lr=2e-3
 wait
 say "training done"
 timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0 --ks 3,5 --temperatures 0 --max-new-tokens 128 \
