@@ -28,6 +28,13 @@ import torch.nn.functional as F
 from eagle3_core.errors import Eagle3Error
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the families whose forward is exactly embedding, (norm, attention, norm, MLP) per layer, norm, head: others
+# add what the step would silently leave out (Gemma's embedding scale and extra norms, say)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PROBE_TOKENS = 12
+# relative L2 error of the probe's logits and aux states against transformers' forward
+PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+PROBE_TOLERANCE_LOW_PRECISION = 2e-2  # bf16, fp16: another summation order moves each value by up to ~1%
 
 
 class UnsupportedTargetError(Eagle3Error):
@@ -37,6 +44,11 @@ class UnsupportedTargetError(Eagle3Error):
 def check_supported(model: Any) -> None:
     """UnsupportedTargetError naming what the graphed step cannot compute for `model`."""
     name = type(model).__name__
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise UnsupportedTargetError(
+            f"{name}: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+        )
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or layers is None or getattr(inner, "rotary_emb", None) is None:
@@ -105,6 +117,31 @@ class GraphedTarget:
         self.graph_widths = set(graph_widths)
         self.graphs: dict[int, _Graph] = {}
         self.length = 0
+        self.check_against_transformers()
+
+    @torch.no_grad()
+    def check_against_transformers(self) -> None:
+        """UnsupportedTargetError unless the step computes transformers' logits and aux states on a probe,
+        prefilled in two appends (so the cache and the positions are exercised too)."""
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        ids = (torch.arange(PROBE_TOKENS, device=self.device) * 7919 + 11) % vocab
+        out = self.model(input_ids=ids[None], output_hidden_states=True)
+        want_aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layer_ids], dim=-1)
+        self.reset()
+        half = PROBE_TOKENS // 2
+        first, second = self.extend(ids[:half]), self.extend(ids[half:])
+        self.reset()
+        tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE_LOW_PRECISION)
+        for what, got, want in (
+            ("logits", torch.cat([first[0], second[0]]), out.logits[0]),
+            ("aux states", torch.cat([first[1], second[1]]), want_aux),
+        ):
+            error = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+            if not error <= tolerance:
+                raise UnsupportedTargetError(
+                    f"{type(self.model).__name__}: the graphed step's {what} differ from transformers' forward "
+                    f"by {error:.2g} (relative, more than {tolerance:g}): a layout it does not compute"
+                )
 
     # ---- the sequence -------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -174,10 +211,21 @@ class GraphedTarget:
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------------
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        graph = self.graphs.get(ids.numel()) or self._capture(ids.numel())
+        width = ids.numel()
+        fresh = width not in self.graphs
+        graph = self.graphs[width] if not fresh else self._capture(width)
+        # a new graph's first replay is checked against the same step run eagerly (both write the same keys
+        # and values at the same slots, so running both changes nothing)
+        expected = self._forward(ids, positions) if fresh else None
         graph.ids.copy_(ids)
         graph.positions.copy_(positions)
         graph.graph.replay()
+        if expected is not None and not torch.equal(graph.logits, expected[0]):
+            error = float((graph.logits.double() - expected[0].double()).abs().max())
+            if error > PROBE_TOLERANCE_LOW_PRECISION * float(expected[0].abs().max()):
+                raise UnsupportedTargetError(
+                    f"the CUDA graph of width {width} computes other logits (by {error:.3g})"
+                )
         return graph.logits.clone(), graph.aux.clone()
 
     def _capture(self, width: int) -> _Graph:

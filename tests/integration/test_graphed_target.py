@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -106,5 +108,21 @@ def test_what_it_cannot_compute_is_refused_in_one_line() -> None:
         UnsupportedTargetError, match=r"aux layers \(1, 3, 6\) must be inputs of the 6 layers"
     ):
         GraphedTarget(_model("llama"), (1, 3, 6), capacity=8)
-    with pytest.raises(UnsupportedTargetError, match=r"no model\.layers"):
+    with pytest.raises(UnsupportedTargetError, match="model_type None is not one of llama"):
         GraphedTarget(torch.nn.Linear(2, 2), AUX, capacity=8)
+
+
+def test_a_layout_it_does_not_compute_is_caught_by_the_probe_against_transformers() -> None:
+    """A family outside the list is refused by its model_type; a model of a listed type whose layer does more
+    than the step computes (here a layer that scales its output) is refused by the probe that compares the
+    step with transformers' own forward, before anything is decoded."""
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).double().eval()
+    with pytest.raises(UnsupportedTargetError, match="model_type 'gemma' is not one of"):
+        GraphedTarget(gemma, AUX, capacity=32)
+    model = _model("llama")
+    layer = model.model.layers[2]
+    plain = layer.forward
+    layer.forward = lambda *args, **kwargs: plain(*args, **kwargs) * 1.5  # type: ignore[method-assign]
+    with pytest.raises(UnsupportedTargetError, match="logits differ from transformers' forward by"):
+        GraphedTarget(model, AUX, capacity=32)
