@@ -34,7 +34,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PROBE_TOKENS = 12
 # relative L2 error of the probe's logits and aux states against transformers' forward
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-PROBE_TOLERANCE_LOW_PRECISION = 2e-2  # bf16, fp16: another summation order moves each value by up to ~1%
+PROBE_TOLERANCE_LOW_PRECISION = 5e-2  # bf16, fp16: rounding through 30 layers moves logits by a few %
 
 
 class UnsupportedTargetError(Eagle3Error):
