@@ -124,12 +124,14 @@ class GraphedTarget:
         """UnsupportedTargetError unless the step computes transformers' logits and aux states on a probe,
         prefilled in two appends (so the cache and the positions are exercised too)."""
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        ids = (torch.arange(PROBE_TOKENS, device=self.device) * 7919 + 11) % vocab
+        tokens = min(PROBE_TOKENS, self.capacity)
+        ids = (torch.arange(tokens, device=self.device) * 7919 + 11) % vocab
         out = self.model(input_ids=ids[None], output_hidden_states=True)
         want_aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layer_ids], dim=-1)
         self.reset()
-        half = PROBE_TOKENS // 2
-        first, second = self.extend(ids[:half]), self.extend(ids[half:])
+        half = (tokens + 1) // 2
+        first = self.extend(ids[:half])
+        second = self.extend(ids[half:]) if tokens > half else (first[0][:0], first[1][:0])
         self.reset()
         tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE_LOW_PRECISION)
         for what, got, want in (
