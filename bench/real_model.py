@@ -125,6 +125,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--skip-speculators", action="store_true", help="train (and evaluate) eagle3 only")
     p.add_argument(
+        "--prepare", action="store_true",
+        help="--stage train builds the draft vocabulary and speculators' dataset and trains nothing (then "
+        "runs started at once share them instead of each writing its own)",
+    )  # fmt: skip
+    p.add_argument(
         "--skip-eagle3", action="store_true",
         help="train speculators only (runs of both, started as separate processes, may train at once)",
     )  # fmt: skip
@@ -335,7 +340,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     data = load_data(args, log)
     mapping = draft_mapping(data, args, log)
     done = trained_runs(args)
-    for seed in [] if args.skip_eagle3 else args.seeds:
+    for seed in [] if args.skip_eagle3 or args.prepare else args.seeds:
         name = f"eagle3-{args.recipe}-{seed}" if args.recipe else f"eagle3-{seed}"
         if name not in done:
             cfg = eagle3_config(args, seed)
@@ -372,7 +377,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     )
     conversion_s = round(time.perf_counter() - started, 1)
     save_state(args, "train", {"speculators_data": dataset.as_dict(), "conversion_s": conversion_s})
-    for seed in args.seeds:
+    for seed in [] if args.prepare else args.seeds:
         name = f"speculators-{seed}"
         if name in done:
             continue

@@ -18,7 +18,7 @@ DATA=(--regen-batch 512 --regen-max-new-tokens 256 --shard-size 512 --regen-kv-c
 bench() { python3 -m bench.real_model "$@" "${DATA[@]}"; }
 
 bench --stage data > "$LOGS/data.log" 2>&1 || { say "data failed: $LOGS/data.log"; exit 2; }
-bench --stage train --skip-eagle3 --skip-speculators > "$LOGS/vocab.log" 2>&1 || { say "vocabulary failed"; exit 2; }
+bench --stage train --prepare > "$LOGS/prepare.log" 2>&1 || { say "vocabulary or speculators' data failed"; exit 2; }
 say "data and vocabulary ready"
 
 recipe() {  # NAME KEY=VALUE ...: eagle3's trainer with these TrainConfig fields, seed 0, in the background

@@ -64,6 +64,10 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert main([*argv[:1], "eval", *argv[2:]]) == 0
     assert record.read_text() == before
 
+    # --prepare builds what runs started at once share, and trains nothing
+    assert main([*argv[:1], "train", *argv[2:], "--prepare", "--seeds", "5"]) == 0
+    assert not (tmp_path / "work" / "train" / "runs" / "eagle3-5.json").exists()
+
     # an evaluation cut short: the report keeps what every worker finished, and only that
     full = json.loads(results.read_text())["al"]
     assert main([*argv[:1], "report", *argv[2:]]) == 0  # every worker finished: the same table, whole
