@@ -257,11 +257,7 @@ def measure(
     longest = max((len(p) for p in prompts), default=0)
     capacity = longest + settings.max_new_tokens + max(settings.ks) + 1
     decoder = DraftDecoder(drafter, capacity, graphs=True)
-    graphed = (
-        GraphedTarget(model, aux_layer_ids, capacity, graph_widths={1, *(k + 1 for k in settings.ks)})
-        if settings.graphed_target
-        else None
-    )
+    graphed: GraphedTarget | None = None
 
     def target(p: list[int]) -> list[int]:
         return target_generate(model, p, settings.max_new_tokens, eos_ids, sampling, graphed)
@@ -281,7 +277,10 @@ def measure(
             graphed,
         )
 
-    with attention_without_cudnn():
+    with attention_without_cudnn():  # the graphed target's probe and graphs use the same kernels as its steps
+        if settings.graphed_target:
+            widths = {1, *(k + 1 for k in settings.ks)}
+            graphed = GraphedTarget(model, aux_layer_ids, capacity, graph_widths=widths)
         return _measure(target, spec, device, prompts, settings, progress)
 
 

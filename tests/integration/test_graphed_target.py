@@ -86,7 +86,12 @@ def test_speculative_decoding_through_it_is_the_target_s_own_output(k: int) -> N
         assert graphed.tokens == expected and graphed.accepted == eager.accepted
 
 
-def test_measure_with_the_graphed_target_pools_the_same_rounds() -> None:
+def test_measure_with_the_graphed_target_pools_the_same_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps: list[int] = []
+    extend = GraphedTarget.extend
+    monkeypatch.setattr(
+        GraphedTarget, "extend", lambda self, ids: steps.append(ids.numel()) or extend(self, ids)
+    )
     model = _model("llama")
     drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
@@ -94,6 +99,7 @@ def test_measure_with_the_graphed_target_pools_the_same_rounds() -> None:
     graphed = measure(
         model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16, graphed_target=True)
     )
+    assert steps and set(steps) >= {1, 2, 4}  # the graphed runs went through it: decode and verify widths
     for k in (1, 3):
         assert [r.accepted for r in graphed.runs[k]] == [r.accepted for r in eager.runs[k]]
     assert graphed.greedy_mismatches == {1: 0, 3: 0}
