@@ -78,6 +78,16 @@ def _log(message: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    args.ks = tuple(sorted({int(k) for k in str(args.ks).split(",") if k.strip()}))
+    args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
+    args.workdir = args.workdir.resolve()
+    args.prompt_file = args.prompt_file or [DEFAULT_PROMPTS]
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--stage", choices=["data", "train", "eval", "speedup", "report", "all"], required=True)
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
@@ -150,13 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--speedup-prompts", type=int, default=30, help="held-out chitchat prompts timed")
     p.add_argument("--results", type=Path, default=None)
-    args = p.parse_args(argv)
-    args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
-    args.ks = tuple(sorted({int(k) for k in str(args.ks).split(",") if k.strip()}))
-    args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
-    args.workdir = args.workdir.resolve()
-    args.prompt_file = args.prompt_file or [DEFAULT_PROMPTS]
-    return args
+    return p
 
 
 # ---- 1. data ---------------------------------------------------------------------------------------------

@@ -86,3 +86,19 @@ def test_the_regeneration_speed_bench_gives_each_kv_cache_the_same_replies(tmp_p
     for facts in report["caches"].values():
         assert facts["same_ids_as_first"] and facts["rows_differing_from_first"] == 0
         assert 0 < facts["new_tokens"] <= 5 * 3 and facts["ms_per_decode_step"] > 0
+
+
+def test_the_real_model_shell_drivers_parse_and_pass_only_flags_the_bench_takes() -> None:
+    """bench/real_model_{screen,headline}.sh run on a GPU host, where a typo costs a lease: each is valid bash,
+    and every flag it passes is one of bench/real_model.py's."""
+    from bench.real_model import build_parser
+
+    options = set(re.findall(r"--[a-z][a-z0-9-]*", build_parser().format_help()))
+    scripts = sorted((REPO / "bench").glob("real_model_*.sh"))
+    assert {p.name for p in scripts} >= {"real_model_screen.sh", "real_model_headline.sh"}
+    for script in scripts:
+        syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert syntax.returncode == 0, f"{script.name}: {syntax.stderr}"
+        code = "\n".join(line.split("#", 1)[0] for line in script.read_text().splitlines())
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code))
+        assert flags and flags <= options, f"{script.name}: {sorted(flags - options)}"
