@@ -460,33 +460,41 @@ def prompt_sets(
     return sets, facts
 
 
+def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """A trained run's drafter (eagle3's or speculators', with the target's embedding `embed`, float32 on the
+    CPU), weights rounded to bf16 as both save them, on the target's device and dtype, with its
+    draft-to-target offsets there too."""
+    from bench.vs_speculators import bf16_rounded, load_speculators_drafter
+    from eagle3_core.train.run_dir import load_trained
+
+    if run["trainer"] == "eagle3":
+        drafter, mapping, _ = load_trained(Path(run["final_dir"]), embed)
+        d2t = mapping.d2t
+    else:
+        drafter, d2t, _ = load_speculators_drafter(Path(run["checkpoint"]), embed)
+    dtype = next(target.model.parameters()).dtype
+    return bf16_rounded(drafter).to(target.device, dtype).eval(), d2t.to(target.device)
+
+
 def eval_worker(job: EvalJob) -> None:
     """Decode this worker's prompts with every drafter at every temperature; write each prompt's rounds."""
-    from bench.vs_speculators import bf16_rounded, load_speculators_drafter
     from eagle3_core.evaluate.measure import DecodeSettings, measure
     from eagle3_core.steps.evaluation import load_target
-    from eagle3_core.train.run_dir import load_trained
 
     torch.set_num_threads(job.threads)
     cfg = load_config(Path(job.config))
     target = load_target(cfg, lambda _m: None)
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
-    dtype = next(target.model.parameters()).dtype
     out: dict[str, Any] = {}
     for name, run in job.drafters.items():
-        if run["trainer"] == "eagle3":
-            drafter, mapping, _ = load_trained(Path(run["final_dir"]), embed)
-            d2t = mapping.d2t
-        else:
-            drafter, d2t, _ = load_speculators_drafter(Path(run["checkpoint"]), embed)
-        drafter = bf16_rounded(drafter).to(target.device, dtype).eval()
+        drafter, d2t = load_drafter(run, target, embed)
         for temperature in job.temperatures:
             for set_name, ids in job.sets.items():
                 settings = DecodeSettings(
                     job.ks, job.max_new_tokens, temperature, seed=0, graphed_target=job.graphed
                 )
                 started = time.perf_counter()
-                m = measure(target.model, drafter, d2t.to(target.device), target.aux_layer_ids, ids,
+                m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids,
                             target.eos_ids, settings)  # fmt: skip
                 out[f"{name}|{temperature}|{set_name}"] = {
                     str(k): [[list(r.accepted), r.spec.tokens, r.spec.seconds, r.target.tokens, r.target.seconds]
@@ -545,10 +553,8 @@ def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     the first --speedup-prompts held-out prompts greedily, against the target alone, with the target's step
     eager (transformers' forward) and graphed (an engine's: CUDA graphs on a GPU). Each prompt is decoded by
     both paths back to back; the median of the per-prompt ratios is reported per K."""
-    from bench.vs_speculators import bf16_rounded, load_speculators_drafter
     from eagle3_core.evaluate.measure import DecodeSettings, measure, median_speedup
     from eagle3_core.steps.evaluation import load_target
-    from eagle3_core.train.run_dir import load_trained
 
     data = load_data(args, log)
     seed = args.seeds[0]
@@ -562,18 +568,13 @@ def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     dtype = next(target.model.parameters()).dtype
     out: dict[str, Any] = {"prompts": len(prompts), "device": str(target.device), "dtype": str(dtype)}
     for name, run in runs.items():
-        if run["trainer"] == "eagle3":
-            drafter, mapping, _ = load_trained(Path(run["final_dir"]), embed)
-            d2t = mapping.d2t
-        else:
-            drafter, d2t, _ = load_speculators_drafter(Path(run["checkpoint"]), embed)
-        drafter = bf16_rounded(drafter).to(target.device, dtype).eval()
+        drafter, d2t = load_drafter(run, target, embed)
         for step in ("eager", "graphed"):
             settings = DecodeSettings(
                 args.ks, args.max_new_tokens, 0.0, seed=0, graphed_target=step == "graphed"
             )
             started = time.perf_counter()
-            m = measure(target.model, drafter, d2t.to(target.device), target.aux_layer_ids, prompts,
+            m = measure(target.model, drafter, d2t, target.aux_layer_ids, prompts,
                         target.eos_ids, settings)  # fmt: skip
             out.setdefault(name, {})[step] = {
                 str(k): {
