@@ -486,9 +486,13 @@ def eval_worker(job: EvalJob) -> None:
     target = load_target(cfg, lambda _m: None)
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     out: dict[str, Any] = {}
-    for name, run in job.drafters.items():
-        drafter, d2t = load_drafter(run, target, embed)
-        for temperature in job.temperatures:
+    # greedy first, and within it each seed's pair of drafters together: a time limit that cuts the rest short
+    # still leaves whole paired comparisons
+    order = sorted(job.drafters, key=lambda name: (job.drafters[name].get("seed", 0), name))
+    loaded = {name: load_drafter(job.drafters[name], target, embed) for name in order}
+    for temperature in job.temperatures:
+        for name in order:
+            drafter, d2t = loaded[name]
             for set_name, ids in job.sets.items():
                 settings = DecodeSettings(
                     job.ks, job.max_new_tokens, temperature, seed=0, graphed_target=job.graphed
@@ -525,7 +529,10 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("worker-*.json"):
         stale.unlink()
-    _write_json(out_dir / PLAN, {"workers": workers})
+    # what the report needs to merge and describe the workers' files without the store
+    _write_json(out_dir / PLAN, {"workers": workers, "prompt_sets": facts, "device": device_name(),
+                                 "torch": torch.__version__,
+                                 "target_step": "graphed" if graphed else "eager"})  # fmt: skip
     jobs = [
         EvalJob(str(args.workdir / "eagle3.yaml"), trained, {n: ids[w::workers] for n, ids in sets.items()},
                 args.ks, args.temperatures, args.max_new_tokens, threads, str(out_dir / f"worker-{w}.json"),
@@ -541,10 +548,12 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             pool.map(eval_worker, jobs)
     seconds = round(time.perf_counter() - started, 1)
-    merged = merge_workers([json.loads(Path(j.out).read_text()) for j in jobs], workers, sets)
+    merged = merge_workers(
+        [json.loads(Path(j.out).read_text()) for j in jobs], workers, {n: len(ids) for n, ids in sets.items()}
+    )
     return {
-        "prompt_sets": facts, "seconds": seconds, "workers": workers,
-        "target_step": "graphed" if graphed else "eager", "decoded": merged,
+        "prompt_sets": facts, "seconds": seconds, "workers": workers, "device": device_name(),
+        "torch": torch.__version__, "target_step": "graphed" if graphed else "eager", "decoded": merged,
     }  # fmt: skip
 
 
@@ -586,6 +595,7 @@ def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 }
                 for k in args.ks
             }
+            save_state(args, "speedup", out)  # what is timed survives a later failure or time limit
             log(f"speedup {name} ({step} target): "
                 + ", ".join(f"K={k} {out[name][step][str(k)]['median_speedup']}x" for k in args.ks)
                 + f" ({time.perf_counter() - started:.0f} s)")  # fmt: skip
@@ -595,15 +605,13 @@ def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
 
 def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     """What the workers of the last evaluation had decoded when it stopped (a time limit cuts it short):
-    the drafters, temperatures and prompt sets every worker finished."""
-    from transformers import AutoTokenizer
-
-    data = load_data(args, log)
+    the drafters, temperatures and prompt sets every worker finished. It reads the evaluation's own files
+    alone, so a report can be made wherever they are copied to."""
     out_dir = args.workdir / "eval"
     if not (out_dir / PLAN).is_file():
         raise Eagle3Error(f"no evaluation in {out_dir}: run --stage eval first")
-    workers = int(json.loads((out_dir / PLAN).read_text())["workers"])
-    sets, facts = prompt_sets(args, data, AutoTokenizer.from_pretrained(data.target_dir))
+    plan = json.loads((out_dir / PLAN).read_text())
+    workers = int(plan["workers"])
     paths = [out_dir / f"worker-{w}.json" for w in range(workers)]
     parts = [json.loads(p.read_text()) if p.is_file() else {} for p in paths]
     finished = set.intersection(*(set(p) for p in parts))
@@ -613,22 +621,37 @@ def run_report(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     log(
         f"report: {len(finished)} drafter x temperature x prompt set combinations finished by all {workers} workers"
     )
+    facts = plan.get("prompt_sets") or {}
     return {
         "prompt_sets": facts,
         "workers": workers,
+        "target_step": plan.get("target_step"),
+        "device": plan.get("device"),
+        "torch": plan.get("torch"),
         "partial": partial,
-        "decoded": merge_workers(parts, workers, sets),
+        "unfinished": sorted(started - finished),
+        "decoded": merge_workers(parts, workers, set_sizes(parts, facts)),
     }
 
 
-def merge_workers(
-    parts: list[dict[str, Any]], workers: int, sets: dict[str, list[list[int]]]
-) -> dict[str, Any]:
+def set_sizes(parts: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str, int]:
+    """Prompts in each set: from the evaluation's plan, or (an evaluation that predates it) counted from the
+    rows the workers decoded."""
+    sizes = {name: int(f["prompts"]) for name, f in facts.items()}
+    for key in parts[0] if parts else {}:
+        set_name = key.split("|")[2]
+        if set_name not in sizes:
+            first_k = next(k for k in parts[0][key] if k != "mismatches")
+            sizes[set_name] = sum(len(p[key][first_k]) for p in parts)
+    return sizes
+
+
+def merge_workers(parts: list[dict[str, Any]], workers: int, sizes: dict[str, int]) -> dict[str, Any]:
     """The workers' per-prompt rounds back in each set's prompt order (worker w held prompts w, w+n, ...)."""
     merged: dict[str, Any] = {}
     for key in parts[0]:
         set_name = key.split("|")[2]
-        total = len(sets[set_name])
+        total = sizes[set_name]
         entry: dict[str, Any] = {"mismatches": {}}
         for k in (k for k in parts[0][key] if k != "mismatches"):
             rows: list[Any] = [None] * total
@@ -706,13 +729,19 @@ def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) 
     return {"al": table, "eagle3_minus_speculators": pairs, "target_reply_tokens": reply_lengths}
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def write_report(args: argparse.Namespace, parts: dict[str, Any], log: Log) -> Path:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    """The result file, named after the device the evaluation ran on (its plan says which, so a report made
+    elsewhere from its copied files still names it)."""
+    device = parts["eval"].get("device") or device_name()
     label = "h200" if "H200" in device else ("cpu" if device == "cpu" else device.replace(" ", "_").lower())
     out = args.results or RESULTS / f"real_model_{label}.json"
     report = {
         "device": device,
-        "torch": torch.__version__,
+        "torch": parts["eval"].get("torch") or torch.__version__,
         "speculators_version": SPECULATORS_VERSION,
         "argv": sys.argv[1:],
         "data": stage_state(args, "data"),

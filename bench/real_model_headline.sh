@@ -7,6 +7,7 @@
 #
 #   bash bench/real_model_headline.sh [TRAIN_SECONDS] [EVAL_SECONDS]
 #   REPLY_TOKENS=256 EVAL_TOKENS=128 bash bench/real_model_headline.sh   # regeneration and decoding budgets
+#   TARGET_STEP=eager bash bench/real_model_headline.sh   # the evaluation's target step (default auto: graphed on a GPU)
 set -u
 cd "$(dirname "$0")/.."
 TRAIN_S=${1:-600}
@@ -22,7 +23,8 @@ for seed in 0 1; do
 done
 wait
 bench --stage speedup --seeds 0 --ks 1,3,5,7 --speedup-prompts 16 > "$LOGS/speedup.log" 2>&1; say "speedup: exit $?"
-timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0,1 --eval-workers 12 "${COMMON[@]}" \
+timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0,1 --eval-workers "${EVAL_WORKERS:-12}" \
+    --target-step "${TARGET_STEP:-auto}" "${COMMON[@]}" \
     > "$LOGS/eval.log" 2>&1 && say "evaluation and report: done (bench/results/real_model_*.json)" || {
     say "evaluation cut short: reporting what the workers finished"
     bench --stage report --seeds 0,1 > "$LOGS/report.log" 2>&1; say "report: exit $?"; }

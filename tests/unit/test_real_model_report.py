@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.real_model import merge_workers, summarise
+from bench.real_model import merge_workers, set_sizes, summarise
 
 
 def test_merge_puts_each_workers_prompts_back_in_order() -> None:
@@ -14,9 +14,21 @@ def test_merge_puts_each_workers_prompts_back_in_order() -> None:
         {"a|0.0|s": {"1": [["p0"], ["p2"], ["p4"]], "mismatches": {"1": 1}}},
         {"a|0.0|s": {"1": [["p1"], ["p3"]], "mismatches": {"1": 2}}},
     ]
-    merged = merge_workers(parts, 2, {"s": [[0]] * 5})
+    merged = merge_workers(parts, 2, {"s": 5})
     assert merged["a|0.0|s"]["1"] == [["p0"], ["p1"], ["p2"], ["p3"], ["p4"]]
     assert merged["a|0.0|s"]["mismatches"] == {"1": 3}
+
+
+def test_set_sizes_come_from_the_plan_or_are_counted_from_the_workers_rows() -> None:
+    parts = [
+        {
+            "a|0.0|s": {"1": [["p0"], ["p2"], ["p4"]], "mismatches": {}},
+            "a|0.0|t": {"1": [["q0"]], "mismatches": {}},
+        },
+        {"a|0.0|s": {"1": [["p1"], ["p3"]], "mismatches": {}}, "a|0.0|t": {"1": [["q1"]], "mismatches": {}}},
+    ]
+    assert set_sizes(parts, {}) == {"s": 5, "t": 2}
+    assert set_sizes(parts, {"s": {"prompts": 6}}) == {"s": 6, "t": 2}  # the plan's count wins
 
 
 def _rows(accepted: list[list[int]], reply_tokens: int) -> list[list[object]]:
