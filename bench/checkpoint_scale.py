@@ -28,7 +28,7 @@ from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.store.atomic import fsync_path
 from eagle3_core.store.records import RunProgress
 from eagle3_core.train.checkpoint import OPTIMIZER, WEIGHTS, resume_checkpoint, save_checkpoint
-from eagle3_core.train.run_dir import trainable_state
+from eagle3_core.train.run_dir import drafter_state
 
 # what the trainer records beside the tensors (a few hundred bytes: it does not weigh on the figures)
 PROGRESS = RunProgress(
@@ -50,7 +50,7 @@ def _state(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str,
     )
     with torch.device("meta"):
         meta = Eagle3Drafter(cfg)
-    shapes = {name: t.shape for name, t in trainable_state(meta).items()}
+    shapes = {name: t.shape for name, t in drafter_state(meta).items()}
     g = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
     params = [torch.nn.Parameter(w) for w in weights.values()]

@@ -365,6 +365,12 @@ class TrainConfig(_Model):
         description="current: start from the promoted drafter's weights (same vocab mapping and shapes), "
         "as a nightly retrain on fresh data does.",
     )
+    head: Literal["trained", "frozen"] = Field(
+        default="trained",
+        description="The draft head (lm_head) starts as the target's own rows of the draft vocabulary. trained: "
+        "AdamW trains it with the rest. frozen: it stays the target's rows (as speculators 0.9.0 keeps it); "
+        "fewer weights to fit, and no head gradient to compute.",
+    )
     optimizer: Literal["adamw", "muon"] = Field(
         default="muon",
         description="muon: torch.optim.Muon on the 2-D weights of fc and the decoder layer, AdamW on the rest.",

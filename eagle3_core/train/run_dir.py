@@ -163,14 +163,18 @@ class TrainResult:
     summary: RunSummary
 
 
-def trainable_state(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
+EMBEDDING = "embed_tokens.weight"  # the target's own, never saved with a drafter
 
 
-def load_trainable_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Load saved trainable weights; anything but the (shared, frozen) embedding missing or extra is an error."""
+def drafter_state(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """The weights a run saves: all the drafter's own (a frozen head too), not the target's shared embedding."""
+    return {n: p.detach() for n, p in drafter.named_parameters() if n != EMBEDDING}
+
+
+def load_drafter_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Load saved drafter weights; anything but the (shared, frozen) embedding missing or extra is an error."""
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) != {"embed_tokens.weight"}:
+    if unexpected or set(missing) != {EMBEDDING}:
         raise Eagle3Error(
             f"{where}: drafter weights do not match (missing {missing}, unexpected {unexpected})"
         )
@@ -183,7 +187,7 @@ def write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, su
     final = run_dir / FINAL
     with atomic_directory(final) as temp:
         save_file(
-            {n: t.cpu().contiguous() for n, t in trainable_state(drafter).items()},
+            {n: t.cpu().contiguous() for n, t in drafter_state(drafter).items()},
             str(temp / "drafter.safetensors"),
         )
         atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
@@ -214,5 +218,5 @@ def load_trained(final_dir: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, V
     summary = RunSummary.read(final_dir / SUMMARY)
     mapping = load_vocab_mapping(final_dir / "vocab_mapping", expected_fingerprint=summary.vocab_mapping)
     drafter = Eagle3Drafter(DrafterConfig(**summary.drafter_config), embed.float())
-    load_trainable_state(drafter, load_file(str(final_dir / "drafter.safetensors")), final_dir)
+    load_drafter_state(drafter, load_file(str(final_dir / "drafter.safetensors")), final_dir)
     return drafter, mapping, summary

@@ -70,12 +70,12 @@ from eagle3_core.train.run_dir import (
     SUMMARY,
     MetricsLog,
     TrainResult,
+    drafter_state,
     finished_result,
-    load_trainable_state,
+    load_drafter_state,
     read_metrics,
     run_id,
     run_lock,
-    trainable_state,
     write_final,
 )
 from eagle3_core.train.schedule import (
@@ -330,7 +330,8 @@ def build_setup(
     )
     drafter = new_drafter(dcfg, head, mapping, cfg.seed)
     if warm is not None:
-        load_trainable_state(drafter, warm.weights, warm.final_dir)
+        load_drafter_state(drafter, warm.weights, warm.final_dir)
+    drafter.lm_head.weight.requires_grad_(cfg.head == "trained")
     drafter = drafter.to(world.device)
     if cfg.compile == "on" or (cfg.compile == "auto" and cuda):
         compile_layer(drafter)
@@ -494,7 +495,7 @@ def _run(
 
 
 def _write_final(s: Setup, run_dir: Path, summary: RunSummary, log: Log) -> None:
-    needed = sum(t.nbytes for t in trainable_state(s.drafter).values())
+    needed = sum(t.nbytes for t in drafter_state(s.drafter).values())
     with full_disk_stops_the_run(run_dir, "the final drafter", needed):
         write_final(run_dir, s.drafter, s.mapping, summary)
     log(f"run {run_dir.name} finished: {run_dir / FINAL}")
@@ -551,7 +552,7 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
     ckpt = _resume_point(world, run_dir, log)
     progress = Progress(0, 0, TTTStats.zeros(steps, world.device), 0)
     if ckpt is not None:
-        load_trainable_state(s.drafter, ckpt.weights, ckpt.path)
+        load_drafter_state(s.drafter, ckpt.weights, ckpt.path)
         s.optimizer.load_state_dict(ckpt.optimizer)
         saved = ckpt.state
         torch.set_rng_state(torch.tensor(saved.rng_cpu, dtype=torch.uint8))
@@ -709,7 +710,7 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
         save_checkpoint(
             run_dir,
             progress.step,
-            trainable_state(s.drafter),
+            drafter_state(s.drafter),
             s.optimizer.state_dict(),
             state,
             s.cfg.keep_checkpoints,

@@ -238,12 +238,37 @@ def test_a_vocab_mapping_older_than_the_shards_is_refused(
         drafter_checkpoint_step(cfg, log=lambda _: None)
 
 
-def _short(lr: float, init_from: str = "scratch", vocab: int = 512, steps: int = 4) -> str:
+def _short(
+    lr: float, init_from: str = "scratch", vocab: int = 512, steps: int = 4, head: str = "trained"
+) -> str:
     return (
         f"train: {{draft_vocab_size: {vocab}, batch_tokens: 2048, max_len: 256, max_steps: {steps}, lr: {lr}, "
         f"log_every: 2, eval_every: 100, checkpoint_every: 100, val_fraction: 0.15, seed: 7, "
-        f"init_from: {init_from}}}\n"
+        f"init_from: {init_from}, head: {head}}}\n"
     )
+
+
+def test_a_frozen_head_stays_the_target_s_rows_while_the_rest_learns(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from eagle3_core.targets.head import load_target_head
+    from eagle3_core.train.run_dir import load_trained
+
+    head = load_target_head(shard_store[1])
+    embed = head.embed.float()
+    finals = {}
+    for mode in ("frozen", "trained"):
+        cfg = load_config(_copy(shard_store, tmp_path / mode, train=_short(0.003, steps=6, head=mode)))
+        vocab_step(cfg)
+        result = drafter_checkpoint_step(cfg, log=lambda _: None)
+        finals[mode] = load_trained(result.path, embed)
+        train = [r for r in read_metrics(result.path.parent) if isinstance(r, TrainRow)]
+        assert train[-1].loss < train[0].loss, mode  # the rest of the drafter learns either way
+    frozen, mapping, _ = finals["frozen"]
+    rows = head.lm_head.float()[mapping.draft_to_target]
+    assert torch.equal(frozen.lm_head.weight.detach(), rows)  # saved with the run, and never moved
+    trained = finals["trained"][0].lm_head.weight.detach()
+    assert (trained - rows).abs().max() > 1e-4  # the default trains it from the same rows
 
 
 def test_warm_start_continues_from_the_promoted_weights_and_refuses_another_mapping(
