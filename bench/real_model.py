@@ -478,7 +478,7 @@ def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple
 
 def eval_worker(job: EvalJob) -> None:
     """Decode this worker's prompts with every drafter at every temperature; write each prompt's rounds."""
-    from eagle3_core.evaluate.measure import DecodeSettings, measure
+    from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
     from eagle3_core.steps.evaluation import load_target
 
     torch.set_num_threads(job.threads)
@@ -490,6 +490,9 @@ def eval_worker(job: EvalJob) -> None:
     # still leaves whole paired comparisons
     order = sorted(job.drafters, key=lambda name: (job.drafters[name].get("seed", 0), name))
     loaded = {name: load_drafter(job.drafters[name], target, embed) for name in order}
+    references: dict[
+        tuple[float, str], list[list[int]]
+    ] = {}  # the target alone, decoded once for all drafters
     for temperature in job.temperatures:
         for name in order:
             drafter, d2t = loaded[name]
@@ -498,8 +501,12 @@ def eval_worker(job: EvalJob) -> None:
                     job.ks, job.max_new_tokens, temperature, seed=0, graphed_target=job.graphed
                 )
                 started = time.perf_counter()
-                m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids,
-                            target.eos_ids, settings)  # fmt: skip
+                if (temperature, set_name) not in references:
+                    references[temperature, set_name] = target_references(
+                        target.model, target.aux_layer_ids, ids, target.eos_ids, settings
+                    )
+                m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids,
+                            settings, references=references[temperature, set_name])  # fmt: skip
                 out[f"{name}|{temperature}|{set_name}"] = {
                     str(k): [[list(r.accepted), r.spec.tokens, r.spec.seconds, r.target.tokens, r.target.seconds]
                              for r in runs]

@@ -22,15 +22,15 @@ recipe() {  # NAME KEY=VALUE ...: eagle3's trainer with these TrainConfig fields
 
 prepare_data
 train_in_background speculators "$TRAIN_S" --seeds 0 --skip-eagle3
-recipe ""                                    # eagle3's defaults
-recipe spec optimizer=muon lr=1e-3 schedule=linear ttt_steps=3 epochs=20 batch_tokens=8192
-recipe t7e20 ttt_steps=7 epochs=20
-recipe lr2e3 lr=2e-3
+recipe ""                                    # eagle3's defaults (TTT 7, 10 epochs, the head trained)
+recipe frozen head=frozen                    # the head left at the target's rows, as speculators leaves it
+recipe frozen-t3e20 head=frozen ttt_steps=3 epochs=20
+recipe t3e20 ttt_steps=3 epochs=20
 wait
 say "training done"
-timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0 --ks 3,5 --temperatures 0 --max-new-tokens 128 \
-    --prompts-per-source 42 --eval-workers 14 "${COMMON[@]}" --results "$LOGS/report.json" > "$LOGS/eval.log" 2>&1
+timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0 --ks 3,5,7 --temperatures 0 --max-new-tokens 128 \
+    --prompts-per-source 60 --eval-workers 12 "${COMMON[@]}" --results "$LOGS/report.json" > "$LOGS/eval.log" 2>&1
 say "evaluation: exit $?"
-bench --stage report --seeds 0 --ks 3,5 --temperatures 0 --max-new-tokens 128 --prompts-per-source 42 \
+bench --stage report --seeds 0 --ks 3,5,7 --temperatures 0 --max-new-tokens 128 --prompts-per-source 60 \
     --results "$LOGS/report.json" > "$LOGS/report.log" 2>&1
 say "report: exit $? ($LOGS/report.json)"

@@ -246,11 +246,15 @@ def measure(
     eos_ids: set[int],
     settings: DecodeSettings,
     progress: Callable[[int, int], None] = lambda _done, _total: None,
+    references: Sequence[list[int]] | None = None,
 ) -> Measurement:
-    """Decode every prompt with the target alone and with the drafter at each K; pool the rounds per K."""
+    """Decode every prompt with the target alone and with the drafter at each K; pool the rounds per K.
+
+    `references`: the target's own replies to `prompts` (`target_references` with these settings), when
+    several drafters are measured on the same prompts: the target-alone path is then not decoded again, and
+    its speed is not timed (each run's speedup is nan)."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(settings.seed)
-    sampling = Sampling(settings.temperature, generator if settings.temperature > 0 else None)
+    sampling = _sampling(settings, device)
 
     # one drafter cache (and one graphed target) for every prompt and K: their CUDA graphs are captured
     # once, during the warm-up
@@ -281,7 +285,34 @@ def measure(
         if settings.graphed_target:
             widths = {1, *(k + 1 for k in settings.ks)}
             graphed = GraphedTarget(model, aux_layer_ids, capacity, graph_widths=widths)
-        return _measure(target, spec, device, prompts, settings, progress)
+        return _measure(target, spec, device, prompts, settings, progress, references)
+
+
+def _sampling(settings: DecodeSettings, device: torch.device) -> Sampling:
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    return Sampling(settings.temperature, generator if settings.temperature > 0 else None)
+
+
+def target_references(
+    model: Any,
+    aux_layer_ids: tuple[int, ...],
+    prompts: Sequence[list[int]],
+    eos_ids: set[int],
+    settings: DecodeSettings,
+) -> list[list[int]]:
+    """The target's own reply to each prompt, as `measure` decodes it (greedy: the reference every
+    speculative output must equal), for `measure(..., references=)`."""
+    sampling = _sampling(settings, next(model.parameters()).device)
+    capacity = max((len(p) for p in prompts), default=0) + settings.max_new_tokens + 1
+    with attention_without_cudnn():
+        graphed = (
+            GraphedTarget(model, aux_layer_ids, capacity, graph_widths={1})
+            if settings.graphed_target
+            else None
+        )
+        return [
+            target_generate(model, p, settings.max_new_tokens, eos_ids, sampling, graphed) for p in prompts
+        ]
 
 
 def attention_without_cudnn() -> Any:
@@ -297,18 +328,24 @@ def _measure(
     prompts: Sequence[list[int]],
     settings: DecodeSettings,
     progress: Callable[[int, int], None],
+    references: Sequence[list[int]] | None = None,
 ) -> Measurement:
+    if references is not None and len(references) != len(prompts):
+        raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
     if prompts:  # warm-up: kernels chosen, allocator primed, lazy imports done
-        target(prompts[0])
+        if references is None:
+            target(prompts[0])
         for k in settings.ks:
             spec(prompts[0], k)
     runs: dict[int, list[PromptRun]] = {k: [] for k in settings.ks}
     mismatches = dict.fromkeys(settings.ks, 0)
-    paths = [0, *settings.ks]  # 0: the target alone
+    paths = [*([] if references is not None else [0]), *settings.ks]  # 0: the target alone
     for i, prompt in enumerate(prompts):
         shift = i % len(paths)  # each path goes first as often as the others
         outputs: dict[int, list[int]] = {}
         timings: dict[int, PathTiming] = {}
+        if references is not None:  # decoded before, not timed
+            outputs[0], timings[0] = references[i], PathTiming(len(references[i]), 0.0)
         accepted: dict[int, tuple[int, ...]] = {}
         for path in paths[shift:] + paths[:shift]:
             if path == 0:

@@ -20,8 +20,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from eagle3_core.evaluate import measure as measure_module
 from eagle3_core.evaluate.graphed_target import GraphedTarget, UnsupportedTargetError
-from eagle3_core.evaluate.measure import DecodeSettings, measure
+from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
 from eagle3_core.evaluate.specdec import speculative_generate, target_generate
 from tests.integration.test_specdec import _drafter
 
@@ -103,6 +104,32 @@ def test_measure_with_the_graphed_target_pools_the_same_rounds(monkeypatch: pyte
     for k in (1, 3):
         assert [r.accepted for r in graphed.runs[k]] == [r.accepted for r in eager.runs[k]]
     assert graphed.greedy_mismatches == {1: 0, 3: 0}
+
+
+def test_references_decoded_once_stand_for_the_target_alone_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama")
+    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    settings = DecodeSettings((1, 3), 16, graphed_target=True)
+    whole = measure(model, drafter, d2t, AUX, prompts, set(), settings)
+    references = target_references(model, AUX, prompts, set(), settings)
+    calls: list[int] = []
+    target_generate = measure_module.target_generate
+    monkeypatch.setattr(
+        measure_module, "target_generate", lambda *a, **kw: calls.append(1) or target_generate(*a, **kw)
+    )
+    shared = measure(model, drafter, d2t, AUX, prompts, set(), settings, references=references)
+    assert not calls  # the target alone was not decoded again
+    for k in (1, 3):
+        assert [r.accepted for r in shared.runs[k]] == [r.accepted for r in whole.runs[k]]
+        assert [r.target.tokens for r in shared.runs[k]] == [r.target.tokens for r in whole.runs[k]]
+    assert shared.greedy_mismatches == {1: 0, 3: 0}
+    wrong = [[*r[:-1], (r[-1] + 1) % 64] for r in references]  # each reference's last token changed
+    assert measure(
+        model, drafter, d2t, AUX, prompts, set(), settings, references=wrong
+    ).greedy_mismatches == {1: 3, 3: 3}
+    with pytest.raises(ValueError, match="2 references for 3 prompts"):
+        measure(model, drafter, d2t, AUX, prompts, set(), settings, references=references[:2])
 
 
 def test_what_it_cannot_compute_is_refused_in_one_line() -> None:
