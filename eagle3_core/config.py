@@ -121,7 +121,7 @@ class SGLangHttpBackendConfig(_Model):
 # tp_size and mem_fraction_static stay in the `sglang` section: the server eagle3 launches (whose states
 # sglang_http reads) takes the same two, and one host's GPU layout is then written once for both
 class SGLangEngineBackendConfig(_Model):
-    """sglang.Engine in this process (GPU only, eagle3[sglang]), sized by sglang.tp_size and mem_fraction_static."""
+    """sglang.Engine in this process (eagle3[sglang]) on target.device, sized by the sglang section."""
 
     kind: Literal["sglang_engine"] = "sglang_engine"
 
@@ -560,6 +560,12 @@ class SGLangServerConfig(_Model):
     mem_fraction_static: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.85,
         description="Share of each GPU's memory SGLang reserves for weights and KV cache (--mem-fraction-static).",
+    )
+    max_total_tokens: Annotated[int, Field(gt=0)] | None = Field(
+        default=None,
+        description="Tokens the KV cache holds (--max-total-tokens). Unset: SGLang sizes it from GPU memory, "
+        "and on a CPU (target.device cpu) eagle3 sets 16,384, since SGLang's own choice there can come out "
+        "negative.",
     )
     host: str = Field(
         default="127.0.0.1",

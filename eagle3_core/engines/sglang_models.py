@@ -171,3 +171,32 @@ def serving_dtype(target_dtype: str, config: dict[str, object]) -> str:
     if declared in ("bfloat16", "float16"):
         return str(declared)
     return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+
+
+# The KV pool SGLang sizes from GPU memory; on a CPU it derives it from a share of host memory, which came out
+# negative for a DeepSeek-shaped target, so eagle3 sets it there: tokens, the longest sample's several times over.
+CPU_MAX_TOTAL_TOKENS = 16384
+
+
+def resolved_device(device: str) -> str:
+    """target.device as SGLang gets it: auto is cuda where a CUDA device is visible, else cpu."""
+    if device != "auto":
+        return device
+    import torch  # only here: managing the server's process needs no torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_settings(device: str, max_total_tokens: int | None) -> dict[str, str | int]:
+    """The ServerArgs SGLang needs for `device` (resolved, not auto) beyond its defaults: on a CPU the device, the
+    torch_native attention (its other CPU backend needs Intel AMX) and the KV pool's size; on a GPU only a KV
+    size that was set. One table for the in-process engine (keyword arguments) and the server (flags)."""
+    settings: dict[str, str | int] = {}
+    if device != "cuda":
+        settings["device"] = device
+        max_total_tokens = max_total_tokens or CPU_MAX_TOTAL_TOKENS
+    if device == "cpu":
+        settings["attention_backend"] = "torch_native"
+    if max_total_tokens is not None:
+        settings["max_total_tokens"] = max_total_tokens
+    return settings

@@ -40,7 +40,12 @@ from typing import Literal, NoReturn
 
 from eagle3_core.config import Eagle3Config, SGLangServerConfig
 from eagle3_core.engines import http
-from eagle3_core.engines.sglang_models import read_architectures, sglang_model
+from eagle3_core.engines.sglang_models import (
+    device_settings,
+    read_architectures,
+    resolved_device,
+    sglang_model,
+)
 from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
 from eagle3_core.procs import (
     ProcStat,
@@ -127,6 +132,10 @@ def launch_command(
     state only. The hooks' module paths follow the target's `architectures` (engines/sglang_models.py), read
     from `model_path`'s config.json when not given.
 
+    On a CPU (target.device cpu, or auto where no CUDA device is visible here) the extraction server gets
+    `--device cpu`, the torch_native attention and a KV size (`device_settings`). A drafter is not served on a
+    CPU: SGLang 0.5.23 has no draft attention backend there without Intel AMX, so `serve` refuses device cpu.
+
     `serve` runs EAGLE-3 chain drafting of `k` tokens (default `evaluate.gate_k`, the K the promotion gate
     measured): topk 1, so the verify step holds the K drafts plus the committed token, K + 1.
     """
@@ -146,6 +155,16 @@ def launch_command(
     ]
     if cfg.target.dtype != "auto":
         argv += ["--dtype", cfg.target.dtype]
+    if purpose == "serve" and cfg.target.device == "cpu":
+        raise ConfigError(
+            "target.device: SGLang serves an EAGLE-3 drafter on a GPU only (0.5.23 has no CPU draft attention "
+            "backend without Intel AMX); set target.device auto or cuda for the serving host"
+        )
+    # an extraction server runs on this host, so auto is decided here; a serving command is printed for the
+    # serving host, where SGLang decides auto itself
+    device = resolved_device(cfg.target.device) if purpose == "extract" else cfg.target.device
+    if device != "auto":
+        argv += device_flags(device, s.max_total_tokens)
     if purpose == "extract":
         if drafter_dir is not None:
             raise ValueError("an extraction server runs the target alone: no drafter_dir")
@@ -176,6 +195,14 @@ def launch_command(
     else:
         raise ValueError(f"purpose must be 'extract' or 'serve', got {purpose!r}")
     return argv + list(s.extra_args)
+
+
+def device_flags(device: str, max_total_tokens: int | None) -> list[str]:
+    """`device_settings` as launch_server flags."""
+    flags: list[str] = []
+    for name, value in device_settings(device, max_total_tokens).items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
 
 
 # ---- processes (Linux /proc) ---------------------------------------------------------------------------------

@@ -147,9 +147,14 @@ def _open_sglang_engine(
 ) -> ExtractionTarget:
     from eagle3_core.targets.sglang import SGLangEngineBackend
 
-    log(f"starting sglang.Engine over {model_dir} (tp {cfg.sglang.tp_size})")
+    log(f"starting sglang.Engine over {model_dir} (tp {cfg.sglang.tp_size}, device {cfg.target.device})")
     return SGLangEngineBackend(
-        model_dir, cfg.target, tp_size=cfg.sglang.tp_size, mem_fraction_static=cfg.sglang.mem_fraction_static
+        model_dir,
+        cfg.target,
+        tp_size=cfg.sglang.tp_size,
+        mem_fraction_static=cfg.sglang.mem_fraction_static,
+        device=cfg.target.device,
+        max_total_tokens=cfg.sglang.max_total_tokens,
     )
 
 

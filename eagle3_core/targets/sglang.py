@@ -34,7 +34,7 @@ The contract of the two backends:
   the radix cache and chunked prefill being off, before any sample is sent. With `aux_from_response=False`
   (the stock server) only `final_states` works: `hidden_states` refuses with the reason, never inventing aux
   states.
-- `SGLangEngineBackend(model_dir, cfg)`: SGLang's in-process `sglang.Engine` (GPU only), started with the
+- `SGLangEngineBackend(model_dir, cfg)`: SGLang's in-process `sglang.Engine` (a GPU, or a CPU), started with the
   flags extraction needs and the capture hooks; it always returns aux and final states.
 
 Failures: a response whose rows do not match the request (count, echoed token ids, a null/NaN/inf value) is a
@@ -58,7 +58,13 @@ from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.engines import http
 from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
 from eagle3_core.engines.sglang_client import SGLangError
-from eagle3_core.engines.sglang_models import SGLangModel, serving_dtype, sglang_model
+from eagle3_core.engines.sglang_models import (
+    SGLangModel,
+    device_settings,
+    resolved_device,
+    serving_dtype,
+    sglang_model,
+)
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 
@@ -543,9 +549,10 @@ class SGLangHttpBackend:
 class SGLangEngineBackend:
     """Hidden states from `sglang.Engine` started in this process (its scheduler runs in child processes).
 
-    GPU only. The engine runs the flags extraction needs (docs/reference.md, "Hidden states from SGLang"): hidden
-    states on, radix cache off, no CUDA graphs, no chunked prefill; plus eagle3's capture hooks
-    (`sglang_capture.py`), which turn on SGLang's own `set_eagle3_layers_to_capture` in the engine's process.
+    On any device SGLang runs on (`engine_device`): a GPU, or a CPU with its torch_native attention. The engine
+    runs the flags extraction needs (docs/reference.md, "Hidden states from SGLang"): hidden states on, radix
+    cache off, no CUDA graphs, no chunked prefill; plus eagle3's capture hooks (`sglang_capture.py`), which turn
+    on SGLang's own `set_eagle3_layers_to_capture` in the engine's process.
     """
 
     def __init__(
@@ -555,6 +562,8 @@ class SGLangEngineBackend:
         *,
         tp_size: int = 1,
         mem_fraction_static: float | None = None,
+        device: str = "auto",
+        max_total_tokens: int | None = None,
         engine_args: dict[str, Any] | None = None,
     ) -> None:
         try:
@@ -563,10 +572,7 @@ class SGLangEngineBackend:
             raise Eagle3Error(
                 f"target.backend 'sglang_engine' needs SGLang, which is not installed: {INSTALL_HINT}"
             ) from e
-        if not torch.cuda.is_available():
-            raise Eagle3Error(
-                "target.backend 'sglang_engine' runs on GPUs only, and no CUDA device is visible"
-            )
+        self.device = engine_device(device)
         self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
             model_dir, cfg, device=f"sglang engine (tp {tp_size})"
         )
@@ -592,6 +598,7 @@ class SGLangEngineBackend:
             args["dtype"] = cfg.dtype
         if mem_fraction_static is not None:
             args["mem_fraction_static"] = mem_fraction_static
+        args.update(device_settings(self.device, max_total_tokens))
         # toggling return_hidden_states recaptures graphs, and prefill needs none: no CUDA graphs, spelled per
         # phase from 0.5.23 on (its disable_cuda_graph is deprecated)
         if "cuda_graph_backend_decode" in fields:
@@ -602,7 +609,8 @@ class SGLangEngineBackend:
             # a compiled prefill graph would not run the Python hooks on every forward
             args["disable_piecewise_cuda_graph"] = True
         args.update(engine_args or {})
-        self._devices = list(range(min(tp_size, torch.cuda.device_count())))
+        gpus = min(tp_size, torch.cuda.device_count()) if self.device == "cuda" else 0
+        self._devices = list(range(gpus))
         self._free_before = {d: torch.cuda.mem_get_info(d)[0] for d in self._devices}
         self._engine: Any = sglang.Engine(**args)
         try:
@@ -639,6 +647,8 @@ class SGLangEngineBackend:
         """Shut the engine down and wait until its GPUs' memory is back (it is not, the instant it exits)."""
         self._engine.shutdown()
         start = time.monotonic()
+        if not self._devices:  # on a CPU: the scheduler's memory goes with its processes
+            return 0.0
         slack = 512 * 2**20  # our own CUDA context and the allocator's rounding
         while True:
             short = {d: self._free_before[d] - torch.cuda.mem_get_info(d)[0] for d in self._devices}
@@ -651,6 +661,21 @@ class SGLangEngineBackend:
                     f"({held:.1f} GiB still missing on a device)"
                 )
             time.sleep(0.5)
+
+
+def engine_device(device: str) -> str:
+    """target.device for SGLang (`resolved_device`); a device SGLang does not list, or cuda without one, is
+    refused in one line."""
+    from sglang.srt.configs.device_config import SUPPORTED_DEVICES
+
+    chosen = resolved_device(device)
+    if chosen not in SUPPORTED_DEVICES:
+        raise Eagle3Error(
+            f"target.device {device!r}: SGLang runs on {', '.join(SUPPORTED_DEVICES)}, not {chosen!r}"
+        )
+    if chosen == "cuda" and not torch.cuda.is_available():
+        raise Eagle3Error("target.device is cuda for the SGLang engine, and no CUDA device is visible")
+    return chosen
 
 
 def server_arg_fields() -> set[str]:

@@ -29,19 +29,24 @@ PROBE_TIMEOUT_S = 300
 Probe = Callable[..., Any]
 
 
+def sglang_env() -> dict[str, str]:
+    """The environment of a child process that imports SGLang's code (skips, or fails under CI=true, when
+    `make sglang-env` has not installed it)."""
+    if not (SGLANG_ENV / ".installed").exists():
+        why = f"SGLang 0.5.23's code is not installed at {SGLANG_ENV}: run `make sglang-env`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(SGLANG_ENV), str(REPO)])}
+
+
 @pytest.fixture(scope="session")
 def sglang_probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probe]:
     """probe(script, *args): run tests/conformance/<script> beside SGLang's code; its stdout's last line as JSON.
 
     One child process (probe_host.py) imports SGLang once for the session and runs each probe in a fork of
     itself, as `python <script> args` would run it, so every probe starts from freshly imported modules."""
-    if not (SGLANG_ENV / ".installed").exists():
-        why = f"SGLang 0.5.23's code is not installed at {SGLANG_ENV}: run `make sglang-env`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(SGLANG_ENV), str(REPO)])}
+    env = sglang_env()
     log = tmp_path_factory.mktemp("sglang-probe") / "probe_host.log"
     with log.open("wb") as stderr:
         host = subprocess.Popen(

@@ -28,7 +28,11 @@ def make_config(tmp: Path, **sections: object) -> Eagle3Config:
 
 
 def test_the_extraction_command_has_every_flag_extraction_needs(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path, sglang={"tp_size": 2, "mem_fraction_static": 0.7, "port": 31234})
+    cfg = make_config(
+        tmp_path,
+        target={"device": "cuda"},
+        sglang={"tp_size": 2, "mem_fraction_static": 0.7, "port": 31234},
+    )
     assert launch_command(cfg, "/models/llama", "extract") == [
         "python3",
         "-m",
@@ -70,6 +74,24 @@ def test_the_extraction_command_has_every_flag_extraction_needs(tmp_path: Path) 
     (kimi / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
     with pytest.raises(ConfigError, match=r"\['MistralForCausalLM'\] .* is not one eagle3 knows"):
         launch_command(cfg, kimi, "extract", aux_layer_ids=[2, 30, 58])
+
+
+def test_on_a_cpu_the_extraction_server_gets_the_device_torch_native_and_a_kv_size(tmp_path: Path) -> None:
+    cpu = make_config(tmp_path, target={"device": "cpu"})
+    argv = launch_command(cpu, "/models/llama", "extract")
+    assert "--device" in argv and argv[argv.index("--device") + 1] == "cpu"
+    assert argv[argv.index("--attention-backend") + 1] == "torch_native"
+    assert argv[argv.index("--max-total-tokens") + 1] == "16384"  # SGLang's own choice came out negative
+    sized = make_config(tmp_path, target={"device": "cpu"}, sglang={"max_total_tokens": 2048})
+    assert launch_command(sized, "/models/llama", "extract")[argv.index("--max-total-tokens") + 1] == "2048"
+    gpu = make_config(tmp_path, target={"device": "cuda"}, sglang={"max_total_tokens": 2048})
+    on_gpu = launch_command(gpu, "/models/llama", "extract")
+    assert "--device" not in on_gpu and on_gpu[on_gpu.index("--max-total-tokens") + 1] == "2048"
+    # SGLang has no CPU draft attention: a CPU serving command is refused, not printed to fail on the host
+    with pytest.raises(ConfigError, match=r"target\.device: SGLang serves an EAGLE-3 drafter on a GPU only"):
+        launch_command(cpu, "/models/llama", "serve", drafter_dir="/exports/sglang")
+    auto = make_config(tmp_path)  # auto: the serving host decides, so no device flags are printed for it
+    assert "--device" not in launch_command(auto, "/models/llama", "serve", drafter_dir="/exports/sglang")
 
 
 def test_the_serving_command_runs_eagle3_with_k_steps_and_k_plus_one_draft_tokens(tmp_path: Path) -> None:
