@@ -126,9 +126,21 @@ class SGLangEngineBackendConfig(_Model):
     kind: Literal["sglang_engine"] = "sglang_engine"
 
 
+class SGLangServerBackendConfig(_Model):
+    """An SGLang server eagle3 starts for the extraction with its capture hooks (the `sglang` section: launcher,
+    sizes, port) and stops when it ends, GPU memory given back; a server a crashed run left is reaped first."""
+
+    kind: Literal["sglang_server"] = "sglang_server"
+
+
 BACKEND_KINDS: tuple[str, ...] = tuple(
     member.model_fields["kind"].default
-    for member in (TransformersBackendConfig, SGLangHttpBackendConfig, SGLangEngineBackendConfig)
+    for member in (
+        TransformersBackendConfig,
+        SGLangHttpBackendConfig,
+        SGLangEngineBackendConfig,
+        SGLangServerBackendConfig,
+    )
 )
 
 
@@ -141,7 +153,8 @@ def _backend_kind(value: Any) -> str | None:
 Backend = Annotated[
     Annotated[TransformersBackendConfig, Tag("transformers")]
     | Annotated[SGLangHttpBackendConfig, Tag("sglang_http")]
-    | Annotated[SGLangEngineBackendConfig, Tag("sglang_engine")],
+    | Annotated[SGLangEngineBackendConfig, Tag("sglang_engine")]
+    | Annotated[SGLangServerBackendConfig, Tag("sglang_server")],
     Discriminator(_backend_kind),
 ]
 

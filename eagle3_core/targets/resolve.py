@@ -12,6 +12,7 @@ from eagle3_core.config import (
     Eagle3Config,
     SGLangEngineBackendConfig,
     SGLangHttpBackendConfig,
+    SGLangServerBackendConfig,
     TargetConfig,
     TransformersBackendConfig,
     without_url_passwords,
@@ -158,11 +159,20 @@ def _open_sglang_engine(
     )
 
 
+def _open_sglang_server(
+    backend: SGLangServerBackendConfig, model_dir: Path, cfg: Eagle3Config, log: Callable[[str], None]
+) -> ExtractionTarget:
+    from eagle3_core.targets.sglang import SGLangManagedBackend
+
+    return SGLangManagedBackend(model_dir, cfg, log=log)
+
+
 # one opener per member of config.Backend; each imports its backend's module (SGLang's lazily) only when used
 OPENERS: dict[type[Any], Opener] = {
     TransformersBackendConfig: _open_transformers,
     SGLangHttpBackendConfig: _open_sglang_http,
     SGLangEngineBackendConfig: _open_sglang_engine,
+    SGLangServerBackendConfig: _open_sglang_server,
 }
 
 

@@ -26,14 +26,15 @@ What SGLang returns, as read in the released SGLang 0.5.23 (and earlier releases
   SGLang's `forward_hooks`, with SGLang's own `set_eagle3_layers_to_capture`: each row is then
   [aux0 | aux1 | aux2 | final], 4H wide.
 
-The contract of the two backends:
+The contract of the three backends:
 
 - `SGLangHttpBackend(url, model_dir, cfg, aux_from_response=True)`: a running server. With
   `aux_from_response=True` (what extraction needs) the server must have been launched with eagle3's capture
   hooks (`capture_launch_args`); its `/server_info` is checked for them, for the same layer ids, and for
   the radix cache and chunked prefill being off, before any sample is sent. With `aux_from_response=False`
   (the stock server) only `final_states` works: `hidden_states` refuses with the reason, never inventing aux
-  states.
+  states. `SGLangManagedBackend(model_dir, cfg)` is the same over a server it starts from eagle3's extraction
+  command and stops on `close`.
 - `SGLangEngineBackend(model_dir, cfg)`: SGLang's in-process `sglang.Engine` (a GPU, or a CPU), started with the
   flags extraction needs and the capture hooks; it always returns aux and final states.
 
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from eagle3_core.config import TargetConfig, without_url_passwords
+from eagle3_core.config import Eagle3Config, TargetConfig, without_url_passwords
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.engines import http
 from eagle3_core.engines.sglang_capture import capture_hook_specs, capture_launch_args, hooked_layer_ids
@@ -66,6 +67,7 @@ from eagle3_core.engines.sglang_models import (
     sglang_model,
 )
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 
 __all__ = [
@@ -546,6 +548,30 @@ class SGLangHttpBackend:
 
 
 # ---- the in-process engine -----------------------------------------------------------------------------------
+class SGLangManagedBackend(SGLangHttpBackend):
+    """`SGLangHttpBackend` over a server it starts itself (`target.backend: sglang_server`): SGLang's
+    `launch_server` from eagle3's extraction command (`engines/sglang_server.launch_command`, capture hooks for
+    the target's aux layers), after reaping a server a crashed run left on this host (its PID file in the
+    store); `close` stops it and waits until its GPU memory is back."""
+
+    def __init__(self, model_dir: Path, cfg: Eagle3Config, *, log: Callable[[str], None] = print) -> None:
+        from eagle3_core.engines.sglang_server import SGLangServer, launch_command
+
+        aux = describe_target(model_dir, cfg.target, device="sglang server")[2].aux_layer_ids
+        self.server = SGLangServer(cfg.sglang, StoreLayout(cfg.store_root), log=log)
+        self.server.reap_stale()
+        try:
+            url = self.server.launch(launch_command(cfg, model_dir, "extract", aux_layer_ids=aux))
+            super().__init__(url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len)
+        except BaseException:
+            self.server.stop()
+            raise
+
+    def close(self, timeout_s: float = 60.0) -> float:
+        report = self.server.stop()
+        return report.gpu_wait_s if report is not None else 0.0
+
+
 class SGLangEngineBackend:
     """Hidden states from `sglang.Engine` started in this process (its scheduler runs in child processes).
 

@@ -6,6 +6,7 @@ from eagle3_core.config import (
     BACKEND_KINDS,
     ConfigError,
     SGLangEngineBackendConfig,
+    SGLangServerBackendConfig,
     SGLangHttpBackendConfig,
     TransformersBackendConfig,
     load_config,
@@ -86,6 +87,7 @@ def test_launchpad_overrides_merge_field_by_field_and_are_validated_like_the_fil
         ("target: {backend: transformers}\n", TransformersBackendConfig()),
         ("target: {backend: {kind: sglang_engine}}\n", SGLangEngineBackendConfig()),
         ("target: {backend: sglang_engine}\n", SGLangEngineBackendConfig()),
+        ("target: {backend: sglang_server}\n", SGLangServerBackendConfig()),
         (
             "target: {backend: {kind: sglang_http, url: 'http://127.0.0.1:30000'}}\n",
             SGLangHttpBackendConfig(url="http://127.0.0.1:30000"),
@@ -118,18 +120,18 @@ def test_each_backend_kind_parses_and_a_kind_alone_is_its_shorthand(
         ),
         (
             "target: {backend: vllm}\n",
-            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
-            "(got 'vllm')",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine, "
+            "sglang_server (got 'vllm')",
         ),
         (
             "target: {backend: {kind: vllm}}\n",
-            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
-            "(got 'vllm')",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine, "
+            "sglang_server (got 'vllm')",
         ),
         (
             "target: {backend: {url: 'http://h:1'}}\n",
-            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine "
-            "(no kind given)",
+            "  target.backend: Value error, a backend's kind is one of transformers, sglang_http, sglang_engine, "
+            "sglang_server (no kind given)",
         ),
         (
             "target: {backend: {kind: transformers, url: 'http://h:1'}}\n",
