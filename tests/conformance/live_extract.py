@@ -1,6 +1,13 @@
-"""Hidden states through eagle3's SGLangEngineBackend, live on a CPU: `python live_extract.py MODEL_DIR
-PROMPTS.json OUT.safetensors AUX_IDS`. Run beside SGLang's code (tests/conformance/conftest.py's sglang_env);
-the states of prompt i are written as aux.i and last.i, float32, and the engine is shut down."""
+"""Hidden states through eagle3's SGLangEngineBackend, live on a CPU: `python live_extract.py PROMPTS.json AUX_IDS
+OUT_DIR MODEL_DIR...`. Run beside SGLang's code (tests/conformance/conftest.py's sglang_env); one engine per
+model, one after the other in this process (SGLang is imported once); the states of prompt i are written to
+OUT_DIR/<model dir name>.safetensors as aux.i and last.i, float32.
+
+One stand-in, for a kernel choice and not for eagle3's code: SGLang 0.5.23's DeepSeek attention dispatch has no
+entry for the torch_native backend and falls back to triton's, whose MHA prefill cannot read the MLA latent
+cache; here torch_native takes the absorbed MLA path, the one SGLang's GPU backends take for these shapes. It is
+registered at import, so that SGLang's scheduler (a spawned process, which imports this file again as
+`__mp_main__`) has it too."""
 
 from __future__ import annotations
 
@@ -10,16 +17,24 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
 from eagle3_core.config import TargetConfig
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.sglang import SGLangEngineBackend
 
+AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
 
-def main(model_dir: str, prompts: str, out: str, aux: str) -> None:
-    batch = json.loads(Path(prompts).read_text())
-    cfg = TargetConfig(dtype="float32", aux_layer_ids=tuple(int(a) for a in aux.split(",")))
-    engine = SGLangEngineBackend(Path(model_dir), cfg, device="cpu", mem_fraction_static=0.5)
+
+def extract(model_dir: Path, batch: list[list[int]], aux: tuple[int, int, int], out: Path) -> None:
+    cfg = TargetConfig(dtype="float32", aux_layer_ids=aux)
+    # a multimodal wrapper's text model alone (Kimi-K2.5): the test directory has no image processor to load
+    [architecture] = json.loads((model_dir / "config.json").read_text())["architectures"]
+    text_only = {"enable_multimodal": False} if architecture.endswith("ForConditionalGeneration") else {}
+    engine = SGLangEngineBackend(
+        model_dir, cfg, device="cpu", mem_fraction_static=0.5, max_total_tokens=4096, engine_args=text_only
+    )
     try:
         states = engine.hidden_states(batch, torch.float32)
     finally:
@@ -27,9 +42,17 @@ def main(model_dir: str, prompts: str, out: str, aux: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for i, s in enumerate(states):
         if not isinstance(s, HiddenStates):
-            raise SystemExit(f"prompt {i}: {s}")
+            raise SystemExit(f"{model_dir.name}, prompt {i}: {s}")
         tensors[f"aux.{i}"], tensors[f"last.{i}"] = s.aux.contiguous(), s.last.contiguous()
-    save_file(tensors, out)
+    save_file(tensors, str(out / f"{model_dir.name}.safetensors"))
+
+
+def main(prompts: str, aux: str, out: str, *model_dirs: str) -> None:
+    batch = json.loads(Path(prompts).read_text())
+    a, b, c = (int(x) for x in aux.split(","))
+    for model_dir in model_dirs:
+        print(f"extracting through sglang.Engine: {model_dir}", flush=True)
+        extract(Path(model_dir), batch, (a, b, c), Path(out))
 
 
 if __name__ == "__main__":  # SGLang's scheduler is a spawned process: it imports this file again

@@ -1,9 +1,11 @@
 """SGLang 0.5.23 itself, live on a CPU: eagle3's engine backend extracts hidden states through the real
-`sglang.Engine` (torch_native attention, float32) and every row equals what transformers computes on the same
-ids, with each aux layer the input of layer k, not of its neighbours (docs/design.md, section 2).
+`sglang.Engine` (torch_native attention, float32) from a tiny random target of each family eagle3 supports
+there (families.py: Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 with MoE layers, Kimi-K2.5's wrapper), and every
+row equals what transformers computes on the same ids: each aux block the input of its own layer k, not of its
+neighbours (docs/design.md, section 2), and the final state the post-norm one.
 
-The engine runs in a child process beside SGLang's code (conftest.py's sglang_env), so this process never
-imports SGLang."""
+The engines run in one child process beside SGLang's code (conftest.py's sglang_env, live_extract.py), one
+after another, so this process never imports SGLang and SGLang is imported once."""
 
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conformance.conftest import HERE, sglang_env
+from tests.conformance.families import FAMILIES, H, reference_dir, save_family_target
 from tests.conftest import REPO
-from tests.helpers import save_tiny_chat_target
 
 AUX = (1, 4, 6)
-H = 256  # 4 heads of 64
 FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
 ENGINE_TIMEOUT_S = 600
+
+Live = tuple[Path, dict[str, dict[str, torch.Tensor]]]
 
 
 def _prompts() -> list[list[int]]:
@@ -40,29 +43,36 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """(the target's directory, the engine's states of _prompts())."""
+def live(tmp_path_factory: pytest.TempPathFactory) -> Live:
+    """(the directory of the families' targets, each family's engine states of _prompts())."""
     env = sglang_env()
     work = tmp_path_factory.mktemp("sglang-live")
-    model_dir = save_tiny_chat_target(work / "target", hidden=H)
-    prompts, out = work / "prompts.json", work / "states.safetensors"
+    for family in FAMILIES:
+        save_family_target(work / family, family)
+    prompts, out = work / "prompts.json", work / "states"
     prompts.write_text(json.dumps(_prompts()))
+    out.mkdir()
     done = subprocess.run(
-        [sys.executable, str(HERE / "live_extract.py"), str(model_dir), str(prompts), str(out),
-         ",".join(map(str, AUX))],
+        [sys.executable, str(HERE / "live_extract.py"), str(prompts), ",".join(map(str, AUX)), str(out),
+         *(str(work / f) for f in FAMILIES)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
-    return model_dir, load_file(str(out))
+    return work, {f: load_file(str(out / f"{f}.safetensors")) for f in FAMILIES}
 
 
-def test_the_engine_s_rows_equal_transformers(live: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    model_dir, states = live
-    reference = TransformersTarget(model_dir, TargetConfig(device="cpu", dtype="float32", aux_layer_ids=AUX))
-    want = reference.hidden_states(_prompts(), torch.float32)
+def _reference(work: Path, family: str) -> TransformersTarget:
+    cfg = TargetConfig(device="cpu", dtype="float32", aux_layer_ids=AUX)
+    return TransformersTarget(reference_dir(work / family, family), cfg)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_s_rows_equal_transformers(live: Live, family: str) -> None:
+    work, states = live
+    want = _reference(work, family).hidden_states(_prompts(), torch.float32)
     for i, (seq, w) in enumerate(zip(_prompts(), want, strict=True)):
         assert isinstance(w, HiddenStates)
-        aux, last = states[f"aux.{i}"], states[f"last.{i}"]
+        aux, last = states[family][f"aux.{i}"], states[family][f"last.{i}"]
         assert aux.shape == (len(seq), 3 * H) and last.shape == (
             len(seq),
             H,
@@ -71,17 +81,21 @@ def test_the_engine_s_rows_equal_transformers(live: tuple[Path, dict[str, torch.
         assert _rel(aux, w.aux) < FP32_REL, i
 
 
-def test_each_aux_layer_is_the_input_of_layer_k_not_its_neighbours(
-    live: tuple[Path, dict[str, torch.Tensor]],
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_aux_block_is_the_input_of_its_layer_and_the_final_state_is_post_norm(
+    live: Live, family: str
 ) -> None:
-    model_dir, states = live
-    model = TransformersTarget(
-        model_dir, TargetConfig(device="cpu", dtype="float32", aux_layer_ids=AUX)
-    ).model
+    work, states = live
+    model = _reference(work, family).model
     seq = _prompts()[2]
+    pre_norm: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda _m, args, _out: pre_norm.append(args[0][0]))
     with torch.inference_mode():
         layers = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    hook.remove()
     for j, k in enumerate(AUX):
-        mine = states["aux.2"][:, j * H : (j + 1) * H]
+        mine = states[family]["aux.2"][:, j * H : (j + 1) * H]
         assert _rel(mine, layers[k][0]) < FP32_REL, k
         assert min(_rel(mine, layers[k - 1][0]), _rel(mine, layers[k + 1][0])) > 1000 * FP32_REL, k
+    last = states[family]["last.2"]
+    assert _rel(last, layers[-1][0]) < FP32_REL and _rel(last, pre_norm[0]) > 1000 * FP32_REL

@@ -26,7 +26,9 @@ def test_the_gpu_bench_runs_both_trainers_on_the_same_shards_and_reports_the_rat
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     warmed = json.loads(warm.read_text())["widths"]["64"]["ttt3"]
     failed = {name: run["error"] for name, run in warmed.items() if "error" in run}
-    assert not failed, f"{failed}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"  # the traceback, when CI fails
+    assert not failed, (
+        f"{failed}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )  # the traceback, when CI fails
     assert warmed["eagle3"]["steps"] == 3 and warmed["speculators"]["steps"] == 1  # the warm-up steps only
     assert "tokens_per_s" not in warmed["eagle3"] and "error" not in warmed["speculators"]
 

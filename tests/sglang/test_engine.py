@@ -1,7 +1,9 @@
 """SGLang itself, on a GPU host: `pytest -m sglang tests/sglang` after `pip install 'eagle3[sglang]'` there.
 
-Deselected by default (the `sglang` marker, pyproject.toml): SGLang does not install on the CPU machines this is
-developed on, so nothing here has run in CI. What it checks, against TransformersTarget on the same GPU:
+Deselected by default (the `sglang` marker, pyproject.toml): it needs SGLang with its CUDA kernels, which the GPU
+host this project uses does not have, so it has not run. The same checks run live on the CPU, in float32 with
+SGLang's torch_native attention, in every `make test` (tests/conformance/test_sglang_live*.py); here they run in
+bfloat16 on SGLang's GPU kernels. What it checks, against TransformersTarget on the same GPU:
 
 - the engine backend's aux and final states match transformers' within bf16 error, and each aux layer is
   nearest to `output_hidden_states[k]`, not k-1 or k+1 (docs/design.md, section 2: a drafter trained
@@ -11,7 +13,7 @@ developed on, so nothing here has run in CI. What it checks, against Transformer
   preflight (its real `/server_info`) and returns the same states.
 
 The rules these rely on (the architecture table, layer ids, hook formats, server-info fields, load_weights)
-are checked against SGLang 0.5.23's code on CPU in tests/conformance, in every `make test`.
+are checked against SGLang 0.5.23 itself on CPU in tests/conformance, in every `make test`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""Tiny random targets of each model family eagle3 extracts from through SGLang, saved as Hugging Face
+directories with the tiny chat tokenizer: the architecture's own transformers class, 8 layers, hidden 256, a
+MoE block where the family has one. `kimi_k25` is DeepSeek-V3's weights under `language_model.*` with
+Kimi-K2.5's wrapper config (transformers has no Kimi-K2.5 class: its reference is the DeepSeek-V3 directory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from eagle3_core.toy.tokenizer import train_tokenizer
+from tests.helpers import CORPUS
+
+H = 256
+LAYERS = 8
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25")
+COMMON: dict[str, Any] = {
+    "hidden_size": H,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 2 * H,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+# DeepSeek-V3's own rope (yarn), scaled to 1,024 positions: SGLang's CPU rope for DeepSeek requires a scaling
+DEEPSEEK_YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
+
+
+def family_config(family: str, vocab: int) -> PretrainedConfig:
+    from transformers import (
+        DeepseekV3Config,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    common = {**COMMON, "vocab_size": vocab}
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=64)
+    if family == "qwen3_moe":  # every layer sparse: 4 experts, 2 per token
+        return Qwen3MoeConfig(
+            **common, head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        )  # fmt: skip
+    if family in ("deepseek_v3", "kimi_k25"):  # MLA; layers 0-1 dense, 2-7 MoE with a shared expert
+        return DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=2, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0, rope_parameters=DEEPSEEK_YARN, norm_topk_prob=True,
+            moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3 config.json fields SGLang reads
+        )  # fmt: skip
+    raise ValueError(f"unknown family {family!r}")
+
+
+def save_family_target(directory: Path, family: str, seed: int = 0) -> Path:
+    """The family's tiny target in `directory`; for kimi_k25 also its DeepSeek-V3 reference in
+    `directory`-reference."""
+    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer)), dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    if family == "kimi_k25":
+        reference = reference_dir(directory, family)
+        directory.rename(reference)
+        wrap_as_kimi(reference, directory)
+    return directory
+
+
+def reference_dir(directory: Path, family: str) -> Path:
+    """Where transformers reads the same weights: the directory itself, or Kimi's DeepSeek-V3 reference."""
+    return directory.with_name(directory.name + "-reference") if family == "kimi_k25" else directory
+
+
+def wrap_as_kimi(deepseek: Path, kimi: Path) -> None:
+    """Kimi-K2.5's layout over a DeepSeek-V3 directory: the text model's weights under `language_model.`, its
+    config as text_config."""
+    kimi.mkdir()
+    text = json.loads((deepseek / "config.json").read_text())
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    vision = {  # Kimi-K2.5's vision_config fields, a 1-layer tower of width 32 (SGLang builds it; never run)
+        "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 1,
+        "pos_emb_type": "divided_fixed", "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "video_attn_type": "spatial_temporal", "mm_projector_type": "patchmerger", "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5, "text_hidden_size": H, "mm_hidden_size": 32,
+        "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 64,
+        "vt_hidden_size": 32, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1, "vt_intermediate_size": 64,
+    }  # fmt: skip
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+    }
+    (kimi / "config.json").write_text(json.dumps(config, indent=1))
+    weights = load_file(str(deepseek / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, str(kimi / "model.safetensors"))
+    for f in deepseek.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (kimi / f.name).write_bytes(f.read_bytes())
