@@ -8,6 +8,7 @@ the file itself. A field missing or of the wrong type is one TargetError line na
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -20,6 +21,10 @@ from eagle3_core.store.records import validation_message
 CONFIG_FILE = "config.json"
 TEXT_CONFIG = "text_config"  # where a multimodal wrapper keeps its language model's config
 DEFAULT_ROPE_THETA = 10000.0  # transformers' LlamaConfig default
+# The drafter of an MLA target (`TextConfig.drafter_attention`): 128, the head size of Llama-3, Qwen3 and their
+# drafters, which every attention backend of SGLang and vLLM serves, and 8 key/value heads as Llama-3-70B has
+MLA_DRAFTER_HEAD_DIM = 128
+MLA_DRAFTER_KV_HEADS = 8
 
 
 class HFFields(BaseModel):
@@ -47,6 +52,7 @@ class TextConfig(HFFields):
     rope_parameters: RopeParameters | None = None  # transformers 5's
     model_type: str | None = None
     tie_word_embeddings: bool = False  # lm_head is the embedding (and may be absent from the weights)
+    kv_lora_rank: PositiveInt | None = None  # set: multi-head latent attention (DeepSeek-V3, Kimi-K2.5)
 
     @property
     def kv_heads(self) -> int:
@@ -55,6 +61,20 @@ class TextConfig(HFFields):
     @property
     def dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def drafter_attention(self) -> tuple[int, int, int]:
+        """(heads, kv heads, head size) of the drafter's one Llama attention layer.
+
+        A target with ordinary attention: its own. An MLA target has no per-head size a Llama layer can copy: its
+        config's head_dim, where transformers writes one, is the rope part (64 in DeepSeek-V3), and hidden over
+        heads is 56 (DeepSeek-V3, 128 heads) or 112 (Kimi-K2.5, 64 heads), sizes attention kernels are not built
+        for. Its drafter gets heads of MLA_DRAFTER_HEAD_DIM, hidden / 128 of them (56 at hidden 7168), and
+        MLA_DRAFTER_KV_HEADS key/value heads (as many as divide the heads)."""
+        if self.kv_lora_rank is None:
+            return self.num_attention_heads, self.kv_heads, self.dim
+        dim = min(MLA_DRAFTER_HEAD_DIM, self.hidden_size)
+        heads = self.hidden_size // dim
+        return heads, math.gcd(heads, MLA_DRAFTER_KV_HEADS), dim
 
     @property
     def theta(self) -> float:

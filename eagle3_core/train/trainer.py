@@ -98,13 +98,14 @@ def drafter_config_for(
 ) -> DrafterConfig:
     """One decoder layer shaped like the target's (what SGLang and SpecForge configure by default)."""
     cfg = read_text_config(target_dir)  # TargetError naming the file and the field
+    heads, kv_heads, head_dim = cfg.drafter_attention()
     return DrafterConfig(
         target_hidden_size=cfg.hidden_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.kv_heads,
-        head_dim=cfg.dim,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.theta,
         target_vocab_size=cfg.vocab_size,

@@ -135,3 +135,52 @@ def test_the_export_dtype_follows_the_checkpoint_unless_target_dtype_is_set(
     config = {k: v for k, v in {**LLAMA, **fields}.items() if v is not None}
     cfg = Eagle3Config.model_validate({"target": {"dtype": target_dtype}})
     assert export_dtype(cfg, _target(tmp_path, config)) == exported
+
+
+DEEPSEEK_V3 = {  # DeepSeek-V3's own config.json sizes (MLA), as transformers saves it: head_dim is the rope part
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "head_dim": 64,
+    "vocab_size": 129280,
+}
+KIMI_K25 = {  # Kimi-K2.5's wrapper: DeepSeek-V3's text model with 64 heads and no head_dim
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": {
+        **{k: v for k, v in DEEPSEEK_V3.items() if k != "head_dim"},
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "vocab_size": 163840,
+    },
+}
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V3, KIMI_K25], ids=["deepseek_v3", "kimi_k25"])
+def test_an_mla_target_s_drafter_gets_heads_of_128_not_the_rope_part_or_hidden_over_heads(
+    tmp_path: Path, config: dict[str, Any]
+) -> None:
+    d = drafter_config_for(_target(tmp_path, config), 32000)
+    # hidden over heads would be 56 (DeepSeek-V3) or 112 (Kimi); the config's head_dim 64 is the rope part
+    assert (d.num_heads, d.num_kv_heads, d.dim) == (56, 8, 128)
+    assert d.num_heads * d.dim == d.hidden_size == 7168
+
+
+def test_a_small_mla_target_s_drafter_keeps_its_heads_whole(tmp_path: Path) -> None:
+    small = {
+        **DEEPSEEK_V3,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+    }
+    d = drafter_config_for(_target(tmp_path, small), 32)
+    assert (d.num_heads, d.num_kv_heads, d.dim) == (2, 2, 128)
