@@ -169,6 +169,16 @@ def launch_command(
         if drafter_dir is not None:
             raise ValueError("an extraction server runs the target alone: no drafter_dir")
         argv += EXTRACT_FLAGS
+        if s.tp_size > 1:
+            # SGLang fuses a layer's all-reduce into the next layer's norm on its own on some GPUs and models;
+            # the residual stream the hooks read between layers is then each rank's partial sum (#28343, #39090)
+            fused = [a for a in s.extra_args if a.startswith("--enable-") and "allreduce-fusion" in a]
+            if fused:
+                raise ConfigError(
+                    f"sglang.extra_args: {fused[0]} at tp_size {s.tp_size} makes the extraction server read each "
+                    "rank's partial sum as a layer's input; remove it for extraction"
+                )
+            argv += ["--enforce-disable-flashinfer-allreduce-fusion"]
         if aux_layer_ids is not None:
             from eagle3_core.engines.sglang_capture import capture_launch_args
 

@@ -294,6 +294,16 @@ def describe_target(
 SERVER_INFO_ROUTES = ("/server_info", "/get_server_info")  # 0.5.23's, then the one it deprecated
 
 
+# The resolved fields of SGLang 0.5.23 that say an all-reduce is, or may be, fused into the next layer's RMSNorm
+# (the backend is chosen per GPU at startup): the residual stream a capture reads between layers is then a
+# per-rank partial sum under tensor parallelism
+ALLREDUCE_FUSION_FIELDS = (
+    "flashinfer_allreduce_fusion_backend",
+    "enable_flashinfer_allreduce_fusion",
+    "enable_aiter_allreduce_fusion",
+)
+
+
 def server_problems(
     info: dict[str, Any],
     max_seq_len: int | None,
@@ -329,6 +339,16 @@ def server_problems(
         problems.append(
             "it runs --enable-return-aux-hidden-states, which returns the aux states in place of the final "
             "state: extraction needs both, through eagle3's capture hooks instead (launch without it)"
+        )
+    tp = info.get("tp_size")
+    fused = [f for f in ALLREDUCE_FUSION_FIELDS if info.get(f) not in (None, False)]
+    if info.get("enforce_disable_flashinfer_allreduce_fusion") is True:  # it wins over both flashinfer fields
+        fused = [f for f in fused if "flashinfer" not in f]
+    if isinstance(tp, int) and tp > 1 and fused:
+        problems.append(
+            f"it fuses the all-reduce into the next layer's norm ({', '.join(fused)}) at tp {tp}: a layer's input "
+            "is then read as each rank's partial sum (sgl-project/sglang#28343, #39090); launch with "
+            "--enforce-disable-flashinfer-allreduce-fusion and without --enable-aiter-allreduce-fusion"
         )
     if aux_layer_ids is not None and model is not None:
         hooked = hooked_layer_ids(info.get("forward_hooks"))
@@ -625,6 +645,8 @@ class SGLangEngineBackend:
         if mem_fraction_static is not None:
             args["mem_fraction_static"] = mem_fraction_static
         args.update(device_settings(self.device, max_total_tokens))
+        if tp_size > 1 and "enforce_disable_flashinfer_allreduce_fusion" in fields:
+            args["enforce_disable_flashinfer_allreduce_fusion"] = True  # see ALLREDUCE_FUSION_FIELDS
         # toggling return_hidden_states recaptures graphs, and prefill needs none: no CUDA graphs, spelled per
         # phase from 0.5.23 on (its disable_cuda_graph is deprecated)
         if "cuda_graph_backend_decode" in fields:

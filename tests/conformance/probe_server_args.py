@@ -15,6 +15,7 @@ FIELDS = (
     "chunked_prefill_size", "enable_return_hidden_states", "forward_hooks", "cuda_graph_backend_decode",
     "cuda_graph_backend_prefill", "speculative_algorithm", "speculative_draft_model_path",
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+    "enforce_disable_flashinfer_allreduce_fusion",
 )  # fmt: skip
 
 parsed = []

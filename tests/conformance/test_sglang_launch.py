@@ -47,6 +47,8 @@ def test_the_extraction_and_serving_commands_parse_in_the_real_server_args_as_in
     assert fields["enable_return_hidden_states"] is True
     assert fields["cuda_graph_backend_decode"] == fields["cuda_graph_backend_prefill"] == "disabled"
     assert fields["forward_hooks"] == capture_hook_specs(AUX, LLAMA)  # the hooks arrive as eagle3 wrote them
+    # at tp 2 no all-reduce is fused into the next layer's norm, where the hooks would read partial sums
+    assert fields["enforce_disable_flashinfer_allreduce_fusion"] is True
     assert fields["speculative_algorithm"] is None
     fields = got_serve["fields"]
     assert {k: fields[k] for k in common} == common
@@ -82,13 +84,16 @@ def test_the_preflight_reads_sglangs_resolved_server_info_as_intended(
     mode_last = [a if a != "full" else "last" for a in mode_full]
     radix_on = [a for a in extract if a != "--disable-radix-cache"]
     no_hooks = extract[: extract.index("--forward-hooks")]
+    fused = [a for a in extract if a != "--enforce-disable-flashinfer-allreduce-fusion"]
+    fused.append("--enable-flashinfer-allreduce-fusion")
     problems = sglang_probe(
         "probe_server_info.py",
-        json.dumps([extract, mode_full, mode_last, radix_on, no_hooks]),
+        json.dumps([extract, mode_full, mode_last, radix_on, no_hooks, fused]),
         json.dumps(AUX),
     )
     assert problems[0] == [] and problems[1] == []  # eagle3's command, and the mode spelled out
-    assert [len(p) for p in problems[2:]] == [1, 1, 1]
+    assert [len(p) for p in problems[2:]] == [1, 1, 1, 1], problems[5]
+    assert "fuses the all-reduce into the next layer's norm" in problems[5][0]
     assert "no hidden states for every prompt token" in problems[2][0]
     assert "radix cache is on" in problems[3][0]
     assert "does not run eagle3's capture hooks" in problems[4][0]

@@ -55,6 +55,7 @@ def test_the_extraction_command_has_every_flag_extraction_needs(tmp_path: Path) 
         "--chunked-prefill-size",
         "-1",
         "--enable-return-hidden-states",
+        "--enforce-disable-flashinfer-allreduce-fusion",  # tp 2: the hooks must not read partial sums
     ]
     hooked = launch_command(
         cfg, "/models/llama", "extract", aux_layer_ids=[1, 15, 28], architectures=["LlamaForCausalLM"]
@@ -443,3 +444,23 @@ def test_the_architectures_of_a_damaged_config_json_are_one_line(damage: str, tm
     with pytest.raises(ConfigError) as caught:
         launch_command(make_config(tmp_path), target, "extract", aux_layer_ids=[2, 30, 58])
     assert str(caught.value).startswith(f"{target / 'config.json'}: ") and said in str(caught.value)
+
+
+def test_at_tp_2_extraction_turns_all_reduce_fusion_off_and_refuses_a_flag_that_turns_it_on(
+    tmp_path: Path,
+) -> None:
+    tp2 = make_config(tmp_path, target={"device": "cuda"}, sglang={"tp_size": 2})
+    assert "--enforce-disable-flashinfer-allreduce-fusion" in launch_command(tp2, "/models/llama", "extract")
+    tp1 = make_config(tmp_path, target={"device": "cuda"})
+    assert "--enforce-disable-flashinfer-allreduce-fusion" not in launch_command(
+        tp1, "/models/llama", "extract"
+    )
+    fusing = make_config(
+        tmp_path,
+        target={"device": "cuda"},
+        sglang={"tp_size": 2, "extra_args": ["--enable-flashinfer-allreduce-fusion"]},
+    )
+    with pytest.raises(
+        ConfigError, match=r"sglang\.extra_args: --enable-flashinfer-allreduce-fusion at tp_size 2"
+    ):
+        launch_command(fusing, "/models/llama", "extract")
