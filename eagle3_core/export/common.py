@@ -399,7 +399,22 @@ class ExportFormat(ABC):
             for k, s in drafter_shapes(cfg).items()
             if self.with_embedding or k != EMBED_KEY
         }
+        if cfg.draft_vocab_size == cfg.target_vocab_size:
+            return shapes  # no vocab pruning: no mapping (`vocab_tensors`)
         return {**shapes, "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.target_vocab_size,)}
+
+
+def vocab_tensors(mapping: VocabMapping) -> dict[str, torch.Tensor]:
+    """d2t (int64) and t2d (bool) of a pruned draft vocabulary; none for the target's whole vocabulary, as the
+    other trainers write it: vLLM (0.34.0, models/llama_eagle3.py) has no draft_id_to_target_id parameter when
+    the two sizes are equal, and its loader refuses a d2t it has nowhere to put; SGLang then drafts over the
+    whole vocabulary."""
+    if mapping.draft_vocab_size == mapping.target_vocab_size:
+        return {}
+    return {
+        "d2t": mapping.d2t.to("cpu", torch.int64).contiguous(),
+        "t2d": mapping.t2d.to("cpu", torch.bool).contiguous(),
+    }
 
 
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -525,8 +540,7 @@ def write_export(
         for name, tensor in drafter.state_dict().items()
         if fmt.with_embedding or name != EMBED_KEY
     }
-    tensors["d2t"] = mapping.d2t.to("cpu", torch.int64).contiguous()
-    tensors["t2d"] = mapping.t2d.to("cpu", torch.bool).contiguous()
+    tensors |= vocab_tensors(mapping)
     written = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
     config = written.model_dump(mode="json", by_alias=True)
     # replace: exporting again swaps the whole directory; a failed export leaves the previous one

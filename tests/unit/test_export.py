@@ -737,20 +737,24 @@ def test_a_sharded_drafter_from_elsewhere_loads(
         load_drafter_dir(out)
 
 
-def test_a_full_vocab_drafter_from_elsewhere_needs_no_mapping(tmp_path: Path) -> None:
+def test_a_full_vocab_drafter_needs_no_mapping_and_our_export_writes_none(tmp_path: Path) -> None:
     full = hand_mapping(TARGET.vocab_size, TARGET.vocab_size)  # the identity: d2t all zeros
     drafter = random_drafter(drafter_config(TARGET, TARGET.vocab_size), EMBED, seed=5)
     source = export_speculators(drafter, full, TARGET, tmp_path / "ours", dtype=torch.float32)
+    # vLLM 0.34.0 has no draft_id_to_target_id parameter when the sizes are equal and refuses a d2t to load
+    assert not {"d2t", "t2d"} & set(load_file(str(source / "model.safetensors")))
 
-    def no_mapping(t: Tensors) -> None:
-        del t["d2t"], t["t2d"]
-
-    loaded = load_drafter_dir(external(source, tmp_path / "ext", tensors_edit=no_mapping))
+    loaded = load_drafter_dir(source)
     assert torch.equal(loaded.d2t, torch.zeros(TARGET.vocab_size, dtype=torch.long))
     assert bool(loaded.t2d.all())
     assert_same_network(drafter, loaded.drafter)
+    assert_same_network(drafter, load_drafter_dir(external(source, tmp_path / "ext")).drafter)
+
+    def half_mapping(t: Tensors) -> None:
+        t["d2t"] = torch.zeros(TARGET.vocab_size, dtype=torch.long)
+
     with pytest.raises(ExportError, match="d2t without its pair"):
-        load_drafter_dir(external(source, tmp_path / "half", tensors_edit=lambda t: t.pop("t2d")))
+        load_drafter_dir(external(source, tmp_path / "half", tensors_edit=half_mapping))
 
 
 def _pop(*keys: str) -> Callable[[dict[str, Any]], None]:
