@@ -45,8 +45,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Live:
     """(the directory of the families' targets, each family's engine states of _prompts())."""
-    env = sglang_env()
     work = tmp_path_factory.mktemp("sglang-live")
+    # torch keys its compiled-kernel cache without the CPU capability: a kernel another run built for this CPU's
+    # vector instructions fails to build under ATEN_CPU_CAPABILITY=default (`at::vec` undeclared)
+    env = {**sglang_env(), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
     for family in FAMILIES:
         save_family_target(work / family, family)
     prompts, out = work / "prompts.json", work / "states"
