@@ -1,5 +1,5 @@
 """Hidden states through eagle3's SGLangEngineBackend, live on a CPU: `python live_extract.py PROMPTS.json AUX_IDS
-OUT_DIR MODEL_DIR...`. Run beside SGLang's code (tests/conformance/conftest.py's sglang_env); one engine per
+OUT_DIR MODEL_DIR[@tp2]...`. Run beside SGLang's code (tests/conformance/conftest.py's sglang_env); one engine per
 model, one after the other in this process (SGLang is imported once); the states of prompt i are written to
 OUT_DIR/<model dir name>.safetensors as aux.i and last.i, float32.
 
@@ -12,6 +12,7 @@ registered at import, so that SGLang's scheduler (a spawned process, which impor
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,14 +28,20 @@ from eagle3_core.targets.sglang import SGLangEngineBackend
 AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
 
 
-def extract(model_dir: Path, batch: list[list[int]], aux: tuple[int, int, int], out: Path) -> None:
+def extract(
+    model_dir: Path, batch: list[list[int]], aux: tuple[int, int, int], out: Path, tp: int = 1
+) -> None:
     cfg = TargetConfig(dtype="float32", aux_layer_ids=aux)
     # a multimodal wrapper's text model alone (Kimi-K2.5): the test directory has no image processor to load
     [architecture] = json.loads((model_dir / "config.json").read_text())["architectures"]
     text_only = {"enable_multimodal": False} if architecture.endswith("ForConditionalGeneration") else {}
+    if tp > 1:  # SGLang on a CPU runs one rank per NUMA node unless told which cores each rank takes
+        cores = os.cpu_count() or 1
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(tp))
     engine = SGLangEngineBackend(
-        model_dir, cfg, device="cpu", mem_fraction_static=0.5, max_total_tokens=4096, engine_args=text_only
-    )
+        model_dir, cfg, device="cpu", tp_size=tp, mem_fraction_static=0.5, max_total_tokens=4096,
+        engine_args=text_only,
+    )  # fmt: skip
     try:
         states = engine.hidden_states(batch, torch.float32)
     finally:
@@ -44,15 +51,17 @@ def extract(model_dir: Path, batch: list[list[int]], aux: tuple[int, int, int], 
         if not isinstance(s, HiddenStates):
             raise SystemExit(f"{model_dir.name}, prompt {i}: {s}")
         tensors[f"aux.{i}"], tensors[f"last.{i}"] = s.aux.contiguous(), s.last.contiguous()
-    save_file(tensors, str(out / f"{model_dir.name}.safetensors"))
+    save_file(tensors, str(out / f"{model_dir.name}{f'-tp{tp}' if tp > 1 else ''}.safetensors"))
 
 
-def main(prompts: str, aux: str, out: str, *model_dirs: str) -> None:
+def main(prompts: str, aux: str, out: str, *models: str) -> None:
+    """`models`: directories, each extracted at tp 1; `DIR@tp2` extracts DIR at tensor-parallel size 2."""
     batch = json.loads(Path(prompts).read_text())
     a, b, c = (int(x) for x in aux.split(","))
-    for model_dir in model_dirs:
-        print(f"extracting through sglang.Engine: {model_dir}", flush=True)
-        extract(Path(model_dir), batch, (a, b, c), Path(out))
+    for model in models:
+        model_dir, _, tp = model.partition("@tp")
+        print(f"extracting through sglang.Engine: {model}", flush=True)
+        extract(Path(model_dir), batch, (a, b, c), Path(out), int(tp or 1))
 
 
 if __name__ == "__main__":  # SGLang's scheduler is a spawned process: it imports this file again

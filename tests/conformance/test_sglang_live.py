@@ -30,6 +30,9 @@ AUX = (1, 4, 6)
 FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
 ENGINE_TIMEOUT_S = 600
 
+# extracted again at tensor-parallel size 2: MLA heads and MoE experts split over two ranks, all-reduced
+TP2_FAMILIES = ("deepseek_v3",)
+
 Live = tuple[Path, dict[str, dict[str, torch.Tensor]]]
 
 
@@ -57,11 +60,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Live:
     out.mkdir()
     done = subprocess.run(
         [sys.executable, str(HERE / "live_extract.py"), str(prompts), ",".join(map(str, AUX)), str(out),
-         *(str(work / f) for f in FAMILIES)],
+         *(str(work / f) for f in FAMILIES), *(f"{work / f}@tp2" for f in TP2_FAMILIES)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
-    return work, {f: load_file(str(out / f"{f}.safetensors")) for f in FAMILIES}
+    names = [*FAMILIES, *(f"{f}-tp2" for f in TP2_FAMILIES)]
+    return work, {name: load_file(str(out / f"{name}.safetensors")) for name in names}
 
 
 def _reference(work: Path, family: str) -> TransformersTarget:
@@ -102,3 +106,12 @@ def test_each_aux_block_is_the_input_of_its_layer_and_the_final_state_is_post_no
         assert min(_rel(mine, layers[k - 1][0]), _rel(mine, layers[k + 1][0])) > 1000 * FP32_REL, k
     last = states[family]["last.2"]
     assert _rel(last, layers[-1][0]) < FP32_REL and _rel(last, pre_norm[0]) > 1000 * FP32_REL
+
+
+@pytest.mark.parametrize("family", TP2_FAMILIES)
+def test_tensor_parallel_2_captures_what_tp_1_captures(live: Live, family: str) -> None:
+    _, states = live
+    for name, tp1 in states[family].items():
+        assert _rel(states[f"{family}-tp2"][name], tp1) < FP32_REL, (
+            name
+        )  # the same sums, added in another order
