@@ -6,8 +6,8 @@ e4m3's whole range (largest finite value 448): `scale = amax / 448`, `q = round_
 `x' = q * scale`. Per element the error is at most half a step of e4m3 at that magnitude, |x| / 16, plus half
 its subnormal step, scale * 2^-10, and the block's largest value comes back exactly up to float32 rounding of the
 scale. A block of zeros gets the scale 0 and comes back as zeros. NaN and inf have no FP8 representation worth
-keeping (e4m3fn has no inf): a block holding one is refused (`NonFiniteStates`), and the writer marks that
-sample failed with the reason instead of storing it.
+keeping (e4m3fn has no inf): a block holding one is refused (`NonFiniteStates`, with the count), so that its
+sample can be marked failed with the reason rather than stored.
 
 Bytes per token at hidden H with three aux layers: 4H (the states) + 16 (four scales), against 8H in bfloat16:
 50.3% at H = 576, 50.05% at 4096, 50.03% at 7168.
