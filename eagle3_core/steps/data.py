@@ -38,7 +38,7 @@ from eagle3_core.store.records import (
     regeneration_row,
     write_rows,
 )
-from eagle3_core.store.shards import DTYPES, ShardWriter
+from eagle3_core.store.shards import DTYPES, QUANTIZED, ShardWriter
 from eagle3_core.targets.base import ExtractionTarget, HiddenStates, SampleFailure
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.targets.regenerate import RegenerationProgress, RegenerationResult, Regenerator
@@ -353,7 +353,10 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
         max_seq_len=cfg.tokenize.max_seq_len,
         dropped=dropped,
     )
-    store_dtype = DTYPES[cfg.extract.store_dtype][0]
+    # the dtype the target hands its states over in: an FP8 shard quantises them itself (store/fp8.py)
+    store_dtype = (
+        torch.bfloat16 if cfg.extract.store_dtype in QUANTIZED else DTYPES[cfg.extract.store_dtype][0]
+    )
     started = time.perf_counter()
     with ShardWriter(
         layout.hidden_states(key),

@@ -6,7 +6,10 @@ File layout (a valid safetensors file; `safetensors.safe_open` reads it):
     data = offsets int64 [N+1] | input_ids int32 [T] | aux_hidden_states [T, 3H] | last_hidden_states [T, H]
            | loss_mask uint8 [T]
 
-Sample i is rows offsets[i]:offsets[i+1] of every [T, ...] tensor; no padding is stored. Lengths are known
+Sample i is rows offsets[i]:offsets[i+1] of every [T, ...] tensor; no padding is stored. With store_dtype
+fp8_e4m3 (eagle3_core/store/fp8.py) the two state tensors are FP8 and two more follow the loss mask, their
+scales: aux_scales float32 [T, num_aux] | last_scales float32 [T, 1]; readers hand the states back dequantised,
+and the training loader copies the FP8 bytes and scales as they are, to be dequantised on the device. Lengths are known
 before the target runs, so the header is written first with room reserved, rows go straight into the
 preallocated temporary file as batches finish (memory: one batch), and `finalize` rewrites the header in
 place with the counts and checksums, fsyncs and renames. A file under its final name is complete, and its
@@ -47,6 +50,7 @@ from pydantic import ValidationError
 from eagle3_core.errors import ShardCorruptError
 from eagle3_core.store.atomic import fsync_path, json_text, remove_stale_temps, temp_path_for, write_temp
 from eagle3_core.store.disk import disk_preflight, full_disk_is_one_line
+from eagle3_core.store.fp8 import NonFiniteStates, dequantize, quantize
 from eagle3_core.store.records import ShardCounts, ShardFacts, ShardHeader, ShardManifest, validation_message
 
 SCHEMA = "eagle3.hidden_states/1"
@@ -58,10 +62,18 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {  # name -> (torch dtype, saf
     "bfloat16": (torch.bfloat16, "BF16", 2),
     "float16": (torch.float16, "F16", 2),
     "float32": (torch.float32, "F32", 4),
+    "fp8_e4m3": (torch.float8_e4m3fn, "F8_E4M3", 1),
 }
+QUANTIZED = ("fp8_e4m3",)  # store dtypes whose states carry a scale per token and layer block
+SCALES = {"aux_hidden_states": "aux_scales", "last_hidden_states": "last_scales"}
 MAX_REASON = 200
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")  # digest order
 NO_FALLOCATE = (errno.EOPNOTSUPP, errno.EINVAL)  # the filesystem cannot preallocate: a sparse file instead
+
+
+def sample_tensors(store_dtype: str) -> tuple[str, ...]:
+    """A sample's tensors in a shard of `store_dtype`, in digest order: the scales last, where there are any."""
+    return (*SAMPLE_TENSORS, *SCALES.values()) if store_dtype in QUANTIZED else SAMPLE_TENSORS
 
 
 def _digest(data: bytes | memoryview = b"") -> Any:
@@ -102,6 +114,8 @@ def plan_slots(lengths: list[int], hidden_size: int, num_aux: int, store_dtype: 
         ("last_hidden_states", store_dtype, (hidden_size,), tokens),
         ("loss_mask", "uint8", (), tokens),
     ]
+    if store_dtype in QUANTIZED:
+        specs += [("aux_scales", "float32", (num_aux,), tokens), ("last_scales", "float32", (1,), tokens)]
     slots: dict[str, TensorSlot] = {}
     start = 0
     for name, dtype, row_shape, rows in specs:
@@ -193,6 +207,7 @@ class ShardWriter:
         self.facts = facts or ShardFacts()
         self.counts: ShardCounts | None = None  # set by finalize
         self.slots = plan_slots(self.lengths, hidden_size, num_aux, store_dtype)
+        self.tensor_names = sample_tensors(store_dtype)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]).astype(np.int64)
         self.digests: list[str | None] = [None] * len(lengths)
         self.loss_tokens = [0] * len(lengths)
@@ -314,7 +329,9 @@ class ShardWriter:
         aux: torch.Tensor,
         last: torch.Tensor,
     ) -> None:
-        """Write sample `index`: input_ids/loss_mask [T], aux [T, 3H], last [T, H] (any float dtype/device)."""
+        """Write sample `index`: input_ids/loss_mask [T], aux [T, 3H], last [T, H] (any float dtype/device).
+
+        In an FP8 shard a sample whose states hold NaN or inf is marked failed with the reason instead."""
         n = self.lengths[index]
         expected = {
             "input_ids": (n,),
@@ -328,19 +345,34 @@ class ShardWriter:
             "aux_hidden_states": aux,
             "last_hidden_states": last,
         }
-        h = _digest()
-        first = int(self.offsets[index])
         for name in SAMPLE_TENSORS:
             if tuple(tensors[name].shape) != expected[name]:
                 raise ValueError(
                     f"sample {index} ({self.sample_ids[index][:12]}): {name} has shape "
                     f"{tuple(tensors[name].shape)}, expected {expected[name]}"
                 )
+        if self.store_dtype in QUANTIZED:
+            try:
+                tensors |= self._quantized(tensors)
+            except NonFiniteStates as err:
+                self.mark_failed(index, f"non-finite hidden states: {err}")
+                return
+        h = _digest()
+        first = int(self.offsets[index])
+        for name in self.tensor_names:
             data = _tensor_bytes(tensors[name], self.slots[name].dtype)
             h.update(data)
             self._pwrite_slot(name, first, data)
         self.digests[index] = h.hexdigest()
         self.loss_tokens[index] = int(loss_mask.sum())
+
+    def _quantized(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The states as FP8 and their scales (store/fp8.py): a block per aux layer, one for the final state."""
+        out: dict[str, torch.Tensor] = {}
+        for name, groups in (("aux_hidden_states", self.num_aux), ("last_hidden_states", 1)):
+            q = quantize(tensors[name], groups)
+            out[name], out[SCALES[name]] = q.values, q.scales
+        return out
 
     def mark_failed(self, index: int, reason: str) -> None:
         """A sample whose states could not be obtained: its rows stay zero and readers skip it."""
@@ -502,6 +534,8 @@ class ShardReader:
         self._digests = self.meta.sample_digests
         failed = self.meta.failed
         self._index = [i for i, s in enumerate(self._all_ids) if s not in failed]
+        self.tensor_names = sample_tensors(self.meta.store_dtype)
+        self.quantized = self.meta.store_dtype in QUANTIZED
         self._file = open(path, "rb")  # noqa: SIM115 (closed by close(); the mmap outlives __init__)
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         self._offsets = np.frombuffer(self._raw("offsets", 0, len(self._all_ids) + 1), dtype=np.int64).copy()
@@ -544,7 +578,7 @@ class ShardReader:
         """The digest of sample j's rows as stored, hashed straight from the mapping (no copy)."""
         first, rows = self._rows(j)
         h = _digest()
-        for name in SAMPLE_TENSORS:
+        for name in self.tensor_names:
             with self._raw(name, first, rows) as raw:
                 h.update(raw)
         return str(h.hexdigest())
@@ -554,25 +588,36 @@ class ShardReader:
         return int(self._offsets[j]), int(self._offsets[j + 1] - self._offsets[j])
 
     def sample(self, i: int, verify: bool = True) -> ShardSample:
+        """Sample i, its states in the store dtype (an FP8 shard's dequantised to bfloat16)."""
         j = self._index[i]
         first, rows = self._rows(j)
         h = _digest() if verify else None
-        tensors = [self._tensor(n, first, rows, h) for n in SAMPLE_TENSORS]
+        tensors = {n: self._tensor(n, first, rows, h) for n in self.tensor_names}
         if h is not None and h.hexdigest() != self._digests[j]:
             raise self._checksum_error(j)
-        return ShardSample(self._all_ids[j], *tensors)
+        if self.quantized:
+            for name, scales in SCALES.items():
+                tensors[name] = dequantize(tensors[name], tensors.pop(scales))
+        return ShardSample(self._all_ids[j], *(tensors[n] for n in SAMPLE_TENSORS))
 
     def copy_sample_into(self, i: int, out: dict[str, torch.Tensor]) -> None:
         """Copy sample i's rows straight from the mapped file into `out` (name -> tensor of at most its rows).
 
         One copy and no intermediate buffers: what the training loader uses to fill a (pinned) batch. A
         destination shorter than the sample takes its first rows (a cut to max_len); the digest is still
-        checked over the whole sample, so a cut never hides corruption.
+        checked over the whole sample, so a cut never hides corruption. From an FP8 shard, `out` takes the FP8
+        states and their scales as stored (dequantised later, on the device), or, without the scales in `out`,
+        the states dequantised into its dtype (a batch mixing FP8 and other shards).
         """
         j = self._index[i]
         first, rows = self._rows(j)
         h = _digest()
-        for name in SAMPLE_TENSORS:
+        dequantized = self.quantized and not set(SCALES.values()) <= set(out)
+        held: dict[str, torch.Tensor] = {}
+        for name in self.tensor_names:
+            if dequantized and (name in SCALES or name in SCALES.values()):
+                held[name] = self._tensor(name, first, rows, h)  # dequantised below, after the digest
+                continue
             dest = out[name]
             n = dest.shape[0]
             if dest.dtype != DTYPES[_dtype_name(self.header[name]["dtype"])][0] or n > rows:
@@ -587,6 +632,9 @@ class ShardReader:
                 ).reshape(n, row_bytes)
         if h.hexdigest() != self._digests[j]:
             raise self._checksum_error(j)
+        for name, scales in SCALES.items() if dequantized else ():
+            dest = out[name]
+            dest.copy_(dequantize(held[name][: dest.shape[0]], held[scales][: dest.shape[0]], dest.dtype))
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's input_ids int32 [T] and loss_mask uint8 [T], without its hidden states.

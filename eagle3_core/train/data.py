@@ -28,6 +28,7 @@ import torch
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import FLEX_BLOCK, Packing
 from eagle3_core.errors import Eagle3Error
+from eagle3_core.store.fp8 import FP8, SCALE_DTYPE, dequantize
 from eagle3_core.store.records import ShardHeader
 from eagle3_core.store.shards import DTYPES, ShardReader
 from eagle3_core.train.loss import drafted_entries
@@ -169,11 +170,18 @@ class TrainingData:
         facts = self.readers[first.shard if first is not None else 0]
         aux_width = int(facts.header["aux_hidden_states"]["shape"][1])
         hidden = int(facts.header["last_hidden_states"]["shape"][1])
-        dtype = DTYPES[facts.meta.store_dtype][0]
+        dtype = batch_dtype([self.readers[r.shard] for row in rows for r in row] or [facts])
         input_ids = torch.zeros(b, t, dtype=torch.int32, pin_memory=pin)
         loss_mask = torch.zeros(b, t, dtype=torch.uint8, pin_memory=pin)
         aux = torch.empty(b, t, aux_width, dtype=dtype, pin_memory=pin)
         last = torch.empty(b, t, hidden, dtype=dtype, pin_memory=pin)
+        scales = None  # FP8 states travel with their scales and are dequantised on the device (Batch.to)
+        if dtype == FP8:
+            num_aux = int(facts.header["aux_scales"]["shape"][1])
+            scales = (
+                torch.zeros(b, t, num_aux, dtype=SCALE_DTYPE, pin_memory=pin),
+                torch.zeros(b, t, 1, dtype=SCALE_DTYPE, pin_memory=pin),
+            )
         packing = None
         if width is not None:  # where each sample lies; a padded batch's rows need no such map
             packing = Packing(torch.empty(b, t, dtype=torch.int32), torch.empty(b, t, dtype=torch.int64))
@@ -191,8 +199,8 @@ class TrainingData:
             if packing is not None:
                 packing.doc[i, offset:] = len(row)  # the padding after a row's samples counts as one more
                 packing.positions[i, offset:] = torch.arange(t - offset)
-            aux[i, offset:].zero_()
-            last[i, offset:].zero_()
+            aux[i, offset:].view(torch.uint8).zero_()  # bytes: FP8 has no fill, and 0 is zero in every dtype
+            last[i, offset:].view(torch.uint8).zero_()
 
         def fill(place: tuple[int, int, SampleRef, int]) -> None:
             i, offset, ref, n = place
@@ -202,6 +210,9 @@ class TrainingData:
                 "aux_hidden_states": aux[i, offset : offset + n],
                 "last_hidden_states": last[i, offset : offset + n],
             }
+            if scales is not None:
+                rows_of["aux_scales"] = scales[0][i, offset : offset + n]
+                rows_of["last_scales"] = scales[1][i, offset : offset + n]
             self.readers[ref.shard].copy_sample_into(ref.index, rows_of)
 
         list(pool.map(fill, places) if pool is not None else map(fill, places))  # list(): raise any error
@@ -209,7 +220,15 @@ class TrainingData:
             drafted = drafted_entries(loss_mask, packing.doc, ttt_steps, FLEX_BLOCK)
             if drafted is not None:
                 packing = Packing(packing.doc, packing.positions, drafted.pin_memory() if pin else drafted)
-        return Batch(input_ids.long(), loss_mask, aux, last, tokens=sum(map(sum, lengths)), packing=packing)
+        return Batch(
+            input_ids.long(),
+            loss_mask,
+            aux,
+            last,
+            tokens=sum(map(sum, lengths)),
+            packing=packing,
+            scales=scales,
+        )
 
     def close(self) -> None:
         """Close every shard; safe on the error path (ShardReader.close leaves a mapping still viewed)."""
@@ -347,18 +366,38 @@ class Batch:
     last: torch.Tensor  # [B, T, H] in the store dtype
     tokens: int  # real (unpadded) tokens
     packing: Packing | None = None  # where each row's samples lie; None: one sample per row
+    # FP8 states' scales, aux [B, T, num_aux] and last [B, T, 1] float32; None for states in a float dtype
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> Batch:
+        """The batch on `device`, FP8 states dequantised there to bfloat16 (they cross the bus at one byte)."""
         nb = device.type == "cuda"
         packing = self.packing.to(device, non_blocking=nb) if self.packing is not None else None
+        aux, last = self.aux.to(device, non_blocking=nb), self.last.to(device, non_blocking=nb)
+        if self.scales is not None:
+            aux_scales, last_scales = (x.to(device, non_blocking=nb) for x in self.scales)
+            aux, last = _dequantized(aux, aux_scales), _dequantized(last, last_scales)
         return Batch(
             self.input_ids.to(device, non_blocking=nb),
             self.loss_mask.to(device, non_blocking=nb),
-            self.aux.to(device, non_blocking=nb),
-            self.last.to(device, non_blocking=nb),
+            aux,
+            last,
             self.tokens,
             packing,
         )
+
+
+def _dequantized(states: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP8 states [B, T, W] with their scales [B, T, G] as bfloat16 [B, T, W]."""
+    b, t, w = states.shape
+    return dequantize(states.view(b * t, w), scales.view(b * t, -1)).view(b, t, w)
+
+
+def batch_dtype(readers: Sequence[ShardReader]) -> torch.dtype:
+    """The states' dtype in a batch of these shards' samples: FP8 when every one is FP8 (copied as stored),
+    else the first other shard's dtype (FP8 samples dequantised into it on the host)."""
+    plain = [r for r in readers if not r.quantized]
+    return DTYPES[plain[0].meta.store_dtype][0] if plain else FP8
 
 
 class Prefetcher:

@@ -605,3 +605,42 @@ def test_a_full_disk_in_the_metric_log_is_one_line_leaves_whole_rows_and_the_run
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _squeezed(f"resuming run {run_dir.name} from step 1") in _squeezed(resumed.stdout)
     assert _logged_steps(run_dir) == [("train", 1), ("train", 2), ("val", 2)]
+
+
+def test_fp8_shards_train_alone_or_beside_float32_ones(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """extract.store_dtype fp8_e4m3: a batch of FP8 shards crosses as stored and is dequantised by Batch.to; a
+    store where one shard is FP8 and one float32 (re-extracted in FP8 after a change of settings) trains too."""
+    from eagle3_core.store.fp8 import FP8
+    from eagle3_core.train.data import TrainingData
+
+    config = _copy(shard_store, tmp_path / "p", train=_short(0.003, steps=6))
+    config.write_text(config.read_text().replace("store_dtype: float32", "store_dtype: fp8_e4m3"))
+    cfg = load_config(config)
+    target = TransformersTarget(shard_store[1], cfg.target)
+    keys = ingest(cfg).all_shards
+    extract_step(cfg, keys[0], target)  # the first shard (59 samples) in FP8; the second stays float32
+    target.close()
+    paths = StoreLayout(cfg.store_root).hidden_state_shards()
+    data = TrainingData(paths)
+    fp8 = [r for r in data.refs if data.readers[r.shard].quantized][:3]
+    plain = [r for r in data.refs if not data.readers[r.shard].quantized][:1]
+    assert len(fp8) == 3 and len(plain) == 1
+    stored = data.load_batch(fp8, max_len=256)
+    assert stored.aux.dtype == FP8 and stored.scales is not None  # one byte a value in host memory
+    on_device = stored.to(torch.device("cpu"))
+    mixed = data.load_batch([*fp8[:1], *plain], max_len=256)
+    assert mixed.aux.dtype == torch.float32 and mixed.scales is None  # the FP8 sample dequantised into it
+    for i, ref in enumerate(fp8):
+        sample = data.readers[ref.shard].sample(ref.index)
+        assert torch.equal(on_device.aux[i, : ref.length], sample.aux_hidden_states)
+        assert torch.equal(on_device.last[i, : ref.length], sample.last_hidden_states)
+        assert not on_device.aux[i, ref.length :].any()
+    first = data.readers[fp8[0].shard].sample(fp8[0].index).aux_hidden_states.float()
+    assert torch.allclose(mixed.aux[0, : fp8[0].length], first, rtol=1 / 128, atol=0)
+    data.close()
+    vocab_step(cfg)
+    result = drafter_checkpoint_step(cfg, log=lambda _: None)
+    train = [r for r in read_metrics(result.path.parent) if isinstance(r, TrainRow)]
+    assert train[-1].loss < train[0].loss
