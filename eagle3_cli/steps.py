@@ -210,6 +210,11 @@ def print_stats(cfg: Eagle3Config, max_rows: int = 40) -> None:
         table.add_row(row.key, *(f"{row.values[c]:,}" for c in COLUMNS))
     table.add_row("total", *(f"{stats.totals[c]:,}" for c in COLUMNS), style="bold")
     console.print(table)
+    per_token = stats.bytes_per_token()
+    if per_token:
+        console.print(
+            "bytes per token: " + ", ".join(f"{n:,.0f} in {dtype}" for dtype, n in per_token.items())
+        )
     rejected = ", ".join(f"{k}={v}" for k, v in stats.rejected.items()) or "none"
     truncated = sum(stats.truncated.values())
     console.print(

@@ -32,6 +32,7 @@ HEADERS = ("samples", "tokens", "loss tokens", "errors", "truncated", "tokens cu
 class ShardRow:
     key: str
     values: dict[str, int]
+    store_dtype: str = ""
 
 
 @dataclass
@@ -49,6 +50,14 @@ class StoreStats:
     @property
     def totals(self) -> dict[str, int]:
         return {c: sum(r.values.get(c, 0) for r in self.shards) for c in COLUMNS}
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Per store dtype: the shards' bytes on disk (header, ids, states and any scales) over their tokens."""
+        out: dict[str, float] = {}
+        for dtype in sorted({r.store_dtype for r in self.shards}):
+            rows = [r for r in self.shards if r.store_dtype == dtype]
+            out[dtype] = sum(r.values["bytes"] for r in rows) / max(sum(r.values["tokens"] for r in rows), 1)
+        return out
 
 
 def _row(manifest: ShardManifest) -> dict[str, int]:
@@ -84,7 +93,7 @@ def store_stats(root: Path) -> StoreStats:
             stats.incomplete.append(key)
             continue
         manifest = ShardManifest.read(layout.hidden_states_manifest(key))
-        stats.shards.append(ShardRow(manifest.key, _row(manifest)))
+        stats.shards.append(ShardRow(manifest.key, _row(manifest), manifest.store_dtype))
     rejected: Counter[str] = Counter()
     truncated: Counter[str] = Counter()
     for manifest_path in sorted((root / "conversations").glob("*.json")):

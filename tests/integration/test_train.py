@@ -640,6 +640,11 @@ def test_fp8_shards_train_alone_or_beside_float32_ones(
     first = data.readers[fp8[0].shard].sample(fp8[0].index).aux_hidden_states.float()
     assert torch.allclose(mixed.aux[0, : fp8[0].length], first, rtol=1 / 128, atol=0)
     data.close()
+    stats = eagle3(config, "stats")
+    assert stats.returncode == 0, stats.stderr
+    [line] = [x for x in stats.stdout.splitlines() if x.startswith("bytes per token:")]
+    per_token = {d: float(n.replace(",", "")) for n, d in re.findall(r"([\d,]+) in (\w+)", line)}
+    assert set(per_token) == {"float32", "fp8_e4m3"} and per_token["fp8_e4m3"] < per_token["float32"] / 3
     vocab_step(cfg)
     result = drafter_checkpoint_step(cfg, log=lambda _: None)
     train = [r for r in read_metrics(result.path.parent) if isinstance(r, TrainRow)]
