@@ -281,6 +281,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_convert_shards(args: argparse.Namespace) -> int:
+    from eagle3_core.store.convert import convert_store
+
+    cfg = _config(args)
+    keys = _keys(cfg, args.shard) if args.shard else None
+    done = convert_store(cfg.store_root, args.to, keys, cfg.extract.disk_headroom, progress_log)
+    before, after = sum(c.bytes_before for c in done), sum(c.bytes_after for c in done)
+    console.print(
+        f"convert-shards: {len(done)} shard(s) re-encoded in {args.to}"
+        + (f", {before:,} -> {after:,} bytes ({after / before:.1%})" if before else "")
+    )
+    return 0
+
+
 def cmd_vocab(args: argparse.Namespace) -> int:
     from eagle3_core.steps.drafter import vocab_step
 
@@ -466,6 +480,14 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
             "--shard", action="append", help="Only this shard (repeatable); default: shards not done."
         )
         p.add_argument("--force", action="store_true", help="Redo shards that are already done.")
+    p = add(
+        "convert-shards",
+        cmd_convert_shards,
+        "Re-encode the store's hidden-state shards in another dtype (fp8_e4m3: about half the bytes of "
+        "bfloat16), shard by shard, atomically; a rerun converts only what is left.",
+    )
+    p.add_argument("--to", required=True, choices=["fp8_e4m3", "bfloat16", "float16", "float32"])
+    p.add_argument("--shard", action="append", help="Only this shard (repeatable); default: every shard.")
     add("vocab", cmd_vocab, "Build the draft vocabulary over every shard (reused when nothing changed).")
     p = add("train", cmd_train, "Train the drafter on every shard; resumes a run that was cut short.")
     p.add_argument(

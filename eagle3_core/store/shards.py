@@ -387,8 +387,11 @@ class ShardWriter:
         self.failed[self.sample_ids[index]] = reason[:MAX_REASON]
 
     # ---- commit ---------------------------------------------------------------------------------------
-    def finalize(self, counts: Mapping[str, int] | None = None) -> ShardManifest:
-        """Commit the shard; `counts`: what the caller counted before the rows (ShardCounts' leading fields)."""
+    def finalize(self, counts: Mapping[str, int] | None = None, *, in_place: bool = False) -> ShardManifest:
+        """Commit the shard; `counts`: what the caller counted before the rows (ShardCounts' leading fields).
+
+        `in_place`: the shard replaces one of the same samples whose rows exist nowhere else (a conversion):
+        see `_commit`."""
         missing = [i for i, d in enumerate(self.digests) if d is None]
         if missing:
             raise RuntimeError(f"{len(missing)} samples were never written (first: index {missing[0]})")
@@ -400,15 +403,27 @@ class ShardWriter:
                 os.close(self._fd)
                 self._fd = -1
                 manifest = manifest_from_header(self.temp, final=self.path)
-                self._commit(manifest)
+                self._commit(manifest, in_place)
         except BaseException:
             self.abort()
             raise
         return manifest
 
-    def _commit(self, manifest: ShardManifest) -> None:
-        """Manifest first, shard last: the shard's rename is the commit point (see the module docstring)."""
+    def _commit(self, manifest: ShardManifest, in_place: bool = False) -> None:
+        """Manifest first, shard last: the shard's rename is the commit point (see the module docstring).
+
+        In place, the new shard is renamed over the old one first and its manifest follows: the old rows are
+        never removed before the new ones are in place, and a crash between the renames leaves the new shard
+        with the old manifest, which `verify` names and a rerun of the conversion (or `verify --repair`)
+        rewrites from the shard's header."""
         manifest_temp = write_temp(self.manifest_path, json_text(manifest.dump()).encode())
+        if in_place:
+            os.replace(self.temp, self.path)
+            self._committed = True
+            fsync_path(self.path.parent)
+            os.replace(manifest_temp, self.manifest_path)
+            fsync_path(self.path.parent)
+            return
         # A redo: the old shard goes before the new manifest is put in, so the two never meet.
         self.path.unlink(missing_ok=True)
         os.replace(manifest_temp, self.manifest_path)

@@ -649,3 +649,78 @@ def test_fp8_shards_train_alone_or_beside_float32_ones(
     result = drafter_checkpoint_step(cfg, log=lambda _: None)
     train = [r for r in read_metrics(result.path.parent) if isinstance(r, TrainRow)]
     assert train[-1].loss < train[0].loss
+
+
+CONVERT_KILLED = """
+import os, signal, sys
+import eagle3_core.store.shards as shards
+from eagle3_cli.steps import main
+where, real_write, real_replace, written = sys.argv[2], shards.ShardWriter.write_sample, os.replace, []
+
+def write_sample(self, *args, **kwargs):  # in the second shard's rows
+    written.append(self.path.stem)
+    if where == "rows" and len(set(written)) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_write(self, *args, **kwargs)
+
+def replace(src, dst):  # between the in-place commit's two renames: the new shard in, its manifest not yet
+    if where == "renames" and str(dst).endswith(".json") and os.path.basename(str(dst)).startswith("t-00000"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+
+shards.ShardWriter.write_sample = write_sample
+shards.os.replace = replace
+sys.exit(main(['--config', sys.argv[1], 'convert-shards', '--to', 'fp8_e4m3']))
+"""
+
+
+@pytest.mark.parametrize("killed_in", ["rows", "renames"])
+def test_convert_shards_halves_a_store_survives_sigkill_and_the_rerun_finishes(
+    shard_store: tuple[Path, Path], tmp_path: Path, killed_in: str
+) -> None:
+    from eagle3_core.store.shards import read_shard_header
+    from eagle3_core.store.stats import verify_shard
+
+    config = _copy(shard_store, tmp_path / "p")
+    cfg = load_config(config)
+    paths = StoreLayout(cfg.store_root).hidden_state_shards()
+    before = {p.stem: (p.stat().st_size, _all_samples(p)) for p in paths}
+    # a first conversion to bfloat16 (4 bytes -> 2 a value), then SIGKILL in the FP8 conversion's second shard
+    assert eagle3(config, "convert-shards", "--to", "bfloat16").returncode == 0
+    killed = subprocess.run(
+        [sys.executable, "-c", CONVERT_KILLED, str(config), killed_in],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    dtypes = [read_shard_header(p).store_dtype for p in paths]
+    if killed_in == "rows":  # the first converted, the second still whole in its old dtype
+        assert dtypes == ["fp8_e4m3", "bfloat16"] and all(verify_shard(p).ok for p in paths)
+    else:  # the first shard converted, its manifest still the old one: named, and the rerun rewrites it
+        assert dtypes == ["fp8_e4m3", "bfloat16"]
+        assert [pr for pr in verify_shard(paths[0]).problems if "manifest" in pr]
+    rerun = eagle3(config, "convert-shards", "--to", "fp8_e4m3")
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{paths[0].stem}: already fp8_e4m3" in rerun.stdout + rerun.stderr
+    for p in paths:
+        assert verify_shard(p).ok
+        ids, rows = _all_samples(p)
+        assert ids == before[p.stem][1][0]  # every sample, in order, none lost or doubled
+        for got, want in zip(rows, before[p.stem][1][1], strict=True):
+            assert torch.equal(got[0], want[0])  # the tokens exactly
+            blocks = want[1].view(want[1].shape[0], 3, -1)
+            bound = (
+                blocks.abs() / 16 + blocks.abs().amax(-1, keepdim=True) / 448 * 2.0**-10 + blocks.abs() / 64
+            )
+            assert bool(((got[1].float().view_as(blocks) - blocks).abs() <= bound).all())
+        assert p.stat().st_size < 0.3 * before[p.stem][0]  # float32 -> FP8: about a quarter, with the scales
+    assert eagle3(config, "convert-shards", "--to", "fp8_e4m3").stdout.count("already fp8_e4m3") == len(paths)
+
+
+def _all_samples(path: Path) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+    from eagle3_core.store.shards import ShardReader
+
+    with ShardReader(path) as r:
+        samples = [r.sample(i) for i in range(len(r))]
+        return r.sample_ids, [(s.input_ids.clone(), s.aux_hidden_states.float().clone()) for s in samples]
