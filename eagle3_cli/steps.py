@@ -329,8 +329,15 @@ def print_training(summary: RunSummary) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from eagle3_core.steps.drafter import launch_training, lead_process
+    from eagle3_core.steps.drafter import dry_run_step, launch_training, lead_process, vocab_step
 
+    if args.dry_run:
+        cfg = _config(args)
+        if not args.no_vocab:
+            vocab_step(cfg, progress_log)
+        dry_run_step(cfg, progress_log)
+        console.print("dry run: both exports of the drafter as initialised are valid; nothing was trained")
+        return 0
     result = launch_training(Path(args.config), progress_log, args.nproc, with_vocab=not args.no_vocab)
     if lead_process():
         print_training(result.record_as(RunSummary))
@@ -494,6 +501,12 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         "--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes)."
     )
     p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Only export the drafter as initialised in both formats and validate them (every run does this "
+        "before its first step), then stop.",
+    )
     add("export", cmd_export, "Write the newest drafter in SGLang and vLLM/speculators formats, validated.")
     p = add(
         "eval",

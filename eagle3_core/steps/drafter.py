@@ -137,6 +137,8 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     mapping = load_vocab_mapping(
         layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
     )
+    if lead_process():
+        dry_run_export(cfg, shards, mapping, log)
     result = train_drafter(
         shards,
         target_dir(cfg, log=log),
@@ -150,6 +152,50 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
         pointer = DrafterLatest(run=result.run_dir.name, final=layout.pointer_path(result.final_dir))
         pointer.write(layout.drafter_latest)
     return _training_result(cfg, result.final_dir, result.resumed_from)
+
+
+def dry_run_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
+    """`eagle3 train --dry-run`: the run's export checked (`dry_run_export`), and nothing trained."""
+    layout = StoreLayout(cfg.store_root)
+    shards = _intact_shards(layout, log)
+    mapping = load_vocab_mapping(
+        layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
+    )
+    seconds = dry_run_export(cfg, shards, mapping, log)
+    return StepResult("dry_run", layout.run_dir, {"seconds": round(seconds, 2)})
+
+
+def dry_run_export(cfg: Eagle3Config, shards: list[Path], mapping: VocabMapping, log: Log) -> float:
+    """Before a run's first step, the drafter as initialised is exported in both formats into a scratch
+    directory of the store, each written and validated as `export_step` writes it (every tensor, shape, dtype
+    and config field an engine reads), then removed: an export the engines would refuse stops the run in
+    seconds with the export's one-line error, not after hours of training. Its seconds."""
+    import shutil
+    import time
+
+    from eagle3_core.export import ExportTarget, export_sglang, export_speculators
+    from eagle3_core.targets.head import load_target_head
+    from eagle3_core.train.trainer import drafter_config_for, new_drafter
+
+    started = time.perf_counter()
+    layout = StoreLayout(cfg.store_root)
+    target = target_dir(cfg, log=log)
+    header = read_shard_header(shards[0])
+    if header.aux_layer_ids is None or header.final_state_convention is None:
+        raise Eagle3Error(f"{shards[0]}: no aux_layer_ids or final_state_convention in its header")
+    facts = ExportTarget.from_model_dir(target, header.aux_layer_ids, header.final_state_convention)
+    head = load_target_head(target)
+    dcfg = drafter_config_for(target, mapping.draft_vocab_size, cfg.train.variant)
+    drafter = new_drafter(dcfg, head, mapping, cfg.train.seed)
+    scratch = layout.run_dir / f"dry-run-{os.getpid()}"
+    try:
+        for name, export in (("sglang", export_sglang), ("speculators", export_speculators)):
+            export(drafter, mapping, facts, scratch / name, dtype=export_dtype(cfg, target))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    log(f"dry run: the drafter as initialised exports in both formats ({seconds:.1f} s)")
+    return seconds
 
 
 def launch_training(

@@ -724,3 +724,40 @@ def _all_samples(path: Path) -> tuple[list[str], list[tuple[torch.Tensor, torch.
     with ShardReader(path) as r:
         samples = [r.sample(i) for i in range(len(r))]
         return r.sample_ids, [(s.input_ids.clone(), s.aux_hidden_states.float().clone()) for s in samples]
+
+
+BROKEN_EXPORT = """
+import sys
+import eagle3_core.export.sglang as sglang
+from eagle3_cli.steps import main
+real = sglang.SGLangFormat.build_config
+
+def broken(self, *args, **kwargs):  # a config field the weights contradict, as a wrong key mapping would write
+    config = real(self, *args, **kwargs)
+    return config.model_copy(update={"num_key_value_heads": config.num_key_value_heads + 1})
+
+sglang.SGLangFormat.build_config = broken
+sys.exit(main(['--config', sys.argv[1], *sys.argv[2:]]))
+"""
+
+
+def test_a_run_exports_its_drafter_before_the_first_step_and_a_broken_export_stops_it(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config = _copy(shard_store, tmp_path / "p", train=_short(0.003, steps=2))
+    runs = load_config(config).store_root / "drafter"
+    dry = eagle3(config, "train", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "both exports of the drafter as initialised are valid; nothing was trained" in dry.stdout
+    assert not list(runs.glob("runs/*/metrics.jsonl"))  # nothing trained
+    assert not list((load_config(config).store_root / "run").glob("dry-run-*"))  # the scratch export removed
+    for args in (["train", "--dry-run"], ["train"]):
+        broken = subprocess.run(
+            [sys.executable, "-c", BROKEN_EXPORT, str(config), *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert broken.returncode == 2, broken.stdout[-2000:] + broken.stderr[-2000:]
+        [line] = [x for x in (broken.stdout + broken.stderr).splitlines() if x.startswith("error: ")]
+        assert "(sglang export): inconsistent drafter config" in line and "num_kv_heads" in line, line
+        assert "Traceback" not in broken.stdout + broken.stderr
+        assert not list(runs.glob("runs/*/metrics.jsonl"))  # refused before any step
