@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +131,18 @@ def vocab_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     return StepResult("vocab_mapping", layout.vocab_mapping, meta)
 
 
+def _shards_and_mapping(cfg: Eagle3Config, layout: StoreLayout, log: Log) -> tuple[list[Path], VocabMapping]:
+    """The store's shards, checked intact, and the vocab mapping built over exactly them."""
+    shards = _intact_shards(layout, log)
+    fingerprint = expected_mapping_fingerprint(cfg, shards)
+    return shards, load_vocab_mapping(layout.vocab_mapping, expected_fingerprint=fingerprint)
+
+
 def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """A whole training run of the drafter on every shard with the current vocab mapping (resuming a run that
     was cut short), in this process; under torchrun every rank calls it (see `launch_training`)."""
     layout = StoreLayout(cfg.store_root)
-    shards = _intact_shards(layout, log)
-    mapping = load_vocab_mapping(
-        layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
-    )
+    shards, mapping = _shards_and_mapping(cfg, layout, log)
     if lead_process():
         dry_run_export(cfg, shards, mapping, log)
     result = train_drafter(
@@ -157,11 +163,7 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
 def dry_run_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """`eagle3 train --dry-run`: the run's export checked (`dry_run_export`), and nothing trained."""
     layout = StoreLayout(cfg.store_root)
-    shards = _intact_shards(layout, log)
-    mapping = load_vocab_mapping(
-        layout.vocab_mapping, expected_fingerprint=expected_mapping_fingerprint(cfg, shards)
-    )
-    seconds = dry_run_export(cfg, shards, mapping, log)
+    seconds = dry_run_export(cfg, *_shards_and_mapping(cfg, layout, log), log)
     return StepResult("dry_run", layout.run_dir, {"seconds": round(seconds, 2)})
 
 
@@ -170,9 +172,6 @@ def dry_run_export(cfg: Eagle3Config, shards: list[Path], mapping: VocabMapping,
     directory of the store, each written and validated as `export_step` writes it (every tensor, shape, dtype
     and config field an engine reads), then removed: an export the engines would refuse stops the run in
     seconds with the export's one-line error, not after hours of training. Its seconds."""
-    import shutil
-    import time
-
     from eagle3_core.export import ExportTarget, export_sglang, export_speculators
     from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.trainer import drafter_config_for, new_drafter
@@ -187,10 +186,11 @@ def dry_run_export(cfg: Eagle3Config, shards: list[Path], mapping: VocabMapping,
     head = load_target_head(target)
     dcfg = drafter_config_for(target, mapping.draft_vocab_size, cfg.train.variant)
     drafter = new_drafter(dcfg, head, mapping, cfg.train.seed)
+    dtype = export_dtype(cfg, target)
     scratch = layout.run_dir / f"dry-run-{os.getpid()}"
     try:
         for name, export in (("sglang", export_sglang), ("speculators", export_speculators)):
-            export(drafter, mapping, facts, scratch / name, dtype=export_dtype(cfg, target))
+            export(drafter, mapping, facts, scratch / name, dtype=dtype)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - started

@@ -259,9 +259,10 @@ def _split(states: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> Hidden
 
 
 # ---- what both backends know of the target -------------------------------------------------------------------
-def describe_target(
-    model_dir: Path, cfg: TargetConfig, device: str
-) -> tuple[Any, str, TargetInfo, tuple[str, ...]]:
+Described = tuple[Any, str, TargetInfo, tuple[str, ...]]  # tokenizer, its fingerprint, info, architectures
+
+
+def describe_target(model_dir: Path, cfg: TargetConfig, device: str) -> Described:
     """The tokenizer, its fingerprint, the TargetInfo and the architectures of the model SGLang serves, from
     its directory."""
     from transformers import AutoConfig, AutoTokenizer
@@ -413,7 +414,10 @@ class SGLangHttpBackend:
         timeout_s: float = 600.0,
         echo_token_ids: bool = False,
         preflight: bool = True,
+        described: Described | None = None,
     ) -> None:
+        """`described`: `describe_target`'s result when the caller has it already (`SGLangManagedBackend`
+        needs the aux layers before the server it connects to exists)."""
         self.url = url.rstrip("/")
         self.shown_url = without_url_passwords(self.url)  # in messages and logs; the requests go to `url`
         self.aux_from_response = aux_from_response
@@ -421,7 +425,7 @@ class SGLangHttpBackend:
         # SGLang echoes the ids it ran only with input logprobs, which cost a log-softmax over the vocabulary
         # at every prompt position: off by default, the row count and prompt_tokens are checked regardless
         self.echo_token_ids = echo_token_ids
-        self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
+        self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = described or describe_target(
             model_dir, cfg, device=f"sglang {self.shown_url}"
         )
         # the capture hooks' module paths depend on the architecture: known, or refused (a stock server that
@@ -577,12 +581,15 @@ class SGLangManagedBackend(SGLangHttpBackend):
     def __init__(self, model_dir: Path, cfg: Eagle3Config, *, log: Callable[[str], None] = print) -> None:
         from eagle3_core.engines.sglang_server import SGLangServer, launch_command
 
-        aux = describe_target(model_dir, cfg.target, device="sglang server")[2].aux_layer_ids
         self.server = SGLangServer(cfg.sglang, StoreLayout(cfg.store_root), log=log)
+        described = describe_target(model_dir, cfg.target, device=f"sglang {self.server.url}")
         self.server.reap_stale()
         try:
-            url = self.server.launch(launch_command(cfg, model_dir, "extract", aux_layer_ids=aux))
-            super().__init__(url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len)
+            argv = launch_command(cfg, model_dir, "extract", aux_layer_ids=described[2].aux_layer_ids)
+            url = self.server.launch(argv)
+            super().__init__(
+                url, model_dir, cfg.target, max_seq_len=cfg.tokenize.max_seq_len, described=described
+            )
         except BaseException:
             self.server.stop()
             raise

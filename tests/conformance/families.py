@@ -20,6 +20,7 @@ from tests.helpers import CORPUS
 
 H = 256
 LAYERS = 8
+FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe")
 COMMON: dict[str, Any] = {
     "hidden_size": H,
@@ -125,3 +126,8 @@ def wrap_as_kimi(deepseek: Path, kimi: Path) -> None:
     for f in deepseek.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             (kimi / f.name).write_bytes(f.read_bytes())
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (L2): how far SGLang's states are from transformers'."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))

@@ -23,11 +23,10 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.targets.base import HiddenStates
 from eagle3_core.targets.hf import TransformersTarget
 from tests.conformance.conftest import HERE, sglang_env
-from tests.conformance.families import FAMILIES, H, reference_dir, save_family_target
+from tests.conformance.families import FAMILIES, FP32_REL, H, reference_dir, rel_diff, save_family_target
 from tests.conftest import REPO
 
 AUX = (1, 4, 6)
-FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
 ENGINE_TIMEOUT_S = 600
 
 # extracted again at tensor-parallel size 2: MLA heads and MoE experts split over two ranks, all-reduced
@@ -40,10 +39,6 @@ def _prompts() -> list[list[int]]:
     base = [(7 * i) % 300 + 10 for i in range(40)]
     # a shared prefix in one batch: with SGLang's radix cache on, the second would lose its prefix's rows
     return [base, [*base, 11, 12, 13], [(5 * i) % 290 + 20 for i in range(63)], [42, 43]]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +79,8 @@ def test_the_engine_s_rows_equal_transformers(live: Live, family: str) -> None:
             len(seq),
             H,
         )  # every row, prefix shared or not
-        assert _rel(last, w.last) < FP32_REL, i
-        assert _rel(aux, w.aux) < FP32_REL, i
+        assert rel_diff(last, w.last) < FP32_REL, i
+        assert rel_diff(aux, w.aux) < FP32_REL, i
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,16 +97,16 @@ def test_each_aux_block_is_the_input_of_its_layer_and_the_final_state_is_post_no
     hook.remove()
     for j, k in enumerate(AUX):
         mine = states[family]["aux.2"][:, j * H : (j + 1) * H]
-        assert _rel(mine, layers[k][0]) < FP32_REL, k
-        assert min(_rel(mine, layers[k - 1][0]), _rel(mine, layers[k + 1][0])) > 1000 * FP32_REL, k
+        assert rel_diff(mine, layers[k][0]) < FP32_REL, k
+        assert min(rel_diff(mine, layers[k - 1][0]), rel_diff(mine, layers[k + 1][0])) > 1000 * FP32_REL, k
     last = states[family]["last.2"]
-    assert _rel(last, layers[-1][0]) < FP32_REL and _rel(last, pre_norm[0]) > 1000 * FP32_REL
+    assert rel_diff(last, layers[-1][0]) < FP32_REL and rel_diff(last, pre_norm[0]) > 1000 * FP32_REL
 
 
 @pytest.mark.parametrize("family", TP2_FAMILIES)
 def test_tensor_parallel_2_captures_what_tp_1_captures(live: Live, family: str) -> None:
     _, states = live
     for name, tp1 in states[family].items():
-        assert _rel(states[f"{family}-tp2"][name], tp1) < FP32_REL, (
+        assert rel_diff(states[f"{family}-tp2"][name], tp1) < FP32_REL, (
             name
         )  # the same sums, added in another order

@@ -30,13 +30,12 @@ from eagle3_core.targets.hf import TransformersTarget
 from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
 from eagle3_dagster.materialize import SHARD_ASSETS, add_shard_partitions
 from tests.conformance.conftest import sglang_env
+from tests.conformance.families import FP32_REL, H, rel_diff
 from tests.conftest import FIXTURES, write_config
 from tests.fakes import free_port
 from tests.helpers import save_tiny_chat_target
 
 AUX = (1, 4, 6)
-H = 256
-FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
 
 
 def _alive(pid: int) -> bool:
@@ -54,10 +53,6 @@ def _crashed_run_left_a_server(cfg_path: Path) -> int:
     owner.wait()
     record.model_copy(update={"owner_pid": owner.pid, "owner_start_ticks": 1}).write(server.pid_file)
     return record.pid
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def test_the_hidden_states_asset_extracts_through_a_managed_sglang_server(
@@ -124,13 +119,13 @@ def test_the_hidden_states_asset_extracts_through_a_managed_sglang_server(
     want = reference.hidden_states([ids.tolist() for _, ids, _, _ in samples], torch.float32)
     for (sample_id, _, aux, last), w in zip(samples, want, strict=True):
         assert isinstance(w, HiddenStates)
-        assert _rel(last, w.last) < FP32_REL, sample_id
-        assert _rel(aux, w.aux) < FP32_REL, sample_id
+        assert rel_diff(last, w.last) < FP32_REL, sample_id
+        assert rel_diff(aux, w.aux) < FP32_REL, sample_id
     # each aux block is the input of its own layer, not a neighbour's (SGLang's +1 rule undone by the hooks)
     _, ids, aux, _ = samples[0]
     with torch.inference_mode():
         layers = model(ids.long()[None], output_hidden_states=True).hidden_states
     for j, k in enumerate(AUX):
         block = aux[:, j * H : (j + 1) * H]
-        assert _rel(block, layers[k][0]) < FP32_REL, k
-        assert min(_rel(block, layers[k - 1][0]), _rel(block, layers[k + 1][0])) > 1000 * FP32_REL, k
+        assert rel_diff(block, layers[k][0]) < FP32_REL, k
+        assert min(rel_diff(block, layers[k - 1][0]), rel_diff(block, layers[k + 1][0])) > 1000 * FP32_REL, k
