@@ -90,12 +90,14 @@ def extract_to_shard(
     facts: ShardFacts | None = None,
     first_id: int = 0,
     prompt_share: float = 0.0,
+    store_dtype: str = "bfloat16",
 ) -> float:
     """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
 
     `facts` go into the shard header (the trainer needs `steps.data.extract_step`'s facts there); sample
     ids count up from `first_id`, so that several shards of one training set hold distinct ids. Each
-    sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts.
+    sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts. The states
+    are stored in `store_dtype` (an FP8 shard quantises them in the writer's threads, as extraction does).
     """
     seqs = [s for b in batches for s in b]
     _sync(target)
@@ -105,6 +107,7 @@ def extract_to_shard(
         sample_ids=[f"{first_id + i:064x}" for i in range(len(seqs))],
         lengths=[len(s) for s in seqs],
         hidden_size=target.info.hidden_size,
+        store_dtype=store_dtype,
         facts=facts,
     ) as writer:
         start = 0

@@ -50,6 +50,7 @@ class DataSpec:
     device: Literal["cpu", "cuda"]  # where the target runs during extraction
     extract_batch_tokens: int = 16384
     prompt_share: float = 0.0  # each sample's first share of tokens is loss-masked, as a chat's prompt is
+    store_dtype: str = "bfloat16"  # extract.store_dtype of the shards
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -101,6 +102,7 @@ def _extract_shards(
             facts=shard_metadata(target),
             first_id=n * spec.samples_per_shard,
             prompt_share=spec.prompt_share,
+            store_dtype=spec.store_dtype,
         )
         shard_tokens = sum(len(s) for s in seqs)
         log(f"  shard {path.name}: {len(seqs)} samples, {shard_tokens:,} tokens in {seconds:.1f}s")

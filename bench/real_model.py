@@ -33,6 +33,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -124,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a name for these eagle3 runs (with --eagle3-set): runs of several recipes accumulate, each is "
         "evaluated and paired with speculators' run of the same seed",
     )  # fmt: skip
+    p.add_argument(
+        "--store-dtype", default=None, choices=["float32", "bfloat16", "fp8_e4m3"],
+        help="--stage train: eagle3's runs train on a copy of the store re-encoded in this dtype by `eagle3 "
+        "convert-shards` (made by --prepare, name the runs with --recipe): FP8 shards against bf16 ones on the "
+        "same samples",
+    )  # fmt: skip
     p.add_argument("--speculators-epochs", type=int, default=SPECULATORS_EPOCHS, help="its default: 20")
     p.add_argument(
         "--speculators-total-seq-len", type=int, default=8192,
@@ -164,10 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- 1. data ---------------------------------------------------------------------------------------------
-def config_dict(args: argparse.Namespace) -> dict[str, Any]:
+def config_dict(args: argparse.Namespace, store: str = "store") -> dict[str, Any]:
     """The project a user would write for this run (the store under the workdir)."""
     return {
-        "store": "store",
+        "store": store,
         "cache": str(args.cache.resolve()),
         "data": {
             "dataset": "chat",
@@ -199,6 +206,42 @@ def project(args: argparse.Namespace) -> tuple[Path, Eagle3Config]:
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     return path, load_config(path)
+
+
+def converted_shards(args: argparse.Namespace, data: Data, log: Log) -> list[Path]:
+    """The data's shards re-encoded in --store-dtype, as a user halves a store: a copy of the store, then
+    `eagle3 convert-shards --to DTYPE` on it (timed, and its bytes before and after recorded). Only --prepare
+    makes it, so that runs started at once never race to."""
+    from eagle3_cli.steps import main as eagle3
+
+    dtype = args.store_dtype
+    name = f"store-{dtype}"
+    root, config = args.workdir / name, args.workdir / f"eagle3-{dtype}.yaml"
+    state = stage_state(args, "train")
+    done = state.get("converted", {})
+    if dtype not in done:
+        if not args.prepare:
+            raise Eagle3Error(f"no {name}: run --stage train --prepare --store-dtype {dtype} first")
+        config.write_text(yaml.safe_dump(config_dict(args, name), sort_keys=False))
+        if not root.exists():  # a copy cut short is copied again: only a whole copy is renamed into place
+            partial = args.workdir / f".{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(data.cfg.store_root, partial)
+            os.replace(partial, root)
+        before = sum(p.stat().st_size for p in data.shards)
+        started = time.perf_counter()
+        code = eagle3(["--config", str(config), "convert-shards", "--to", dtype])
+        if code != 0:
+            raise Eagle3Error(f"eagle3 convert-shards exited {code}")
+        seconds = round(time.perf_counter() - started, 1)
+        shards = [str(p) for p in StoreLayout(root).hidden_state_shards()]
+        after = sum(Path(p).stat().st_size for p in shards)
+        done[dtype] = {"shards": shards, "convert_s": seconds, "bytes_before": before, "bytes_after": after}
+        save_state(args, "train", {**stage_state(args, "train"), "converted": done})
+        log(
+            f"== eagle3 convert-shards --to {dtype}: {seconds} s, {before / 1e9:.2f} GB -> {after / 1e9:.2f} GB"
+        )
+    return [Path(p) for p in done[dtype]["shards"]]
 
 
 def stage_state(args: argparse.Namespace, stage: str) -> dict[str, Any]:
@@ -343,6 +386,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
 
     data = load_data(args, log)
     mapping = draft_mapping(data, args, log)
+    shards = converted_shards(args, data, log) if args.store_dtype else data.shards
     done = trained_runs(args)
     for seed in [] if args.skip_eagle3 or args.prepare else args.seeds:
         name = f"eagle3-{args.recipe}-{seed}" if args.recipe else f"eagle3-{seed}"
@@ -351,7 +395,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             log(f"== {name}: train_drafter (seed {seed}; {' '.join(args.eagle3_set) or 'its defaults'})")
             started = time.perf_counter()
             result = train_drafter(
-                data.shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log)
+                shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log)
             )
             save_run(args, name, {
                 "trainer": "eagle3", "recipe": f"eagle3-{args.recipe}" if args.recipe else "eagle3",
@@ -359,6 +403,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "tokens": result.tokens, "train_loop_s": round(result.seconds, 1),
                 "process_wall_s": round(time.perf_counter() - started, 1), "val": result.val,
                 "config": cfg.model_dump(mode="json"), "set": args.eagle3_set,
+                "store_dtype": args.store_dtype or "as extracted",
             })  # fmt: skip
             log(f"   {name}: {result.steps} steps in {result.seconds:.0f} s; val {result.val}")
     if args.skip_speculators:
@@ -380,7 +425,9 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         mapping, args.workdir / "train" / f"speculators-vocab-{mapping.draft_vocab_size}"
     )
     conversion_s = round(time.perf_counter() - started, 1)
-    save_state(args, "train", {"speculators_data": dataset.as_dict(), "conversion_s": conversion_s})
+    save_state(args, "train", {  # merged: the FP8 copy's record stays
+        **stage_state(args, "train"), "speculators_data": dataset.as_dict(), "conversion_s": conversion_s,
+    })  # fmt: skip
     for seed in [] if args.prepare else args.seeds:
         name = f"speculators-{seed}"
         if name in done:
@@ -680,7 +727,8 @@ def prompt_runs(rows: list[Any]) -> list[Any]:
 
 def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) -> dict[str, Any]:
     """AL per drafter, temperature, prompt set and K (with intervals and per-position acceptance), the paired
-    difference eagle3 - speculators per seed, the seed-to-seed spread, and the target's reply lengths."""
+    difference eagle3 - speculators per seed (and each other recipe - eagle3's defaults), the seed-to-seed
+    spread, and the target's reply lengths."""
     from eagle3_core.evaluate.acceptance import acceptance
     from eagle3_core.evaluate.measure import bootstrap_al_interval, paired_al_difference
 
@@ -697,6 +745,7 @@ def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) 
                 "greedy_mismatches": entry["mismatches"].get(str(k)) if float(temperature) == 0 else None,
             }
     pairs: dict[str, Any] = {}
+    against_defaults: dict[str, Any] = {}  # recipe minus eagle3's defaults, same seed, same prompts
     recipes: dict[str, list[str]] = {}  # recipe -> its runs (one per seed)
     for name, run in runs.items():
         recipes.setdefault(str(run.get("recipe", run["trainer"])), []).append(name)
@@ -705,18 +754,16 @@ def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) 
         for k in by_k:
             for recipe, names in recipes.items():
                 for name in [n for n in names if runs[n]["trainer"] == "eagle3"]:
-                    other = f"speculators-{runs[name]['seed']}"
-                    mine, theirs = f"{name}|{key}", f"{other}|{key}"
-                    if mine in decoded and theirs in decoded:
-                        diff = paired_al_difference(
-                            prompt_runs(decoded[mine][k]), prompt_runs(decoded[theirs][k])
-                        )
-                        label = (
-                            f"seed {runs[name]['seed']}"
-                            if recipe == "eagle3"
-                            else f"{recipe} seed {runs[name]['seed']}"
-                        )
-                        pairs.setdefault(key, {}).setdefault(k, {})[label] = diff.as_dict()
+                    seed = runs[name]["seed"]
+                    label = f"seed {seed}" if recipe == "eagle3" else f"{recipe} seed {seed}"
+                    # each eagle3 run against speculators' of its seed; a recipe's also against the defaults'
+                    for other, into in ((f"speculators-{seed}", pairs), (f"eagle3-{seed}", against_defaults)):
+                        mine, theirs = f"{name}|{key}", f"{other}|{key}"
+                        if name != other and mine in decoded and theirs in decoded:
+                            diff = paired_al_difference(
+                                prompt_runs(decoded[mine][k]), prompt_runs(decoded[theirs][k])
+                            )
+                            into.setdefault(key, {}).setdefault(k, {})[label] = diff.as_dict()
                 als = [by_k[k][n]["al"] for n in names if n in by_k[k]]
                 if len(als) > 1:
                     by_k[k][f"{recipe} seed spread"] = round(max(als) - min(als), 4)
@@ -733,7 +780,10 @@ def summarise(decoded: dict[str, Any], runs: dict[str, Any], ks: Sequence[int]) 
         }
         for key, v in lengths.items()
     }  # fmt: skip
-    return {"al": table, "eagle3_minus_speculators": pairs, "target_reply_tokens": reply_lengths}
+    return {
+        "al": table, "eagle3_minus_speculators": pairs, "recipe_minus_eagle3_defaults": against_defaults,
+        "target_reply_tokens": reply_lengths,
+    }  # fmt: skip
 
 
 def device_name() -> str:

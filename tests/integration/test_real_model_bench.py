@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.real_model import main
+from eagle3_core.store.shards import ShardReader
 from tests.conftest import CACHE
 
 pytestmark = pytest.mark.slow
@@ -82,3 +83,19 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert partial["eval"]["partial"] is True
     assert set(partial["al"]) == set(full) - {"0.7|questions"}
     assert all(partial["al"][key] == full[key] for key in partial["al"])
+
+    # FP8 shards beside bf16 ones: --prepare converts a copy of the store (`eagle3 convert-shards`), and a
+    # recipe trains on it; a run asking for them before --prepare is refused in one line
+    fp8 = [*argv[:1], "train", *argv[2:], "--store-dtype", "fp8_e4m3"]
+    assert main([*fp8, "--recipe", "fp8"]) == 2
+    assert main([*fp8, "--prepare"]) == 0
+    assert main([*fp8, "--recipe", "fp8"]) == 0
+    state = json.loads((tmp_path / "work" / "train" / "state.json").read_text())["converted"]["fp8_e4m3"]
+    assert state["bytes_after"] < 0.6 * state["bytes_before"]
+    for path in state["shards"]:
+        with ShardReader(Path(path)) as shard:
+            assert shard.meta.store_dtype == "fp8_e4m3" and not shard.verify()
+    record = json.loads((tmp_path / "work" / "train" / "runs" / "eagle3-fp8-0.json").read_text())
+    assert record["store_dtype"] == "fp8_e4m3" and record["steps"] > 0
+    with ShardReader(Path(data["shards"][0])) as shard:
+        assert shard.meta.store_dtype != "fp8_e4m3"  # the extracted store is left as it was

@@ -76,3 +76,7 @@ def test_each_named_recipe_is_paired_with_speculators_of_its_seed() -> None:
     assert set(pairs) == {"seed 0", "eagle3-muon seed 0"}
     assert pairs["seed 0"]["difference"] == pytest.approx(0.5)  # AL 2.0 against 1.5
     assert pairs["eagle3-muon seed 0"]["difference"] == pytest.approx(1.0)  # AL 2.5 against 1.5
+    # a recipe is also paired with eagle3's defaults of its seed (FP8 shards against bf16 ones, say)
+    against = summarise(decoded, runs, ks=[2])["recipe_minus_eagle3_defaults"]["0.7|chat"]["2"]
+    assert set(against) == {"eagle3-muon seed 0"}
+    assert against["eagle3-muon seed 0"]["difference"] == pytest.approx(0.5)  # AL 2.5 against 2.0
