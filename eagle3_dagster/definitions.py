@@ -5,6 +5,7 @@ import dagster as dg
 from eagle3_dagster.defs.automation import automation_sensor
 from eagle3_dagster.defs.data.assets import conversations, hidden_states, regenerated
 from eagle3_dagster.defs.data.checks import SHARD_CHECKS
+from eagle3_dagster.defs.data.convert import convert_job
 from eagle3_dagster.defs.data.sensors import inbox_sensor
 from eagle3_dagster.defs.data.store import store_sensor
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
@@ -25,6 +26,7 @@ defs = dg.Definitions(
         drafter_current,
     ],
     asset_checks=[*SHARD_CHECKS, vocab_coverage, not_worse_than_current],
+    jobs=[convert_job],
     sensors=[automation_sensor, inbox_sensor, store_sensor],
     schedules=[nightly_schedule],
     resources=default_resources(),

@@ -26,6 +26,7 @@ from eagle3_core.data.ingest import load_conversation_shard
 from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSample
 from eagle3_core.engines.openai_client import regenerate_through_server
 from eagle3_core.steps.common import Log, StepResult, quiet
+from eagle3_core.store.convert import convert_key
 from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path, remove_journal
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
@@ -34,6 +35,7 @@ from eagle3_core.store.records import (
     RegeneratedManifest,
     RegeneratedRow,
     ShardFacts,
+    ShardManifest,
     read_rows,
     regeneration_row,
     write_rows,
@@ -380,17 +382,50 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
                 log(f"{key}: {done}/{len(samples)} samples extracted")
         seconds = time.perf_counter() - started
         manifest = writer.finalize({**counts, "dropped": len(dropped)})
-    c = manifest.counts
     return StepResult(
         key,
         layout.hidden_states(key),
         {
-            **c.dump(),
-            "errors": c.errors,
-            "bytes": manifest.bytes,
-            "tokens_per_second": round(c.tokens / max(seconds, 1e-9), 1),
+            **shard_figures(manifest),
+            "tokens_per_second": round(manifest.counts.tokens / max(seconds, 1e-9), 1),
             "seconds": round(seconds, 2),
-            "aux_layer_ids": json.dumps(manifest.aux_layer_ids),
-            "final_state_convention": manifest.final_state_convention,
+        },
+    )
+
+
+def shard_figures(manifest: ShardManifest) -> dict[str, Any]:
+    """A finished shard's figures as its manifest records them: what extraction reports, timings aside."""
+    counts = manifest.counts
+    return {
+        **counts.dump(),
+        "errors": counts.errors,
+        "bytes": manifest.bytes,
+        "aux_layer_ids": json.dumps(manifest.aux_layer_ids),
+        "final_state_convention": manifest.final_state_convention,
+    }
+
+
+def convert_step(cfg: Eagle3Config, key: str, store_dtype: str, log: Log = quiet) -> StepResult:
+    """The shard's hidden states re-encoded in `store_dtype` without extracting again (`eagle3 convert-shards`
+    for one shard, store/convert.py): under its writer lock, the new file renamed over the old one only when
+    whole. A shard already in `store_dtype` is left as it is (`converted` false). Its figures are its
+    manifest's, with the dtype and bytes before and after, and the seconds taken."""
+    started = time.perf_counter()
+    done = convert_key(cfg.store_root, key, store_dtype, cfg.extract.disk_headroom, log)
+    seconds = time.perf_counter() - started
+    layout = StoreLayout(cfg.store_root)
+    manifest = ShardManifest.read(layout.hidden_states_manifest(key))
+    return StepResult(
+        key,
+        layout.hidden_states(key),
+        {
+            **shard_figures(manifest),
+            "store_dtype": manifest.store_dtype,
+            "converted": done is not None,
+            "converted_from": manifest.store_dtype if done is None else done.before,
+            "bytes_before": manifest.bytes if done is None else done.bytes_before,
+            "bytes_after": manifest.bytes,
+            "newly_failed": 0 if done is None else done.newly_failed,
+            "seconds": round(seconds, 2),
         },
     )

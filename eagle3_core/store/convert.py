@@ -87,20 +87,38 @@ def convert_store(
     log: Callable[[str], None] = lambda _: None,
 ) -> list[Conversion]:
     """Convert the store's shards (or `keys`) to `store_dtype`, one at a time, each under its writer lock."""
-    layout = StoreLayout(root)
     done: list[Conversion] = []
-    for path in layout.hidden_state_shards():
+    for path in StoreLayout(root).hidden_state_shards():
         key = path.stem
         if keys is not None and key not in keys:
             continue
-        with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
-            result = convert_shard(path, store_dtype, disk_headroom)
-        if result is None:
-            log(f"{key}: already {store_dtype}")
-            continue
-        done.append(result)
-        log(
-            f"{key}: {result.before} -> {store_dtype}, {result.bytes_before:,} -> {result.bytes_after:,} bytes"
-            + (f", {result.newly_failed} sample(s) failed (non-finite states)" if result.newly_failed else "")
-        )
+        result = convert_key(root, key, store_dtype, disk_headroom, log)
+        if result is not None:
+            done.append(result)
     return done
+
+
+def convert_key(
+    root: Path,
+    key: str,
+    store_dtype: str,
+    disk_headroom: float = 1.5,
+    log: Callable[[str], None] = lambda _: None,
+) -> Conversion | None:
+    """Convert shard `key` of the store to `store_dtype` under its writer lock (a second writer of it is
+    refused, StoreBusyError); None when it is in that dtype already. FileNotFoundError, naming the file, when
+    the store holds no such shard."""
+    layout = StoreLayout(root)
+    path = layout.hidden_states(key)
+    if not path.exists():
+        raise FileNotFoundError(f"{key}: no hidden-state shard to convert at {path} (extract it first)")
+    with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
+        result = convert_shard(path, store_dtype, disk_headroom)
+    if result is None:
+        log(f"{key}: already {store_dtype}")
+        return None
+    log(
+        f"{key}: {result.before} -> {store_dtype}, {result.bytes_before:,} -> {result.bytes_after:,} bytes"
+        + (f", {result.newly_failed} sample(s) failed (non-finite states)" if result.newly_failed else "")
+    )
+    return result

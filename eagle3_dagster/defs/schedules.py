@@ -3,19 +3,23 @@ drafter_eval -> drafter_current, with their checks) on every shard present, by d
 
 The cron, its time zone and whether it starts running come from `orchestration` in the config, read when
 the code location loads. A night with no shard extracted since the drafter was last trained is skipped:
-training is keyed by its data, so it would only find its own finished run and measure it again.
+training is keyed by its data, so it would only find its own finished run and measure it again. A shard
+re-encoded in another store dtype (job eagle3_convert_shards) is not new data: the same samples, so it
+retrains nothing by itself (a backfill converting a store would otherwise start hours of training, on a mix
+of old and new shards, the first night it runs); the next training, nightly or by hand, reads it as it is.
 """
 
 import dagster as dg
 
 from eagle3_core.config import OrchestrationConfig
-from eagle3_dagster.defs.data.assets import hidden_states
+from eagle3_dagster.defs.data.assets import CONVERTED_TAG, hidden_states
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval
 from eagle3_dagster.defs.orchestration import orchestration_settings
 
 SCHEDULE_NAME = "eagle3_nightly"
 RETRAIN_JOB = "eagle3_retrain"
+PAGE = 1000  # materializations read at a time when looking for an extraction among conversions
 
 DRAFTER_HALF = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
 
@@ -40,15 +44,32 @@ def build_nightly_schedule(settings: OrchestrationConfig) -> dg.ScheduleDefiniti
         f"{settings.nightly_timezone}); skipped when no shard was extracted since the last training.",
     )
     def eagle3_nightly(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
-        newest_shard = _newest_materialization(context.instance, hidden_states.key)
-        if newest_shard is None:
+        if _newest_materialization(context.instance, hidden_states.key) is None:
             return dg.SkipReason("no shard has been extracted yet (hidden_states has no materialization)")
         trained = _newest_materialization(context.instance, drafter_checkpoint.key)
-        if trained is not None and trained > newest_shard:
+        if not _extracted_since(context.instance, trained):
             return dg.SkipReason("no shard extracted since the drafter was last trained")
         return dg.RunRequest()
 
     return eagle3_nightly
+
+
+def _extracted_since(instance: dg.DagsterInstance, after: int | None) -> bool:
+    """Whether hidden_states has a materialization after storage id `after` (any, when None) that is not a
+    re-encoding of a shard in another store dtype (tagged CONVERTED_TAG)."""
+    records = dg.AssetRecordsFilter(asset_key=hidden_states.key, after_storage_id=after)
+    cursor = None
+    while True:
+        page = instance.fetch_materializations(records, limit=PAGE, cursor=cursor)
+        if any(not _converted(r.asset_materialization) for r in page.records):
+            return True
+        if not page.has_more:
+            return False
+        cursor = page.cursor
+
+
+def _converted(materialization: dg.AssetMaterialization | None) -> bool:
+    return materialization is not None and CONVERTED_TAG in (materialization.tags or {})
 
 
 def _newest_materialization(instance: dg.DagsterInstance, key: dg.AssetKey) -> int | None:

@@ -13,6 +13,8 @@ import pytest
 from dagster._core.definitions.schedule_definition import ScheduleExecutionData
 
 from eagle3_dagster.definitions import defs
+from eagle3_dagster.defs import schedules
+from eagle3_dagster.defs.data.assets import CONVERTED_TAG
 from eagle3_dagster.defs.orchestration import orchestration_settings
 from eagle3_dagster.defs.schedules import build_nightly_schedule
 from tests.conftest import REPO, write_config
@@ -68,8 +70,12 @@ def _evaluate(instance: dg.DagsterInstance) -> ScheduleExecutionData:
         return schedule.evaluate_tick(context)
 
 
-def _land(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> None:
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=asset, partition=partition))
+def _land(
+    instance: dg.DagsterInstance, asset: str, partition: str | None = None, tags: dict[str, str] | None = None
+) -> None:
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(asset_key=asset, partition=partition, tags=tags)
+    )
 
 
 def test_it_requests_the_drafter_half_when_a_shard_was_extracted_since_the_last_training(
@@ -98,4 +104,22 @@ def test_it_requests_the_drafter_half_when_a_shard_was_extracted_since_the_last_
         "no shard extracted since the drafter was last trained"
     )
     _land(instance, "hidden_states", "t-00001")  # the inbox brought a shard during the day
+    assert len(_evaluate(instance).run_requests or []) == 1
+
+
+def test_a_shard_converted_to_another_store_dtype_is_not_new_data(
+    instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job eagle3_convert_shards re-materializes hidden_states with the same samples in another dtype: a
+    backfill converting a store must not start a night of training on it, while an extraction still does."""
+    instance.add_dynamic_partitions("shards", ["t-00000", "t-00001", "t-00002"])
+    _land(instance, "hidden_states", "t-00000")
+    _land(instance, "drafter_checkpoint")
+    monkeypatch.setattr(schedules, "PAGE", 2)  # more conversions than a page: every page is read
+    for key in ("t-00000", "t-00001", "t-00000", "t-00001", "t-00000"):
+        _land(instance, "hidden_states", key, tags={CONVERTED_TAG: "fp8_e4m3"})
+    assert _evaluate(instance).skip_message == "no shard extracted since the drafter was last trained"
+    _land(instance, "hidden_states", "t-00002")  # then an extraction, under the conversions
+    for key in ("t-00000", "t-00001", "t-00000"):
+        _land(instance, "hidden_states", key, tags={CONVERTED_TAG: "fp8_e4m3"})
     assert len(_evaluate(instance).run_requests or []) == 1

@@ -1,5 +1,6 @@
-"""A snapshot of every asset and check spec of the code location: an accidental change to the graph (a key,
-a dependency, a partitioning, a pool, an automation condition, a check's blocking flag) fails here.
+"""A snapshot of every asset and check spec of the code location, and of what each of its jobs selects: an
+accidental change to the graph (a key, a dependency, a partitioning, a pool, an automation condition, a check's
+blocking flag, a job's assets, checks or partitions) fails here.
 
 After an intended change: EAGLE3_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_asset_specs.py, and commit the
 snapshot with the change.
@@ -36,7 +37,19 @@ def current_specs() -> dict[str, Any]:
     for check_key in sorted(graph.asset_check_keys, key=lambda k: (k.asset_key.to_user_string(), k.name)):
         spec = graph.get_check_spec(check_key)
         checks[f"{check_key.asset_key.to_user_string()}:{check_key.name}"] = {"blocking": spec.blocking}
-    return {"assets": assets, "checks": checks}
+    jobs = {}
+    for job in defs.get_repository_def().get_all_jobs():
+        if job.name.startswith("__"):  # Dagster's implicit job of every asset
+            continue
+        layer = job.asset_layer
+        jobs[job.name] = {
+            "assets": sorted(k.to_user_string() for k in layer.selected_asset_keys),
+            "checks": sorted(
+                f"{c.asset_key.to_user_string()}:{c.name}" for c in layer.asset_graph.asset_check_keys
+            ),
+            "partitions": getattr(job.partitions_def, "name", None),
+        }
+    return {"assets": assets, "checks": checks, "jobs": jobs}
 
 
 def test_the_asset_graph_matches_its_snapshot() -> None:

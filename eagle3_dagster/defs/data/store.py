@@ -34,7 +34,7 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 
 from eagle3_core.config import Eagle3Config
 from eagle3_core.steps.common import StepResult, quiet
-from eagle3_core.steps.data import conversations_step
+from eagle3_core.steps.data import conversations_step, shard_figures
 from eagle3_core.store import checks
 from eagle3_core.store.checks import CheckVerdict
 from eagle3_core.store.held import held_shard, store_shard_keys
@@ -206,15 +206,7 @@ def stage_metadata(cfg: Eagle3Config, key: str) -> dict[dg.AssetKey, dict[str, A
         manifest = RegeneratedManifest.read(layout.regenerated_manifest(key)).dump()
         figures = {k: v for k, v in manifest.items() if k != "key" and v is not None}
         stages[regenerated.key] = step_metadata(StepResult(key, layout.regenerated(key), figures))
-    shard = ShardManifest.read(layout.hidden_states_manifest(key))
-    counts = shard.counts
-    figures = {
-        **counts.dump(),
-        "errors": counts.errors,
-        "bytes": shard.bytes,
-        "aux_layer_ids": json.dumps(shard.aux_layer_ids),
-        "final_state_convention": shard.final_state_convention,
-    }
+    figures = shard_figures(ShardManifest.read(layout.hidden_states_manifest(key)))
     stages[hidden_states.key] = step_metadata(StepResult(key, layout.hidden_states(key), figures))
     return stages
 
