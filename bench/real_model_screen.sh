@@ -34,12 +34,11 @@ for seed in 0 1; do
     train_in_background "fp8-$seed" "$TRAIN_S" --seeds "$seed" --skip-speculators --recipe fp8 \
         --store-dtype fp8_e4m3                                                          # the same on FP8 shards
 done
-recipe t3e20 0,1 ttt_steps=3 epochs=20                 # speculators' depth and length
-recipe frozen-t3e20 0 head=frozen ttt_steps=3 epochs=20  # and its head left at the target's rows
+recipe t3e20 "${T3E20_SEEDS:-0}" ttt_steps=3 epochs=20  # speculators' depth and length
 wait
 say "training done"
 timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0,1 --ks "${EVAL_KS:-3,5}" --temperatures 0 \
-    --prompts-per-source "${EVAL_PROMPTS:-60}" --eval-workers "${EVAL_WORKERS:-12}" "${COMMON[@]}" \
+    --prompts-per-source "${EVAL_PROMPTS:-40}" --eval-workers "${EVAL_WORKERS:-12}" "${COMMON[@]}" \
     --results "$LOGS/report.json" > "$LOGS/eval.log" 2>&1
 say "evaluation: exit $?"
 bench --stage report --seeds 0,1 --ks "${EVAL_KS:-3,5}" --temperatures 0 --results "$LOGS/report.json" \
