@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_core.steps.data import WriteBehind
+from eagle3_core.steps.data import WriteBehind, handover_dtype
 from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.targets.base import HiddenStates, SampleFailure
@@ -91,15 +91,19 @@ def extract_to_shard(
     first_id: int = 0,
     prompt_share: float = 0.0,
     store_dtype: str = "bfloat16",
+    handover: torch.dtype | None = None,
 ) -> float:
     """Seconds to extract the batches into one shard the way the pipeline does (states from `held` if given).
 
     `facts` go into the shard header (the trainer needs `steps.data.extract_step`'s facts there); sample
     ids count up from `first_id`, so that several shards of one training set hold distinct ids. Each
     sample's first `prompt_share` of tokens is loss-masked (a chat's prompt), the rest counts. The states
-    are stored in `store_dtype` (an FP8 shard quantises them in the writer's threads, as extraction does).
+    are stored in `store_dtype`, handed over by the target as extraction asks for them (`handover_dtype`: FP8
+    quantised on the target's device where it can) unless `handover` names another dtype (bfloat16 for an FP8
+    shard: quantised in the writer's threads instead).
     """
     seqs = [s for b in batches for s in b]
+    dtype = handover or handover_dtype(store_dtype, target)
     _sync(target)
     t0 = time.perf_counter()
     with ShardWriter(
@@ -113,7 +117,7 @@ def extract_to_shard(
         start = 0
         with WriteBehind(writer, threads=threads) as behind:
             for n, batch in enumerate(batches):
-                states = held[n] if held is not None else target.hidden_states(batch, torch.bfloat16)
+                states = held[n] if held is not None else target.hidden_states(batch, dtype)
                 rows = []
                 for j, (seq, st) in enumerate(zip(batch, states, strict=True)):
                     ids = torch.tensor(seq, dtype=torch.int32)

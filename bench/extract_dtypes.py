@@ -4,7 +4,8 @@ At a large hidden size extraction is bound by the disk (bench/README.md: about 1
 H200 host), so FP8 shards (`extract.store_dtype: fp8_e4m3`, half the bytes of bfloat16) should extract nearly
 twice as fast there, if quantising in the writer's threads keeps up. Each round extracts the same batches once
 per dtype, alternating, through the pipeline's writer (`WriteBehind` threads, digests, one shard); the median
-of the rounds is reported. The target is a random-weight Llama with few layers, so that its forward is cheap
+of the rounds is reported. FP8 is measured both ways: quantised on the target's device before the copy to the
+host (what extraction does with a transformers target) and in the writer's threads (`fp8_e4m3@writer`). The target is a random-weight Llama with few layers, so that its forward is cheap
 beside the states it hands over, as a large target's forward is beside a long extraction's disk writes.
 
     python -m bench.extract_dtypes --hidden 7168 --layers 8 --out bench/results/extract_dtypes_h200.json
@@ -14,6 +15,7 @@ beside the states it hands over, as a large target's forward is beside a long ex
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -34,6 +36,8 @@ from eagle3_core.steps.data import length_batches
 from eagle3_core.store.shards import ShardReader
 from eagle3_core.targets.hf import TransformersTarget
 
+WRITER = "@writer"
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -46,7 +50,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--writer-threads", type=int, default=4, help="WriteBehind threads, as extraction uses")
-    p.add_argument("--dtypes", default="bfloat16,fp8_e4m3")
+    p.add_argument(
+        "--dtypes", default=f"bfloat16,fp8_e4m3,fp8_e4m3{WRITER}",
+        help=f"store dtypes; fp8_e4m3{WRITER}: FP8 quantised in the writer's threads from bfloat16 (the path "
+        "of a target that cannot quantise on its device) instead of on the target's device",
+    )  # fmt: skip
     p.add_argument("--workdir", type=Path, default=None, help="where the shards go (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -80,16 +88,20 @@ def main() -> None:
         plain_s: list[float] = []
         extract_s: dict[str, list[float]] = {d: [] for d in args.dtypes}
         sizes: dict[str, int] = {}
+        digests: dict[str, str] = {}  # of the last round's shard: both FP8 paths must write the same bytes
         for _ in range(args.rounds):
             plain_s.append(plain_forward(target, batches))
             for dtype in args.dtypes:
-                path = Path(tmp) / f"{dtype}-00000.safetensors"
+                path = Path(tmp) / f"{dtype.replace(WRITER, '-writer')}-00000.safetensors"
                 path.unlink(missing_ok=True)
+                store_dtype = dtype.removesuffix(WRITER)
+                handover = torch.bfloat16 if dtype.endswith(WRITER) else None
                 extract_s[dtype].append(
                     extract_to_shard(target, batches, path, threads=args.writer_threads,
-                                     facts=shard_metadata(target), store_dtype=dtype)
+                                     facts=shard_metadata(target), store_dtype=store_dtype, handover=handover)
                 )  # fmt: skip
                 sizes[dtype] = path.stat().st_size
+                digests[dtype] = hashlib.sha256(path.read_bytes()).hexdigest()
                 with ShardReader(path) as shard:
                     if problems := shard.verify():
                         raise SystemExit(f"{path}: {problems[:3]}")
@@ -102,6 +114,7 @@ def main() -> None:
             "rounds_s": [round(x, 2) for x in extract_s[d]],
             "shard_bytes_per_token": round(sizes[d] / tokens, 1),
             "write_gb_per_s": round(sizes[d] / statistics.median(extract_s[d]) / 1e9, 2),
+            "shard_sha256": digests[d],
         }
         for d in args.dtypes
     }

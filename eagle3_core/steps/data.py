@@ -27,6 +27,7 @@ from eagle3_core.data.tokenize import ChatTokenizer, TemplateError, TokenizedSam
 from eagle3_core.engines.openai_client import regenerate_through_server
 from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.convert import convert_key
+from eagle3_core.store.fp8 import SOURCE_DTYPE
 from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path, remove_journal
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
@@ -299,7 +300,15 @@ class WriteBehind:
         if isinstance(states, SampleFailure):
             self.writer.mark_failed(i, states.reason)
         else:
-            self.writer.write_sample(i, ids, mask, states.aux, states.last)
+            self.writer.write_sample(
+                i,
+                ids,
+                mask,
+                states.aux,
+                states.last,
+                aux_scales=states.aux_scales,
+                last_scales=states.last_scales,
+            )
 
     def __enter__(self) -> WriteBehind:
         return self
@@ -314,6 +323,16 @@ class WriteBehind:
                     f.result()
         finally:
             self.pool.shutdown(wait=True)
+
+
+def handover_dtype(store_dtype: str, target: ExtractionTarget) -> torch.dtype:
+    """The dtype to ask `target` for its states in: the store's. For an FP8 store, FP8 quantised on the
+    target's device where it can (half the bytes to the host, and no quantising on the writer's CPU threads,
+    which fall behind the disk at a large hidden size), else bfloat16 for the writer to quantise: the same
+    bytes either way."""
+    if store_dtype in QUANTIZED and not target.quantizes_on_device:
+        return SOURCE_DTYPE
+    return DTYPES[store_dtype][0]
 
 
 def extract_step(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log = quiet) -> StepResult:
@@ -355,10 +374,7 @@ def _extract(cfg: Eagle3Config, key: str, target: ExtractionTarget, log: Log) ->
         max_seq_len=cfg.tokenize.max_seq_len,
         dropped=dropped,
     )
-    # the dtype the target hands its states over in: an FP8 shard quantises them itself (store/fp8.py)
-    store_dtype = (
-        torch.bfloat16 if cfg.extract.store_dtype in QUANTIZED else DTYPES[cfg.extract.store_dtype][0]
-    )
+    store_dtype = handover_dtype(cfg.extract.store_dtype, target)
     started = time.perf_counter()
     with ShardWriter(
         layout.hidden_states(key),

@@ -50,7 +50,7 @@ from pydantic import ValidationError
 from eagle3_core.errors import ShardCorruptError
 from eagle3_core.store.atomic import fsync_path, json_text, remove_stale_temps, temp_path_for, write_temp
 from eagle3_core.store.disk import disk_preflight, full_disk_is_one_line
-from eagle3_core.store.fp8 import NonFiniteStates, dequantize, quantize
+from eagle3_core.store.fp8 import FP8, SCALE_DTYPE, NonFiniteStates, dequantize, quantize
 from eagle3_core.store.records import ShardCounts, ShardFacts, ShardHeader, ShardManifest, validation_message
 
 SCHEMA = "eagle3.hidden_states/1"
@@ -328,10 +328,15 @@ class ShardWriter:
         loss_mask: torch.Tensor,
         aux: torch.Tensor,
         last: torch.Tensor,
+        *,
+        aux_scales: torch.Tensor | None = None,
+        last_scales: torch.Tensor | None = None,
     ) -> None:
         """Write sample `index`: input_ids/loss_mask [T], aux [T, 3H], last [T, H] (any float dtype/device).
 
-        In an FP8 shard a sample whose states hold NaN or inf is marked failed with the reason instead."""
+        In an FP8 shard a sample whose states hold NaN or inf is marked failed with the reason instead. With
+        `aux_scales` [T, 3] and `last_scales` [T, 1] (float32) the states are FP8 already, quantised by
+        store/fp8.py on the target's device, and are written as they are."""
         n = self.lengths[index]
         expected = {
             "input_ids": (n,),
@@ -348,14 +353,19 @@ class ShardWriter:
         for name in SAMPLE_TENSORS:
             if tuple(tensors[name].shape) != expected[name]:
                 raise ValueError(
-                    f"sample {index} ({self.sample_ids[index][:12]}): {name} has shape "
-                    f"{tuple(tensors[name].shape)}, expected {expected[name]}"
+                    f"{self._sample(index)}: {name} has shape {tuple(tensors[name].shape)}, "
+                    f"expected {expected[name]}"
                 )
-        if self.store_dtype in QUANTIZED:
+        prequantized = (
+            aux_scales is not None or last_scales is not None or aux.dtype == FP8 or last.dtype == FP8
+        )
+        if prequantized:
+            tensors |= self._checked_scales(index, aux, last, aux_scales, last_scales)
+        elif self.store_dtype in QUANTIZED:
             try:
                 tensors |= self._quantized(tensors)
             except NonFiniteStates as err:
-                self.mark_failed(index, f"non-finite hidden states: {err}")
+                self.mark_failed(index, err.reason)
                 return
         h = _digest()
         first = int(self.offsets[index])
@@ -365,6 +375,37 @@ class ShardWriter:
             self._pwrite_slot(name, first, data)
         self.digests[index] = h.hexdigest()
         self.loss_tokens[index] = int(loss_mask.sum())
+
+    def _sample(self, index: int) -> str:
+        return f"sample {index} ({self.sample_ids[index][:12]})"
+
+    def _checked_scales(
+        self,
+        index: int,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+        aux_scales: torch.Tensor | None,
+        last_scales: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """The scales of states quantised before they came here, refused unless they are what this shard
+        stores as they are: a wrong dtype or layout would be written silently and read back as other
+        numbers."""
+        where = f"{self._sample(index)}: pre-quantised states"
+        if self.store_dtype not in QUANTIZED:
+            raise ValueError(f"{where} given to a {self.store_dtype} shard, which stores no scales")
+        if aux.dtype != FP8 or last.dtype != FP8:
+            raise ValueError(f"{where} must be {FP8}, got aux {aux.dtype} and last {last.dtype}")
+        n = self.lengths[index]
+        checked: dict[str, torch.Tensor] = {}
+        for name, t, shape in (
+            ("aux_scales", aux_scales, (n, self.num_aux)),
+            ("last_scales", last_scales, (n, 1)),
+        ):
+            if t is None or t.dtype != SCALE_DTYPE or tuple(t.shape) != shape:
+                got = "none" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ValueError(f"{where}: {name} must be {SCALE_DTYPE} {shape}, got {got}")
+            checked[name] = t
+        return checked
 
     def _quantized(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The states as FP8 and their scales (store/fp8.py): a block per aux layer, one for the final state."""

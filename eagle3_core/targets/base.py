@@ -44,8 +44,14 @@ class TargetInfo:
 
 @dataclass(frozen=True)
 class HiddenStates:
+    """A sample's states, in a float dtype or, with their scales, already FP8 (store/fp8.py `quantize`'s
+    scheme: a float32 scale per token and layer block, laid out as an FP8 shard stores them: shards.SCALES).
+    """
+
     aux: torch.Tensor  # [T, 3H]: aux layers concatenated in aux_layer_ids order
     last: torch.Tensor  # [T, H]: the final state, under TargetInfo.final_state_convention
+    aux_scales: torch.Tensor | None = None  # [T, 3] float32 when aux is FP8
+    last_scales: torch.Tensor | None = None  # [T, 1] float32 when last is FP8
 
 
 @dataclass(frozen=True)
@@ -58,11 +64,16 @@ class SampleFailure:
 class ExtractionTarget(Protocol):
     """What extraction needs of a target, whichever backend (`target.backend`) computes the states: its info,
     the tokenizer the chat template and loss mask come from (always the target directory's) and its
-    fingerprint, the states, and a way to let go of what it holds."""
+    fingerprint, the states, and a way to let go of what it holds.
+
+    `quantizes_on_device`: whether `hidden_states` takes `dtype=torch.float8_e4m3fn`, to quantise the states
+    where they are computed (half the bytes to copy to the host, no work on the writer's CPU threads).
+    """
 
     info: TargetInfo
     tokenizer: Any
     tokenizer_fingerprint: str
+    quantizes_on_device: bool
 
     def hidden_states(
         self, batch: Sequence[Sequence[int]], dtype: torch.dtype | None = None
@@ -70,6 +81,8 @@ class ExtractionTarget(Protocol):
         """States for each token sequence of the batch, in order; exactly len(seq) rows each, on the CPU.
 
         `dtype`: the dtype to return (the shard's storage dtype), so the cast happens once, where it is cheapest.
+        float8_e4m3fn, only where `quantizes_on_device`: FP8 states with their scales, quantised from bfloat16
+        as the shard writer would; a sample whose states hold NaN or inf comes back as the writer's failure.
         """
         ...
 

@@ -19,6 +19,7 @@ from torch import nn
 from eagle3_core.config import TargetConfig
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
 from eagle3_core.errors import ConfigError, TargetError
+from eagle3_core.store.fp8 import FP8, SCALE_DTYPE, SOURCE_DTYPE, NonFiniteStates, quantize_rows
 from eagle3_core.targets.base import HiddenStates, SampleFailure, TargetInfo
 from eagle3_core.targets.gpu_memory import release_gpu_memory
 from eagle3_core.targets.model_config import CONFIG_FILE
@@ -126,8 +127,48 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _quantized_packed(
+    states: torch.Tensor, lengths: Sequence[int], groups: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The real rows of padded `states` [B, S, groups * H] quantised on their device (store/fp8.py), then
+    on the host: FP8 [N, groups * H] and scales [N, groups] packed without padding, and each sample's
+    count of non-finite values.
+
+    Sample by sample, as the shard writer quantises: the device's working memory is one sample's float32
+    copy, not the batch's, and a NaN in one sample (or in the padding) fails no other."""
+    total, width, device = sum(lengths), states.shape[-1], states.device
+    values = torch.empty(total, width, dtype=FP8, device=device)
+    scales = torch.empty(total, groups, dtype=SCALE_DTYPE, device=device)
+    bad = torch.empty(len(lengths), dtype=torch.int64, device=device)
+    start = 0
+    for b, n in enumerate(lengths):
+        q, bad_rows = quantize_rows(states[b, :n], groups)
+        values[start : start + n] = q.values
+        scales[start : start + n] = q.scales
+        bad[b] = bad_rows.sum()  # on the device: no sync per sample
+        start += n
+    return _to_host(values), _to_host(scales), _to_host(bad).tolist()
+
+
+def _quantized_samples(
+    aux: torch.Tensor, last: torch.Tensor, lengths: Sequence[int], num_aux: int
+) -> list[HiddenStates | SampleFailure]:
+    """Each sample's FP8 states and scales, or the failure the shard writer would have recorded for it."""
+    aux_q, aux_s, aux_bad = _quantized_packed(aux, lengths, num_aux)
+    last_q, last_s, last_bad = _quantized_packed(last, lengths, 1)
+    pieces = zip(*(t.split(list(lengths)) for t in (aux_q, last_q, aux_s, last_s)), strict=True)
+    out: list[HiddenStates | SampleFailure] = []
+    for (a, z, a_s, z_s), a_bad, z_bad in zip(pieces, aux_bad, last_bad, strict=True):
+        # the writer quantises aux first and stops at its count: the same reason, whichever side quantised
+        bad = a_bad or z_bad
+        out.append(SampleFailure(NonFiniteStates(bad).reason) if bad else HiddenStates(a, z, a_s, z_s))
+    return out
+
+
 class TransformersTarget:
     """Hidden states from a Hugging Face causal LM running in this process (fp32 on CPU, bf16 on GPU)."""
+
+    quantizes_on_device = True  # hidden_states(batch, FP8): quantised on the model's device, before the copy
 
     def __init__(self, model_dir: Path, cfg: TargetConfig) -> None:
         device = resolve_device(cfg.device)
@@ -186,18 +227,26 @@ class TransformersTarget:
         for b, seq in enumerate(batch):
             input_ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             attention_mask[b, : len(seq)] = 1
-        dtype = dtype or self.model.dtype
-        self._aux = torch.empty(len(batch), width, 3 * self.info.hidden_size, dtype=dtype, device=self.device)
+        quantized = dtype == FP8
+        # FP8 is quantised from bfloat16, as the shard writer quantises what a target hands it: the same bytes
+        handover = SOURCE_DTYPE if quantized else (dtype or self.model.dtype)
+        num_aux = len(self.info.aux_layer_ids)
+        self._aux = torch.empty(
+            len(batch), width, num_aux * self.info.hidden_size, dtype=handover, device=self.device
+        )
         try:
             out = self.decoder(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 use_cache=False,
             )
-            aux = _to_host(self._aux)
+            aux = self._aux
         finally:
             self._aux = None
-        last = _to_host(out.last_hidden_state.to(dtype))  # [B, S, H]
+        last = out.last_hidden_state.to(handover)  # [B, S, H]
+        if quantized:
+            return _quantized_samples(aux, last, lengths, num_aux)
+        aux, last = _to_host(aux), _to_host(last)
         return [HiddenStates(aux[b, :n], last[b, :n]) for b, n in enumerate(lengths)]
 
     def close(self, timeout_s: float = 60.0) -> float:

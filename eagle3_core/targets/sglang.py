@@ -403,6 +403,8 @@ class SGLangHttpBackend:
     `max_seq_len`: the longest sample extraction sends, checked against the server's chunked-prefill size.
     """
 
+    quantizes_on_device = False  # the states arrive on the host: an FP8 shard quantises them in its writer
+
     def __init__(
         self,
         url: str,
@@ -607,6 +609,8 @@ class SGLangEngineBackend:
     cache off, no CUDA graphs, no chunked prefill; plus eagle3's capture hooks (`sglang_capture.py`), which turn
     on SGLang's own `set_eagle3_layers_to_capture` in the engine's process.
     """
+
+    quantizes_on_device = False  # the states arrive on the host: an FP8 shard quantises them in its writer
 
     def __init__(
         self,

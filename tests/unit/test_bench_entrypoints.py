@@ -102,3 +102,22 @@ def test_the_real_model_shell_drivers_parse_and_pass_only_flags_the_bench_takes(
         code = "\n".join(line.split("#", 1)[0] for line in script.read_text().splitlines())
         flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code))
         assert flags and flags <= options, f"{script.name}: {sorted(flags - options)}"
+
+
+def test_the_extraction_dtype_bench_writes_both_dtypes_side_by_side(tmp_path: Path) -> None:
+    """bench/extract_dtypes.py at a tiny CPU size: each dtype extracted from the same batches, FP8 at about
+    half of bfloat16's bytes a token, whichever side quantised it."""
+    out = tmp_path / "extract.json"
+    argv = ["--hidden", "64", "--layers", "8", "--vocab", "512", "--sequences", "4", "--min-len", "20",
+            "--max-len", "60", "--rounds", "1", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.extract_dtypes", *argv], cwd=REPO, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_dtype = json.loads(out.read_text())["by_dtype"]
+    assert set(by_dtype) == {"bfloat16", "fp8_e4m3", "fp8_e4m3@writer"}
+    # quantised on the target's device or in the writer's threads: the same shard, byte for byte
+    assert by_dtype["fp8_e4m3"]["shard_sha256"] == by_dtype["fp8_e4m3@writer"]["shard_sha256"]
+    ratio = by_dtype["fp8_e4m3"]["shard_bytes_per_token"] / by_dtype["bfloat16"]["shard_bytes_per_token"]
+    assert 0.45 < ratio < 0.7 and all(d["extract_tokens_per_s"] > 0 for d in by_dtype.values())

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_core.store.fp8 import FP8, NonFiniteStates, bytes_per_token, dequantize, quantize
+from eagle3_core.store.fp8 import (
+    FP8,
+    NonFiniteStates,
+    bytes_per_token,
+    dequantize,
+    quantize,
+    quantize_rows,
+)
 
 H = 64
 
@@ -65,6 +72,21 @@ def test_a_non_finite_value_is_refused_and_counted(bad: float) -> None:
     with pytest.raises(NonFiniteStates, match="2 non-finite value") as err:
         quantize(x, groups=3)
     assert err.value.count == 2
+
+
+def test_quantize_rows_counts_each_row_s_non_finite_values_and_quantises_the_others_as_quantize() -> None:
+    x = (torch.randn(6, 3 * H) * 50).to(torch.bfloat16)
+    x[1, 5], x[1, 2 * H + 9], x[4, 0] = float("nan"), float("inf"), float("-inf")
+    q, bad = quantize_rows(x, groups=3)
+    assert bad.tolist() == [0, 2, 0, 0, 1, 0] and bad.dtype == torch.int64
+    finite = torch.tensor([0, 2, 3, 5])
+    want = quantize(x[finite], groups=3)  # the same bytes as quantize's, row by row
+    assert torch.equal(q.values[finite].view(torch.uint8), want.values.view(torch.uint8))
+    assert torch.equal(q.scales[finite], want.scales)
+    with pytest.raises(NonFiniteStates) as err:
+        quantize(x, groups=3)
+    assert err.value.count == int(bad.sum())
+    assert err.value.reason == f"non-finite hidden states: {err.value}"  # the failed sample's reason
 
 
 def test_bfloat16_input_and_output() -> None:

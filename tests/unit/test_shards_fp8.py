@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_core.store.fp8 import FP8
+from eagle3_core.store.fp8 import FP8, quantize
 from eagle3_core.store.records import ShardFacts
 from eagle3_core.store.shards import ShardCorruptError, ShardReader, ShardWriter, read_header
 from eagle3_core.store.stats import verify_shard
@@ -133,3 +133,68 @@ def test_the_loader_copies_fp8_as_stored_or_dequantised(tmp_path: Path) -> None:
     scales = stored["aux_scales"].repeat_interleave(H, dim=1)
     back = (stored["aux_hidden_states"].float() * scales).to(torch.bfloat16)
     assert torch.equal(back, want.aux_hidden_states[:4])
+
+
+def _writer(path: Path, lengths: list[int], dtype: str = "fp8_e4m3") -> ShardWriter:
+    return ShardWriter(
+        path, sample_ids=[f"{i:064x}" for i in range(len(lengths))], lengths=lengths, hidden_size=H,
+        store_dtype=dtype, facts=ShardFacts(aux_layer_ids=[2, 4, 5]),
+    )  # fmt: skip
+
+
+def test_pre_quantised_states_are_written_as_the_writer_would_quantise_them(tmp_path: Path) -> None:
+    data = _samples([7, 3, 11])
+    _write(tmp_path / "writer.safetensors", data)
+    with _writer(tmp_path / "given.safetensors", [7, 3, 11]) as w:
+        for i, (ids, mask, aux, last) in enumerate(data):
+            a, z = quantize(aux, 3), quantize(last, 1)
+            w.write_sample(i, ids, mask, a.values, z.values, aux_scales=a.scales, last_scales=z.scales)
+        w.finalize()
+    assert (tmp_path / "given.safetensors").read_bytes() == (tmp_path / "writer.safetensors").read_bytes()
+
+
+def _bad_cases() -> dict[str, tuple[dict[str, torch.Tensor | None], str]]:
+    _, _, aux, last = _samples([5])[0]
+    a, z = quantize(aux, 3), quantize(last, 1)
+    good: dict[str, torch.Tensor | None] = {
+        "aux": a.values, "last": z.values, "aux_scales": a.scales, "last_scales": z.scales,
+    }  # fmt: skip
+    return {
+        "bfloat16 states": (
+            {**good, "aux": aux.bfloat16()},
+            "must be torch.float8_e4m3fn, got aux torch.bfloat16",
+        ),
+        "last scales [T]": (
+            {**good, "last_scales": z.scales[:, 0]},
+            r"last_scales must be .*\(5, 1\), got .*\(5,\)",
+        ),
+        "aux scales [T, 1]": ({**good, "aux_scales": a.scales[:, :1]}, r"aux_scales must be .*\(5, 3\)"),
+        "float64 scales": ({**good, "aux_scales": a.scales.double()}, "aux_scales must be torch.float32"),
+        "no last scales": ({**good, "last_scales": None}, "last_scales must be .*, got none"),
+        "FP8 without scales": ({**good, "aux_scales": None, "last_scales": None}, "aux_scales must be"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_pre_quantised_states_of_the_wrong_dtype_or_scale_shape_are_refused_naming_the_sample(
+    tmp_path: Path, case: str
+) -> None:
+    given, message = _bad_cases()[case]
+    ids, mask = _samples([5])[0][:2]
+    with _writer(tmp_path / "t.safetensors", [3, 5]) as w:
+        with pytest.raises(ValueError, match=rf"sample 1 \(000000000000\).*{message}"):
+            w.write_sample(
+                1, ids, mask, given["aux"], given["last"],
+                aux_scales=given["aux_scales"], last_scales=given["last_scales"],
+            )  # fmt: skip
+        assert w.digests == [None, None]  # nothing of it was written
+        w.abort()
+
+
+def test_pre_quantised_states_are_refused_by_a_shard_that_stores_no_scales(tmp_path: Path) -> None:
+    ids, mask, aux, last = _samples([4])[0]
+    a, z = quantize(aux, 3), quantize(last, 1)
+    with _writer(tmp_path / "t.safetensors", [4], "bfloat16") as w:
+        with pytest.raises(ValueError, match=r"sample 0 \(000000000000\): .* given to a bfloat16 shard"):
+            w.write_sample(0, ids, mask, a.values, z.values, aux_scales=a.scales, last_scales=z.scales)
+        w.abort()
