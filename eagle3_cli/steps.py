@@ -311,6 +311,13 @@ def print_training(summary: RunSummary) -> None:
     console.print(
         f"drafter: run {summary.run}, {summary.steps} steps, {summary.tokens:,} tokens, {summary.seconds} s"
     )
+    if (chosen := summary.selection) is not None:
+        low, high = chosen.difference_ci95
+        console.print(
+            f"kept step {chosen.kept_step} of {chosen.measured_steps}: AL {chosen.kept_al:.3f} against "
+            f"{chosen.last_al:.3f} at the last step {chosen.last_step} (K={chosen.k}, {chosen.prompts} held-out "
+            f"prompts; difference {chosen.difference:+.3f}, 95% CI {low:+.3f} to {high:+.3f})"
+        )
     if all(a is None for a in acc):  # nothing was measured: no accuracy or tau to print, not 0 and 1
         console.print(
             "validation: no validation samples"

@@ -450,6 +450,33 @@ class TrainConfig(_Model):
     eval_every: Annotated[int, Field(gt=0)] = 200
     checkpoint_every: Annotated[int, Field(gt=0)] = 200
     keep_checkpoints: Annotated[int, Field(gt=0)] = 2
+    al_every: Annotated[int, Field(gt=0)] | None = Field(
+        default=200,
+        description="Measure the acceptance length every this many steps, and at the last, by real speculative "
+        "decoding of the target (the evaluator drafter_eval uses, at evaluate.gate_k, temperature and seed) on "
+        "the first al_prompts held-out prompts; logged to metrics.jsonl and plotted on the checkpoint's page. "
+        "None: never (the run keeps its last weights). Needs a target transformers can load beside training, "
+        "and held-out prompts or evaluate.prompt_files: without them the default logs that it measures nothing, "
+        "and a value set in the config is refused.",
+    )
+    al_prompts: Annotated[int, Field(gt=0)] = Field(
+        default=16, description="Held-out prompts each in-training measurement decodes."
+    )
+    al_max_new_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=64, description="New tokens each of those prompts decodes at most."
+    )
+    al_overhead: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+        default=0.1,
+        description="The most of the training time the measurements may take: one that falls due when they "
+        "have taken more is skipped, and logged; the last step is always measured. None: every due step is "
+        "measured, whatever it costs.",
+    )
+    keep: Literal["best_al", "last"] = Field(
+        default="best_al",
+        description="The weights the run ends with. best_al: the measured step with the best acceptance length, "
+        "where a later one replaces an earlier only when better beyond noise (the lower end of the paired 95% "
+        "interval over the same prompts above 0, the promotion gate's comparison); last: the last step's.",
+    )
     seed: int = 0
     processes: Annotated[int, Field(gt=0)] = Field(
         default=1, description="DDP processes (one per GPU), started through torchrun; 1 trains in process."

@@ -34,6 +34,7 @@ def summary_dict(run: str = "r1") -> dict[str, Any]:
         "bf16": False,
         "train_config": TrainConfig().model_dump(),
         "warm_from": None,
+        "selection": None,
     }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from eagle3_core.store.atomic import atomic_write_bytes
-from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
+from eagle3_core.store.records import ALRow, MetricsRow, TrainRow, ValRow
 
 
 def _save(fig: Figure, out: Path) -> Path:
@@ -80,6 +80,27 @@ def training_curves(records: Sequence[MetricsRow], steps: int, out: Path, title:
     acc_ax.legend(fontsize=7, ncol=2)
     acc_ax.grid(alpha=0.3)
     fig.suptitle(title)
+    return _save(fig, out)
+
+
+def acceptance_curve(rows: Sequence[ALRow], kept_step: int | None, out: Path, title: str) -> Path:
+    """AL measured during training over optimizer steps, with its 95% interval, and the step the run kept."""
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.subplots()
+    steps = [r.step for r in rows]
+    ax.fill_between(steps, [r.al_ci95[0] for r in rows], [r.al_ci95[1] for r in rows], alpha=0.2)
+    k = rows[0].k if rows else 0
+    ax.plot(
+        steps, [r.al for r in rows], "o-", label=f"AL at K={k} ({rows[0].prompts if rows else 0} prompts)"
+    )
+    kept = [r for r in rows if r.step == kept_step]
+    if kept:
+        ax.plot([kept[0].step], [kept[0].al], "*", markersize=14, label=f"kept: step {kept[0].step}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("acceptance length")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
     return _save(fig, out)
 
 

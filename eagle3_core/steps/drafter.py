@@ -143,8 +143,14 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     was cut short), in this process; under torchrun every rank calls it (see `launch_training`)."""
     layout = StoreLayout(cfg.store_root)
     shards, mapping = _shards_and_mapping(cfg, layout, log)
+    selector = None
     if lead_process():
+        from eagle3_core.evaluate.selection import ALSelector
+        from eagle3_core.steps.evaluation import training_probe  # evaluation reads this module's runs
+
         dry_run_export(cfg, shards, mapping, log)
+        probe = training_probe(cfg, mapping.d2t, log)
+        selector = ALSelector(probe, cfg.train, log) if probe is not None else None
     result = train_drafter(
         shards,
         target_dir(cfg, log=log),
@@ -153,6 +159,7 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
         cfg.train,
         log=log,
         init_from=promoted_final(layout) if cfg.train.init_from == "current" else None,
+        selector=selector,
     )
     if lead_process():
         pointer = DrafterLatest(run=result.run_dir.name, final=layout.pointer_path(result.final_dir))
@@ -256,8 +263,35 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         "vocab_mapping": summary.vocab_mapping[:12],
         "acc_per_position": json.dumps(accuracy_per_position(summary, steps)),
         **{f"val_{name}": value for name, value in (figures | taus).items() if value is not None},
+        **_selection_metadata(summary, final.parent),
     }
     return StepResult("drafter_checkpoint", final, meta, record=summary)
+
+
+def _selection_metadata(summary: RunSummary, run_dir: Path) -> dict[str, Any]:
+    """The acceptance length measured during training: the kept step against the last, and the curve's
+    picture (written beside the run's metric log) for the asset page."""
+    from eagle3_core.evaluate.plots import acceptance_curve
+    from eagle3_core.store.records import ALRow
+    from eagle3_core.train.run_dir import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if isinstance(r, ALRow)]
+    if not rows:
+        return {}
+    chosen = summary.selection
+    picture = acceptance_curve(
+        rows, chosen.kept_step if chosen else None, run_dir / "acceptance_curve.png",
+        f"drafter {summary.run}: acceptance length during training",
+    )  # fmt: skip
+    meta: dict[str, Any] = {"al_curve": str(picture), "al_last": rows[-1].al, "al_k": rows[-1].k}
+    if chosen is not None:
+        meta |= {
+            "al_kept_step": chosen.kept_step,
+            "al_kept": chosen.kept_al,
+            "al_kept_minus_last": chosen.difference,
+            "al_kept_minus_last_ci95": json.dumps(chosen.difference_ci95),
+        }
+    return meta
 
 
 def accuracy_per_position(summary: RunSummary, steps: int) -> list[float | None]:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from eagle3_core.config import DrafterVariant, Eagle3Config, without_url_passwords
+from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.errors import Eagle3Error, ExportError
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
@@ -200,6 +201,87 @@ def _measure_sets(
 
 def _rounded(interval: tuple[float, float]) -> list[float]:
     return [round(x, 4) for x in interval]
+
+
+class TrainingProbe:
+    """The acceptance length of the drafter being trained (train.al_every; train/selection.py), measured as
+    drafter_eval measures its export: the weights rounded to the export's dtype, then put in the target's
+    device and dtype as an export is loaded; the first `train.al_prompts` held-out prompts that fit (the set
+    drafter_eval leads with); evaluate's seed and temperature at `evaluate.gate_k`, at most
+    `train.al_max_new_tokens` new tokens. The target is loaded at the first measurement (a finished run loads
+    none), and its own replies are decoded once, for every measurement."""
+
+    def __init__(self, cfg: Eagle3Config, prompts: list[list[int]], d2t: torch.Tensor, log: Log) -> None:
+        from eagle3_core.steps.drafter import export_dtype
+
+        ev, tr = cfg.evaluate, cfg.train
+        self.cfg, self.log, self.d2t = cfg, log, d2t
+        self.k, self.prompts, self.ids = ev.gate_k, len(prompts), prompts
+        self.export_dtype = export_dtype(cfg, target_dir(cfg, log=log))
+        self.settings = DecodeSettings((ev.gate_k,), tr.al_max_new_tokens, ev.temperature, ev.seed)
+        described = json.dumps([asdict(self.settings), prompts, str(self.export_dtype)])
+        self.fingerprint = hashlib.sha256(described.encode()).hexdigest()[:16]
+        self.target: Target | None = None
+        self.references: list[list[int]] = []
+
+    def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        from eagle3_core.evaluate.measure import target_references
+
+        t = self._target()
+        exported = self._as_exported(drafter, t)
+        if not self.references:
+            self.references = target_references(t.model, t.aux_layer_ids, self.ids, t.eos_ids, self.settings)
+        d2t = self.d2t.to(t.device)
+        measured = measure(t.model, exported, d2t, t.aux_layer_ids, self.ids, t.eos_ids, self.settings,
+                           references=self.references)  # fmt: skip
+        return measured.runs[self.k]
+
+    def _target(self) -> Target:
+        if self.target is None:
+            self.target = load_target(self.cfg, self.log)
+        return self.target
+
+    def _as_exported(self, drafter: Eagle3Drafter, t: Target) -> Eagle3Drafter:
+        """A copy of `drafter` as an export of it loads: its weights rounded to the export dtype, with the
+        target's embedding, in the target's device and dtype."""
+        from eagle3_core.train.run_dir import drafter_state, load_drafter_state
+
+        embed = t.model.get_input_embeddings().weight.detach().float().cpu()
+        state = {n: w.detach().to("cpu", self.export_dtype) for n, w in drafter_state(drafter).items()}
+        exported = Eagle3Drafter(drafter.cfg, embed)
+        load_drafter_state(exported, state, Path("the drafter in training"))
+        return exported.to(t.device, next(t.model.parameters()).dtype).eval()
+
+
+def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingProbe | None:
+    """The probe train.al_every asks for (None when it is None), with its prompts encoded by the target's
+    tokenizer. Without held-out prompts or prompt files to measure on, Eagle3Error naming the settings."""
+    from transformers import AutoTokenizer
+
+    tr = cfg.train
+    if tr.al_every is None:
+        return None
+    try:
+        primary = _prompt_sets(cfg)[0]
+    except Eagle3Error as err:
+        if "al_every" in tr.model_fields_set:  # asked for: an error; the default says so and measures nothing
+            raise Eagle3Error(
+                f"train.al_every: {err}; set train.al_every: null to train without measuring acceptance"
+            ) from None
+        log(f"acceptance length not measured during training, the run keeps its last weights: {err}")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log))
+    room = cfg.tokenize.max_seq_len - tr.al_max_new_tokens
+    ids = [encoded for _, encoded in encode_fitting(tokenizer, primary, room)][: tr.al_prompts]
+    if not ids:
+        raise Eagle3Error(
+            f"train.al_every: none of the {len(primary.prompts)} {primary.name} prompts fits in "
+            f"tokenize.max_seq_len {cfg.tokenize.max_seq_len} beside train.al_max_new_tokens {tr.al_max_new_tokens}"
+        )
+    log(
+        f"acceptance length measured during training on {len(ids)} {primary.name} prompts at K={cfg.evaluate.gate_k}"
+    )
+    return TrainingProbe(cfg, ids, d2t, log)
 
 
 def gate_decision(

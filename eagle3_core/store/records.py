@@ -186,8 +186,24 @@ class TrainRow(TTTMetrics):
     LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
 
 
-MetricsRow = TrainRow | ValRow
-ROW_KINDS: dict[str, type[TrainRow | ValRow]] = {"train": TrainRow, "val": ValRow}
+class ALRow(Record):
+    """runs/<run>/metrics.jsonl: an acceptance length measured during training (train.al_every), by real
+    speculative decoding of `prompts` held-out prompts at K = `k`; `best_step` is the step the run would keep
+    after it (train.keep: best_al)."""
+
+    kind: Literal["al"] = "al"
+    step: int
+    k: int
+    al: float
+    al_ci95: list[float]
+    per_position: list[float]
+    prompts: int
+    seconds: float
+    best_step: int
+
+
+MetricsRow = TrainRow | ValRow | ALRow
+ROW_KINDS: dict[str, type[TrainRow | ValRow | ALRow]] = {"train": TrainRow, "val": ValRow, "al": ALRow}
 
 
 def json_row(line: bytes, where: str) -> dict[str, Any]:
@@ -201,7 +217,7 @@ def metrics_row(line: bytes, where: str) -> MetricsRow:
     field."""
     data = json_row(line, where)
     if (kind := data.get("kind")) not in ROW_KINDS:
-        raise RecordError(f"{where}: kind: expected 'train' or 'val', got {kind!r}")
+        raise RecordError(f"{where}: kind: expected one of {sorted(ROW_KINDS)}, got {kind!r}")
     try:
         return ROW_KINDS[kind].model_validate(data)
     except ValidationError as err:
@@ -209,6 +225,30 @@ def metrics_row(line: bytes, where: str) -> MetricsRow:
 
 
 # ---- runs, their evaluations and the drafter pointers --------------------------------------------------------
+class KeptRounds(Record):
+    """runs/<run>/best/rounds.json: the step whose weights best/ holds, and its measurement's accepted drafts
+    per verification round of each held-out prompt (what a later measurement is compared with)."""
+
+    step: int
+    probe: str  # the fingerprint of the prompts and decode settings measured on
+    accepted: list[list[int]]
+
+
+class ALSelection(Record):
+    """The weights a run kept, chosen by acceptance length measured during training: the kept step's AL
+    against the last step's on the same prompts (paired; `difference` is kept minus last)."""
+
+    k: int
+    prompts: int
+    kept_step: int
+    kept_al: float
+    last_step: int
+    last_al: float
+    difference: float
+    difference_ci95: list[float]
+    measured_steps: list[int]
+
+
 class RunSummary(Record):
     """runs/<run>/final/summary.json: what a finished run was trained from and with, and its last validation."""
 
@@ -230,6 +270,7 @@ class RunSummary(Record):
     bf16: bool
     train_config: dict[str, Any]
     warm_from: str | None = None  # absent from summaries written before train.init_from existed
+    selection: ALSelection | None = None  # which measured step's weights the run kept (train.keep: best_al)
 
     @field_validator("val", mode="before")
     @classmethod

@@ -53,7 +53,11 @@ OPERATIONAL = {
 }
 
 
-TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # the only metric fields a resumed run may not reproduce
+TIMING_FIELDS = (
+    "tokens_per_s",
+    "elapsed_s",
+    "seconds",
+)  # the only metric fields a resumed run may not reproduce
 
 
 BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 samples whatever their length)
@@ -107,9 +111,10 @@ class MetricsLog:
         self.path, self.world = path, world
         self.enabled = world.is_main
 
-    def write(self, row: MetricsRow) -> None:
-        """Every rank calls it (rank 0 writes): an error on rank 0 stops the others too (`on_main`)."""
-        on_main(self.world, f"appending to {self.path}", lambda: self._append(row))
+    def write(self, row: MetricsRow | None) -> None:
+        """Every rank calls it (rank 0 writes; a row only rank 0 made is None on the others): an error on rank 0
+        stops the others too (`on_main`)."""
+        on_main(self.world, f"appending to {self.path}", lambda: None if row is None else self._append(row))
 
     def _append(self, row: MetricsRow) -> None:
         line = (json.dumps(row.dump()) + "\n").encode()

@@ -34,7 +34,7 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.records import RunProgress, RunSummary, TrainRow, ValRow
+from eagle3_core.store.records import ALRow, RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.targets.model_config import read_text_config
 from eagle3_core.train.checkpoint import (
@@ -88,6 +88,7 @@ from eagle3_core.train.schedule import (
     row_width,
     schedule,
 )
+from eagle3_core.train.selection import BEST, RunSelector
 
 Log = Callable[[str], None]
 
@@ -393,10 +394,13 @@ def train_drafter(
     cfg: TrainConfig,
     log: Log = print,
     init_from: Path | None = None,
+    selector: RunSelector | None = None,
 ) -> TrainResult:
     """Train (or resume, or return the finished) run for these shards, target, mapping and settings.
 
     `init_from`: a finished run's final/ directory to start from (warm start) instead of fresh weights.
+    `selector`: measures the acceptance length during training and keeps the best weights (train.al_every,
+    train.keep; evaluate/selection.py), given on rank 0 alone.
     """
     world = init_world(cfg.device)
     data = TrainingData(shard_paths)
@@ -410,6 +414,7 @@ def train_drafter(
             cfg,
             log if world.is_main else (lambda _: None),
             init_from,
+            selector if world.is_main else None,
         )
     finally:
         data.close()
@@ -425,6 +430,7 @@ def _train(
     cfg: TrainConfig,
     log: Log,
     init_from: Path | None,
+    selector: RunSelector | None,
 ) -> TrainResult:
     dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size, cfg.variant)
     _check_inputs(data, mapping, dcfg)
@@ -442,8 +448,9 @@ def _train(
         if (run_dir / FINAL / SUMMARY).exists():  # finished by the trainer that held it a moment ago
             return _finished(run_dir, log)
         return _run(
-            world, data, target_dir, mapping, cfg, dcfg, warm, run_dir, plan, train_refs, val_refs, log
-        )
+            world, data, target_dir, mapping, cfg, dcfg, warm, run_dir, plan, train_refs, val_refs, log,
+            selector,
+        )  # fmt: skip
 
 
 def _finished(run_dir: Path, log: Log) -> TrainResult:
@@ -464,13 +471,20 @@ def _run(
     train_refs: list[SampleRef],
     val_refs: list[SampleRef],
     log: Log,
+    selector: RunSelector | None,
 ) -> TrainResult:
-    """The run in `run_dir`, which this trainer holds: resume, train every step left, write final/."""
+    """The run in `run_dir`, which this trainer holds: resume, train every step left, write final/ (with the
+    weights the selector kept, if it kept other than the last)."""
     s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
     metrics = MetricsLog(run_dir / METRICS, world)
     progress = _resume(s, run_dir, metrics, log)
+    if selector is not None:
+        selector.resume(run_dir, progress.step)
+    if warm is not None and progress.step == 0:
+        # the weights started from are a candidate too: a run that only makes them worse keeps them
+        _measure_al(s, selector, metrics, 0, True, 0.0)
     log(
         f"training run {run_dir.name}: {len(train_refs)} samples "
         f"({f'{len(val_refs)} validation' if val_refs else 'no validation samples'}), {len(plan)} steps, "
@@ -478,9 +492,12 @@ def _run(
         f"{'bf16 autocast' if s.autocast_bf16 else 'float32'}"
     )
     started = time.perf_counter()
-    _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log)
+    _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log, selector)
     seconds = round(time.perf_counter() - started, 2)
-    summary = _summary(s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm)
+    summary = _summary(s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm, selector)
+    if selector is not None and (kept := selector.kept_weights()) is not None:
+        load_drafter_state(s.drafter, kept, run_dir / BEST)  # rank 0, which alone writes final/
+        log(_selection_line(summary))
     on_main(world, "writing the final drafter", lambda: _write_final(s, run_dir, summary, log))
     return TrainResult(
         run_dir,
@@ -578,8 +595,10 @@ def _loop(
     metrics: MetricsLog,
     progress: Progress,
     log: Log,
+    selector: RunSelector | None = None,
 ) -> None:
-    """Every planned step from progress.step on: train, and log, validate and checkpoint on their steps."""
+    """Every planned step from progress.step on: train, and log, validate, measure the acceptance length and
+    checkpoint on their steps."""
     cfg, world = s.cfg, s.world
     pin = world.device.type == "cuda"
     width = row_width(cfg, world.size) if packs(cfg) else None
@@ -610,11 +629,40 @@ def _loop(
                 _log_interval(s, progress, epoch, lr, len(plan), started, metrics, log)
             if progress.step % cfg.eval_every == 0 or last:
                 _validate_and_log(s, val_refs, val_prefetch, progress.step, metrics, log)
+            _measure_al(s, selector, metrics, progress.step, last, time.perf_counter() - started)
             if progress.step % cfg.checkpoint_every == 0 or last:
                 _checkpoint(s, run_dir, progress, metrics)
     finally:
         prefetch.close()
         val_prefetch.close()
+
+
+def _measure_al(
+    s: Setup, selector: RunSelector | None, metrics: MetricsLog, step: int, last: bool, elapsed: float
+) -> None:
+    """On the steps rank 0's selector finds due, the acceptance length measured on rank 0 (the other ranks
+    wait for it at their next collective) and logged."""
+    world = s.world
+    if not world.from_main(int(selector is not None and selector.due(step, last, elapsed))):
+        return
+
+    def measure() -> ALRow:
+        assert selector is not None  # due on rank 0 only where it has one
+        return selector.measure(s.drafter, step)
+
+    metrics.write(on_main(world, f"measuring the acceptance length at step {step}", measure))
+
+
+def _selection_line(summary: RunSummary) -> str:
+    chosen = summary.selection
+    if chosen is None:
+        return "keeping the last step's weights"
+    low, high = chosen.difference_ci95
+    return (
+        f"keeping step {chosen.kept_step}'s weights: AL {chosen.kept_al:.3f} against {chosen.last_al:.3f} at the "
+        f"last step {chosen.last_step} (K={chosen.k}, {chosen.prompts} prompts; difference "
+        f"{chosen.difference:+.3f}, 95% CI {low:+.3f} to {high:+.3f})"
+    )
 
 
 def _log_interval(
@@ -663,10 +711,14 @@ def _summary(
     train_samples: int,
     val_samples: int,
     warm: WarmStart | None,
+    selector: RunSelector | None = None,
 ) -> RunSummary:
-    """final/summary.json: what the run was trained from and with, and its last validation."""
+    """final/summary.json: what the run was trained from and with, its last validation, and which measured
+    step's weights it kept."""
     facts = s.data.facts.trained_from()
-    final_val = [r for r in read_metrics(run_dir) if isinstance(r, ValRow)] if s.world.is_main else []
+    rows = read_metrics(run_dir) if s.world.is_main else []
+    final_val = [r for r in rows if isinstance(r, ValRow)]
+    measured = [r.step for r in rows if isinstance(r, ALRow)]
     return RunSummary(
         run=run_dir.name,
         steps=progress.step,
@@ -686,6 +738,7 @@ def _summary(
         bf16=s.autocast_bf16,
         train_config=s.cfg.model_dump(),
         warm_from=warm.run if warm else None,
+        selection=selector.selection(measured) if selector is not None else None,
     )
 
 

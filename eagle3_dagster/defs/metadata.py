@@ -26,7 +26,11 @@ def training_metadata(result: StepResult) -> dict[str, Any]:
     acc = accuracy_per_position(summary, int(summary.train_config["ttt_steps"]))
     rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
     table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
-    return {**step_metadata(result), "accuracy": dg.MetadataValue.md(table)}
+    meta = {**step_metadata(result), "accuracy": dg.MetadataValue.md(table)}
+    if "al_curve" in result.metadata:  # acceptance measured during training (train.al_every)
+        curve = Path(result.metadata["al_curve"])
+        meta["al_curve"] = dg.MetadataValue.md(markdown_image(curve, "acceptance length during training"))
+    return meta
 
 
 def eval_metadata(result: StepResult) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_core.config import load_config
+from eagle3_core.config import TrainConfig, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.steps.data import extract_step
 from eagle3_core.steps.drafter import drafter_checkpoint_step, vocab_step
@@ -115,13 +115,14 @@ def test_training_learns_and_a_finished_run_is_not_trained_again(
     val = [r for r in records if isinstance(r, ValRow)]
     assert train[-1].loss < 0.9 * train[0].loss
     assert val[-1].acc[0] > 1.5 * train[0].acc[0]
+    steps = cfg.train.ttt_steps
     for r in val:  # tau is 1 + the running products of the conditional accuracies
         expected, running = 1.0, 1.0
-        for k in range(7):
+        for k in range(steps):
             running *= r.acc[k]
             expected += running
-        assert abs(r.tau[6] - expected) < 1e-4
-        assert all(r.full_acc[k] <= r.acc[k] + 1e-9 for k in range(7))
+        assert len(r.tau) == steps and abs(r.tau[steps - 1] - expected) < 1e-4
+        assert all(r.full_acc[k] <= r.acc[k] + 1e-9 for k in range(steps))
     vocab = vocab_step(cfg)  # the mapping `eagle3 train` built is still current: kept, not rebuilt
     assert vocab.metadata["draft_vocab_size"] == 512 and vocab.metadata["rebuilt"] is False
     again = drafter_checkpoint_step(cfg, log=lambda _: None)
@@ -351,7 +352,7 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     assert meta["vocab_mapping"]["draft_vocab_size"].value == 512
     assert 0.5 < meta["vocab_mapping"]["coverage"].value <= 1.0
     assert meta["drafter_checkpoint"]["steps"].value == 4
-    assert len(json.loads(meta["drafter_checkpoint"]["acc_per_position"].value)) == 7
+    assert len(json.loads(meta["drafter_checkpoint"]["acc_per_position"].value)) == TrainConfig().ttt_steps
     export = meta["drafter_export"]
     assert json.loads(export["aux_layer_ids_sglang"].value) == [1, 3, 4]  # toy xs: 8 layers, aux (2, 4, 5)
     assert json.loads(export["aux_layer_ids_vllm"].value) == [2, 4, 5]

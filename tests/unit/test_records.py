@@ -81,7 +81,9 @@ def test_a_bad_summary_is_one_line_naming_the_file_and_the_field(
 ) -> None:
     data = {**summary_dict(), **change}
     path = tmp_path / "summary.json"
-    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None or k == "warm_from"}))
+    path.write_text(
+        json.dumps({k: v for k, v in data.items() if v is not None or k in ("warm_from", "selection")})
+    )
     with pytest.raises(RecordError) as err:
         RunSummary.read(path)
     assert str(err.value).startswith(f"{path}: {expected}") and "\n" not in str(err.value)
@@ -351,3 +353,9 @@ def test_a_bad_measurement_names_its_field_path(
     with pytest.raises(RecordError, match="^" + re.escape(f"{path}: {expected}")) as err:
         EvalReport.read(path)
     assert "\n" not in str(err.value)
+
+
+def test_a_summary_from_before_acceptance_selection_still_reads(tmp_path: Path) -> None:
+    old = {k: v for k, v in summary_dict().items() if k != "selection"}
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    assert RunSummary.read(tmp_path / "summary.json").selection is None

@@ -133,7 +133,10 @@ def test_the_figures_tttstats_measures_are_a_rows_figures() -> None:
     [
         ('{"kind": "train", "step": 4, "epo', "not valid JSON"),  # a line torn by a crash mid-append
         ("[1, 2]", "expected a JSON object, got list"),
-        (json.dumps({**_train_row_dict(), "kind": "test"}), "kind: expected 'train' or 'val', got 'test'"),
+        (
+            json.dumps({**_train_row_dict(), "kind": "test"}),
+            "kind: expected one of ['al', 'train', 'val'], got 'test'",
+        ),
         (json.dumps({k: v for k, v in _train_row_dict().items() if k != "acc_1"}), "acc_1: Field required"),
         (json.dumps({**_train_row_dict(), "acc_1": "high"}), "acc_1: Input should be a number, got 'high'"),
         (json.dumps({**_train_row_dict(), "tau_3": 1.7}), "tau_3: beyond the 2 TTT steps"),

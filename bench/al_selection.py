@@ -1,0 +1,156 @@
+"""Keeping the best measured drafter, not the last, on a real model run long enough to overfit.
+
+    python -m bench.al_selection                      # SmolLM2-135M-Instruct on this CPU (about 15 minutes)
+    python -m bench.al_selection --conversations 400 --epochs 40 --device cuda
+
+SmolLM2's own greedy replies to a small set of chitchat conversations are regenerated and extracted (the
+`eagle3` steps), and a drafter is trained on them for many epochs with the acceptance length measured during
+training (`train.al_every`, `train.keep: best_al`, no overhead cap so that every due step is measured). Then
+the kept weights (`final/`) and the last step's (its checkpoint) decode the same further held-out prompts,
+ones the in-training measurement never saw, and the paired difference kept minus last is reported with its
+95% interval: keeping the best should never be worse than keeping the last beyond noise. The result goes to
+bench/results/al_selection_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+if __package__ in (None, ""):  # run as a file: import `bench` from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3_core.config import load_config
+from eagle3_core.evaluate.measure import DecodeSettings, measure, paired_al_difference, pooled_runs_al
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import ALRow, DrafterLatest, RunSummary
+from eagle3_core.train.run_dir import SUMMARY, load_drafter_state, load_trained, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "al_selection")
+    p.add_argument("--target", default="smollm2", help="target.path (toy: the tests' tiny run)")
+    p.add_argument("--conversations", type=int, default=80)
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--al-every", type=int, default=10)
+    p.add_argument("--al-prompts", type=int, default=12)
+    p.add_argument(
+        "--compare-prompts", type=int, default=24, help="further held-out prompts for kept vs last"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def project(args: argparse.Namespace) -> Path:
+    config = {
+        "store": "store",
+        "cache": str(REPO / ".cache" / "eagle3"),
+        "data": {"dataset": "chat", "sources": [{"kind": "chitchat", "limit": args.conversations}],
+                 "shard_size": args.conversations, "holdout_fraction": 0.3},
+        "target": {"path": args.target, "device": args.device},
+        "regenerate": {"enabled": True, "temperature": 0.0, "max_new_tokens": 64, "max_turns": 1, "batch_size": 16},
+        "tokenize": {"max_seq_len": 1024},
+        "train": {"draft_vocab_size": 2048, "batch_tokens": 2048, "max_len": 1024, "epochs": args.epochs,
+                  "device": args.device, "log_every": 10, "eval_every": 50, "checkpoint_every": 50,
+                  "al_every": args.al_every, "al_prompts": args.al_prompts,
+                  "al_max_new_tokens": args.max_new_tokens, "al_overhead": None, "keep": "best_al"},
+        "evaluate": {"gate_k": 3, "ks": [3], "per_conversation": 1, "temperature": 0.0,
+                     "max_prompts": args.al_prompts + args.compare_prompts,
+                     "max_new_tokens": args.max_new_tokens},
+    }  # fmt: skip
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    path = args.workdir / "eagle3.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def compare_kept_and_last(config: Path, run_dir: Path, summary: RunSummary, args: argparse.Namespace) -> Any:
+    """Kept and last weights decoded on the held-out prompts after the ones measured during training."""
+    from safetensors.torch import load_file
+
+    from eagle3_core.evaluate.prompts import heldout_prompts
+    from eagle3_core.steps.evaluation import encode_fitting, load_target
+    from eagle3_core.train.checkpoint import WEIGHTS, checkpoint_dir
+
+    cfg = load_config(config)
+    target = load_target(cfg, lambda _m: None)
+    prompts = heldout_prompts(cfg.store_root, per_conversation=1, limit=cfg.evaluate.max_prompts)
+    room = cfg.tokenize.max_seq_len - args.max_new_tokens
+    ids = [encoded for _, encoded in encode_fitting(target.tokenizer, prompts, room)][args.al_prompts :]
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    kept, mapping, _ = load_trained(run_dir / "final", embed)
+    last, _, _ = load_trained(run_dir / "final", embed)
+    last_dir = checkpoint_dir(run_dir, summary.steps)
+    load_drafter_state(last, load_file(str(last_dir / WEIGHTS)), last_dir)
+    dtype = next(target.model.parameters()).dtype
+    settings = DecodeSettings((3,), args.max_new_tokens, 0.0, 0)
+    runs = {}
+    for name, drafter in (("kept", kept), ("last", last)):
+        d = drafter.to(target.device, dtype).eval()
+        m = measure(target.model, d, mapping.d2t.to(target.device), target.aux_layer_ids, ids, target.eos_ids,
+                    settings)  # fmt: skip
+        runs[name] = m.runs[3]
+    diff = paired_al_difference(runs["kept"], runs["last"])
+    return {
+        "prompts": len(ids),
+        "kept_al": round(pooled_runs_al(runs["kept"], 3), 4),
+        "last_al": round(pooled_runs_al(runs["last"], 3), 4),
+        "kept_minus_last": diff.as_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3_cli.steps import main as eagle3
+
+    args = parse_args(argv)
+    torch.set_num_threads(2 if args.device == "cpu" else torch.get_num_threads())
+    config = project(args)
+    seconds: dict[str, float] = {}
+    for command in (["ingest"], ["regenerate"], ["extract"], ["train"]):
+        started = time.perf_counter()
+        if eagle3(["--config", str(config), *command]) != 0:
+            sys.exit(f"eagle3 {command[0]} failed")
+        seconds[command[0]] = round(time.perf_counter() - started, 1)
+    layout = StoreLayout(load_config(config).store_root)
+    run_dir = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final).parent
+    summary = RunSummary.read(run_dir / "final" / SUMMARY)
+    rows = [r.dump() for r in read_metrics(run_dir) if isinstance(r, ALRow)]
+    started = time.perf_counter()
+    comparison = compare_kept_and_last(config, run_dir, summary, args)
+    seconds["compare"] = round(time.perf_counter() - started, 1)
+    result = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "steps": summary.steps,
+        "seconds": seconds,
+        "al_during_training": rows,
+        "selection": summary.selection.dump() if summary.selection else None,
+        "on_further_heldout_prompts": comparison,
+    }
+    out = (
+        args.out
+        or REPO / "bench" / "results" / f"al_selection_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
+    )
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        json.dumps(
+            {k: result[k] for k in ("steps", "seconds", "selection", "on_further_heldout_prompts")}, indent=1
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

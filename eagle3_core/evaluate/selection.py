@@ -1,0 +1,183 @@
+"""The weights a run keeps, chosen by what they accept: acceptance length measured during training.
+
+Loss and teacher-forced accuracy keep improving after the acceptance length has peaked, so every
+`train.al_every` steps (and at the last) the drafter as it stands decodes a fixed set of held-out prompts by
+real speculative decoding (an `ALProbe`, built by the step that starts training: it holds the target). Each
+measurement is a metric log row (`ALRow`). Under `train.keep: best_al` a later measurement replaces the kept
+one only when it is better beyond noise: the lower end of the paired 95% interval of AL(later) - AL(kept),
+over the same prompts, above 0, the comparison the promotion gate makes. The kept weights and their rounds
+live in `best/` beside the checkpoints (whole or absent), so a resumed run keeps choosing from where it was.
+
+The measurements are bounded in time: one that falls due after they have taken more than
+`train.al_overhead` of the training time so far is skipped (and logged); the last step is always measured.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from eagle3_core.config import TrainConfig
+from eagle3_core.draft.model import Eagle3Drafter
+from eagle3_core.evaluate.acceptance import acceptance
+from eagle3_core.evaluate.measure import (
+    PathTiming,
+    PromptRun,
+    bootstrap_al_interval,
+    paired_al_difference,
+    pooled_runs_al,
+)
+from eagle3_core.store.atomic import atomic_directory
+from eagle3_core.store.records import ALRow, ALSelection, KeptRounds
+from eagle3_core.train.selection import BEST
+
+BEST_WEIGHTS = "drafter.safetensors"
+BEST_ROUNDS = "rounds.json"
+
+Log = Callable[[str], None]
+
+
+class ALProbe(Protocol):
+    """Decodes the held-out prompts with a drafter at draft length `k`; one PromptRun per prompt, in order.
+    `fingerprint` names the prompts and decode settings, so that rounds measured otherwise are never compared."""
+
+    k: int
+    prompts: int
+    fingerprint: str
+
+    def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]: ...
+
+
+@dataclass
+class Measured:
+    step: int
+    runs: list[PromptRun]
+
+
+class ALSelector:
+    """Measures the drafter on its steps and remembers the best measured weights (on rank 0 only): the
+    trainer's `RunSelector` (train/selection.py)."""
+
+    def __init__(self, probe: ALProbe, cfg: TrainConfig, log: Log) -> None:
+        self.probe, self.cfg, self.log = probe, cfg, log
+        self.best_dir = Path(BEST)  # under the run directory, once `resume` binds it
+        self.best: Measured | None = None
+        self.best_weights: dict[str, torch.Tensor] | None = None
+        self.last: Measured | None = None
+        self.spent = 0.0  # seconds measuring, in this process
+
+    # ---- when -----------------------------------------------------------------------------------------------
+    def due(self, step: int, last: bool, elapsed: float) -> bool:
+        """Whether to measure at this step; `elapsed`: seconds since training started in this process."""
+        every = self.cfg.al_every
+        if last:
+            return True
+        if every is None or step % every:
+            return False
+        training = max(elapsed - self.spent, 1e-9)
+        if self.cfg.al_overhead is not None and self.spent > self.cfg.al_overhead * training:
+            self.log(
+                f"step {step}: acceptance length not measured (measuring took {self.spent:.0f} s of "
+                f"{training:.0f} s of training, over train.al_overhead {self.cfg.al_overhead})"
+            )
+            return False
+        return True
+
+    # ---- measuring ------------------------------------------------------------------------------------------
+    def measure(self, drafter: Eagle3Drafter, step: int) -> ALRow:
+        """The drafter's AL now; the kept weights move here when it is better beyond noise (train.keep best_al)."""
+        started = time.perf_counter()
+        runs = self.probe.measure(drafter)
+        seconds = time.perf_counter() - started
+        self.spent += seconds
+        self.last = Measured(step, runs)
+        if self.cfg.keep == "best_al" and self._better(runs):
+            self._keep(drafter, self.last)
+        k = self.probe.k
+        a = acceptance((x for r in runs for x in r.accepted), k)
+        best_step = self.best.step if self.best is not None else step
+        self.log(
+            f"step {step}: AL {a.acceptance_length:.3f} at K={k} on {len(runs)} held-out prompts "
+            f"({seconds:.1f} s); keeping step {best_step}"
+        )
+        return ALRow(
+            step=step,
+            k=k,
+            al=round(a.acceptance_length, 4),
+            al_ci95=[round(x, 4) for x in bootstrap_al_interval(runs)],
+            per_position=[round(x, 4) for x in a.per_position],
+            prompts=len(runs),
+            seconds=round(seconds, 2),
+            best_step=best_step,
+        )
+
+    def _better(self, runs: list[PromptRun]) -> bool:
+        if self.best is None:
+            return True
+        low, _ = paired_al_difference(runs, self.best.runs).ci95
+        return low > 0
+
+    def _keep(self, drafter: Eagle3Drafter, measured: Measured) -> None:
+        """best/: the weights and rounds of `measured`, whole or absent (written before they are relied on)."""
+        from safetensors.torch import save_file
+
+        from eagle3_core.train.run_dir import drafter_state
+
+        weights = {n: t.detach().cpu().clone().contiguous() for n, t in drafter_state(drafter).items()}
+        with atomic_directory(self.best_dir, replace=True) as temp:
+            save_file(weights, str(temp / BEST_WEIGHTS))
+            kept = [list(r.accepted) for r in measured.runs]
+            KeptRounds(step=measured.step, probe=self.probe.fingerprint, accepted=kept).write(
+                temp / BEST_ROUNDS
+            )
+        self.best, self.best_weights = measured, weights
+
+    # ---- resume and the end -----------------------------------------------------------------------------------
+    def resume(self, run_dir: Path, step: int) -> None:
+        """Bind to `run_dir` and take up the kept weights a run cut short had chosen by `step` (the checkpoint
+        resumed from); kept weights of a later step (measured after that checkpoint) are dropped, as the
+        steps are trained again."""
+        from safetensors.torch import load_file
+
+        self.best_dir = run_dir / BEST
+        rounds = self.best_dir / BEST_ROUNDS
+        if not rounds.exists():
+            shutil.rmtree(self.best_dir, ignore_errors=True)
+            return
+        kept = KeptRounds.read(rounds)
+        if kept.step > step or kept.probe != self.probe.fingerprint:
+            shutil.rmtree(self.best_dir)  # chosen after the checkpoint resumed from, or measured otherwise
+            return
+        runs = [PromptRun(tuple(r), PathTiming(), PathTiming()) for r in kept.accepted]
+        measured = Measured(kept.step, runs)
+        self.best, self.best_weights = measured, load_file(str(self.best_dir / BEST_WEIGHTS))
+        self.log(f"keeping step {measured.step}'s weights so far (measured before the run was cut short)")
+
+    def kept_weights(self) -> dict[str, torch.Tensor] | None:
+        if self.cfg.keep != "best_al" or self.best is None or self.last is None:
+            return None
+        return None if self.best.step == self.last.step else self.best_weights
+
+    def selection(self, measured_steps: list[int]) -> ALSelection | None:
+        """The kept step against the last, paired over the same prompts (None without both)."""
+        if self.cfg.keep != "best_al" or self.best is None or self.last is None:
+            return None
+        k, kept, last = self.probe.k, self.best, self.last
+        diff = paired_al_difference(kept.runs, last.runs)
+        return ALSelection(
+            k=k,
+            prompts=len(last.runs),
+            kept_step=kept.step,
+            kept_al=round(pooled_runs_al(kept.runs, k), 4),
+            last_step=last.step,
+            last_al=round(pooled_runs_al(last.runs, k), 4),
+            difference=round(diff.difference, 4),
+            difference_ci95=[round(x, 4) for x in diff.ci95],
+            measured_steps=measured_steps,
+        )

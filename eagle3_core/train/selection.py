@@ -1,0 +1,32 @@
+"""What the trainer asks of whatever chooses the weights a run keeps by measured acceptance length
+(train.al_every, train.keep): evaluate/selection.py's ALSelector, given to `train_drafter` on rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from eagle3_core.draft.model import Eagle3Drafter
+from eagle3_core.store.records import ALRow, ALSelection
+
+BEST = "best"  # runs/<run>/best/: the kept weights and their measurement, whole or absent
+
+
+class RunSelector(Protocol):
+    def resume(self, run_dir: Path, step: int) -> None:
+        """Bind to the run in `run_dir`, resumed from `step` (0: started afresh)."""
+        ...
+
+    def due(self, step: int, last: bool, elapsed: float) -> bool:
+        """Whether to measure at this step; `elapsed`: seconds since training started in this process."""
+        ...
+
+    def measure(self, drafter: Eagle3Drafter, step: int) -> ALRow: ...
+
+    def kept_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights the run ends with when they are not the last step's (None: the last step's)."""
+        ...
+
+    def selection(self, measured_steps: list[int]) -> ALSelection | None: ...

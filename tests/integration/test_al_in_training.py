@@ -1,0 +1,149 @@
+"""Acceptance length measured during training on a real trained drafter of the toy target: one row per
+measured step in metrics.jsonl, the run ends with the kept step's weights, the in-training AL of those
+weights equals drafter_eval's on the same prompts and settings (same rounds), the checkpoint's asset page has
+the curve, and a warm-started run measures the weights it starts from. Assertions hold whatever the toy
+decodes: they compare two measurements of the same weights, and the kept weights with the kept step's."""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_core.config import load_config
+from eagle3_core.data.ingest import ingest
+from eagle3_core.steps.data import extract_step, regenerate_step
+from eagle3_core.steps.drafter import drafter_checkpoint_step, export_step, vocab_step
+from eagle3_core.steps.evaluation import eval_step, report_file
+from eagle3_core.store.layout import StoreLayout
+from eagle3_core.store.records import ALRow, DrafterCurrent, EvalReport, RunSummary
+from eagle3_core.targets.hf import TransformersTarget
+from eagle3_core.train.run_dir import read_metrics
+from eagle3_core.train.selection import BEST
+from eagle3_dagster.defs.metadata import training_metadata
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# drafter_eval measured on exactly what the probe decodes: 6 held-out prompts, K=3, 24 new tokens, greedy
+EVALUATE = "evaluate: {ks: [3], gate_k: 3, max_prompts: 6, per_conversation: 1, max_new_tokens: 24}\n"
+PROBE = "al_every: 5, al_prompts: 6, al_max_new_tokens: 24, al_overhead: null"
+
+
+def _config(project: Path, target: Path, extra: str = "") -> Path:
+    text = (
+        "store: store\ndata: {dataset: t, holdout_fraction: 0.1, shard_size: 100, "
+        "sources: [{kind: chitchat, limit: 200}]}\n"
+        f"target: {{path: {target}}}\nregenerate: {{max_new_tokens: 32, max_turns: 1, batch_size: 64}}\n"
+        "tokenize: {max_seq_len: 512}\nextract: {store_dtype: float32}\n"
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, epochs: 4, max_steps: 40, lr: 0.003, "
+        f"log_every: 5, eval_every: 20, checkpoint_every: 20, val_fraction: 0.1, seed: 3, {PROBE}{extra}}}\n"
+        + EVALUATE
+    )
+    project.mkdir(parents=True, exist_ok=True)
+    (project / "eagle3.yaml").write_text(text)
+    return project / "eagle3.yaml"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
+    """The toy target's own replies extracted, and a drafter trained on them, measured every 10 steps."""
+    project = tmp_path_factory.mktemp("al") / "project"
+    cfg = load_config(_config(project, toy_target_dir))
+    target = TransformersTarget(toy_target_dir, cfg.target)
+    for key in ingest(cfg).all_shards:
+        regenerate_step(cfg, key, target)
+        extract_step(cfg, key, target)
+    target.close()
+    vocab_step(cfg)
+    drafter_checkpoint_step(cfg, log=lambda _: None)
+    return project
+
+
+def _run(project: Path) -> tuple[Path, RunSummary, list[ALRow]]:
+    [run_dir] = [d for d in (project / "store" / "drafter" / "runs").iterdir() if (d / "final").exists()]
+    rows = [r for r in read_metrics(run_dir) if isinstance(r, ALRow)]
+    return run_dir, RunSummary.read(run_dir / "final" / "summary.json"), rows
+
+
+def test_each_measured_step_is_logged_and_the_run_ends_with_the_kept_weights(project: Path) -> None:
+    run_dir, summary, rows = _run(project)
+    last = summary.steps
+    measured = sorted({*range(5, last + 1, 5), last})
+    assert len(measured) >= 3 and [r.step for r in rows] == measured
+    assert all(r.k == 3 and r.prompts == 6 and len(r.per_position) == 3 for r in rows)
+    assert all(r.al == pytest.approx(1 + sum(r.per_position), abs=1e-3) for r in rows)
+    chosen = summary.selection
+    assert chosen is not None and chosen.last_step == last and chosen.measured_steps == measured
+    assert chosen.kept_step == rows[-1].best_step
+    by_step = {r.step: r for r in rows}
+    assert chosen.kept_al == by_step[chosen.kept_step].al and chosen.last_al == by_step[last].al
+    final = load_file(str(run_dir / "final" / "drafter.safetensors"))
+    kept = (
+        load_file(str(run_dir / BEST / "drafter.safetensors"))
+        if chosen.kept_step != last
+        else load_file(str(run_dir / "checkpoints" / f"step-{last:08d}" / "drafter.safetensors"))
+    )
+    assert final.keys() == kept.keys() and all(torch.equal(final[n], kept[n]) for n in final)
+
+
+def test_the_in_training_al_equals_drafter_eval_on_the_same_weights_and_prompts(project: Path) -> None:
+    _, summary, rows = _run(project)
+    assert summary.selection is not None
+    kept = next(r for r in rows if r.step == summary.selection.kept_step)
+    cfg = load_config(project / "eagle3.yaml")
+    export_step(cfg)
+    result = eval_step(cfg)
+    heldout = EvalReport.read(report_file(result.path, "sglang")).sets["heldout"]
+    assert heldout.prompts == kept.prompts
+    assert heldout.by_k["3"].acceptance_length == pytest.approx(kept.al, abs=1e-4)
+    assert heldout.by_k["3"].per_position == pytest.approx(kept.per_position, abs=1e-4)
+
+
+def test_the_checkpoint_asset_page_shows_the_curve_and_the_kept_step(project: Path) -> None:
+    cfg = load_config(project / "eagle3.yaml")
+    layout = StoreLayout(cfg.store_root)
+    result = drafter_checkpoint_step(cfg, log=lambda _: None)  # the finished run: its result again
+    meta = training_metadata(result)
+    assert isinstance(meta["al_curve"], dg.MarkdownMetadataValue)
+    assert "data:image/png;base64," in (meta["al_curve"].value or "")
+    _, summary, _ = _run(project)
+    assert summary.selection is not None and meta["al_kept_step"] == summary.selection.kept_step
+    assert layout.drafter_latest.exists()
+
+
+def test_a_warm_started_run_measures_the_weights_it_starts_from(project: Path, toy_target_dir: Path) -> None:
+    cfg = load_config(project / "eagle3.yaml")
+    layout = StoreLayout(cfg.store_root)
+    run_dir, _, _ = _run(project)
+    DrafterCurrent(  # as promote_step writes it (training starts from the run's final/, not the export)
+        run=run_dir.name, export_dir=layout.pointer_path(layout.exports / run_dir.name), acceptance_length=2.0,
+        k=3, promoted_at="2026-12-04T00:00:00+00:00", replaced=None,
+    ).write(layout.drafter_current)  # fmt: skip
+    warm = load_config(_config(project, toy_target_dir, ", init_from: current, max_steps: 10"))
+    drafter_checkpoint_step(warm, log=lambda _: None)
+    runs = [d for d in layout.drafter_runs.iterdir() if d.name != run_dir.name and (d / "final").exists()]
+    assert len(runs) == 1
+    rows = [r for r in read_metrics(runs[0]) if isinstance(r, ALRow)]
+    assert [r.step for r in rows] == [0, 5, 10]
+
+
+def test_the_selection_bench_compares_kept_and_last_on_further_prompts(
+    toy_target_dir: Path, tmp_path: Path
+) -> None:
+    """bench/al_selection.py at a tiny size on the toy target (its figures are SmolLM2's)."""
+    from bench.al_selection import main
+
+    out = tmp_path / "al_selection.json"
+    main(["--target", "toy", "--workdir", str(tmp_path / "work"), "--conversations", "40", "--epochs", "2",
+          "--al-every", "2", "--al-prompts", "2", "--compare-prompts", "2", "--max-new-tokens", "8",
+          "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["al_during_training"]
+    assert [r["step"] for r in rows] == sorted({*range(2, result["steps"] + 1, 2), result["steps"]})
+    assert result["selection"]["kept_step"] in [r["step"] for r in rows]
+    further = result["on_further_heldout_prompts"]
+    assert further["prompts"] == 2
+    low, high = further["kept_minus_last"]["ci95"]
+    assert low <= further["kept_minus_last"]["difference"] <= high
