@@ -329,10 +329,8 @@ def print_training(summary: RunSummary) -> None:
         "validation accuracy per position: "
         + "  ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(acc) if a is not None)
     )
-    console.print(
-        f"estimated acceptance length: tau(3) {_or_nan(summary.tau(3)):.2f}, "
-        f"tau({steps}) {_or_nan(summary.tau(steps)):.2f}"
-    )
+    taus = ", ".join(f"tau({k}) {_or_nan(summary.tau(k)):.2f}" for k in sorted({3, steps}))
+    console.print(f"estimated acceptance length: {taus}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -264,10 +264,8 @@ def _validate_and_log(
         log(f"validation at step {step}: no loss-masked tokens in the {len(refs)} validation samples")
         return
     metrics.write(ValRow(step=step, **dict(val.metrics())))
-    log(
-        f"validation at step {step}: acc_0 {val.acc[0]:.3f} tau_3 {val.tau(3):.2f} "
-        f"tau_{s.cfg.ttt_steps} {val.tau(s.cfg.ttt_steps):.2f}"
-    )
+    taus = " ".join(f"tau_{k} {val.tau(k):.2f}" for k in sorted({3, s.cfg.ttt_steps}) if k <= s.cfg.ttt_steps)
+    log(f"validation at step {step}: acc_0 {val.acc[0]:.3f} {taus}")
 
 
 # ---- the setup -----------------------------------------------------------------------------------------------
