@@ -479,7 +479,26 @@ class TrainConfig(_Model):
     )
     seed: int = 0
     processes: Annotated[int, Field(gt=0)] = Field(
-        default=1, description="DDP processes (one per GPU), started through torchrun; 1 trains in process."
+        default=1,
+        description="DDP processes (one per GPU) on each node, started through torchrun; 1 on one node trains "
+        "in process.",
+    )
+    nodes: Annotated[int, Field(gt=0)] = Field(
+        default=1,
+        description="Nodes the run spans: `eagle3 train` on each starts torchrun with the c10d rendezvous at "
+        "train.rendezvous, for nodes x processes ranks. The store must be on a file system every node shares. "
+        "Each node's rank comes from SLURM_NODEID, JOB_COMPLETION_INDEX (a Kubernetes indexed job) or "
+        "EAGLE3_NODE_RANK; node 0 builds the vocab mapping before it joins.",
+    )
+    rendezvous: str | None = Field(
+        default=None,
+        description="host:port of the c10d rendezvous every node joins (train.nodes > 1), e.g. the first "
+        "node's address.",
+    )
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description="torchrun restarts of the whole group after a worker fails (each resumes from the newest "
+        "checkpoint); 0: a failure ends the run, which the next `eagle3 train` resumes.",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "float32", "bfloat16"] = Field(

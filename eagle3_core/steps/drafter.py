@@ -8,6 +8,7 @@ started in this process or once per process under torchrun, for the CLI and the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -216,28 +217,56 @@ def launch_training(
     cfg = load_config(config_path)
     if torchrun_rank() is not None:
         return drafter_checkpoint_step(cfg, log)
-    if with_vocab:
+    nodes = cfg.train.nodes
+    if with_vocab and (nodes == 1 or node_rank() == 0):  # every node's ranks wait for node 0 to join
         vocab_step(cfg, log)
     processes = processes or cfg.train.processes
-    if processes > 1:
-        return _torchrun_training(config_path, processes, log)
+    if processes > 1 or nodes > 1:
+        return _torchrun_training(config_path, cfg, processes, log)
     return drafter_checkpoint_step(cfg, log)
 
 
-def _torchrun_training(config_path: Path, processes: int, log: Log) -> StepResult:
-    """`drafter_checkpoint_step` once per process under torchrun (standalone rendezvous on this host), then its
-    result. Each worker runs this module (`python -m eagle3_core.steps.drafter CONFIG`), which trains in its
-    process."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={processes}",
-        "-m",
-        "eagle3_core.steps.drafter",
-        str(config_path),
-    ]
+NODE_RANK_VARIABLES = ("SLURM_NODEID", "JOB_COMPLETION_INDEX", "EAGLE3_NODE_RANK")
+
+
+def node_rank() -> int:
+    """This node's rank in a run of train.nodes > 1, from the scheduler's environment (Slurm's, a Kubernetes
+    indexed job's) or EAGLE3_NODE_RANK; Eagle3Error naming them when none is set."""
+    for name in NODE_RANK_VARIABLES:
+        if (value := os.environ.get(name)) is not None:
+            if not value.isdigit():
+                raise Eagle3Error(f"{name}={value!r}: a node rank is a non-negative integer")
+            return int(value)
+    raise Eagle3Error(
+        f"train.nodes > 1: this node's rank is unknown; set one of {', '.join(NODE_RANK_VARIABLES)}"
+    )
+
+
+def torchrun_command(config_path: Path, cfg: Eagle3Config, processes: int) -> list[str]:
+    """torchrun for this node: standalone on one node; with train.nodes > 1 the c10d rendezvous at
+    train.rendezvous, named after the store (every node shares it), so that the nodes of one run meet."""
+    tr = cfg.train
+    if tr.nodes == 1:
+        launch = ["--standalone"]
+    else:
+        if not tr.rendezvous:
+            raise Eagle3Error(
+                "train.rendezvous: required with train.nodes > 1 (host:port of the c10d rendezvous)"
+            )
+        run = hashlib.sha256(str(cfg.store_root.resolve()).encode()).hexdigest()[:12]
+        launch = [f"--nnodes={tr.nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={tr.rendezvous}",
+                  f"--rdzv-id=eagle3-{run}"]  # fmt: skip
+    return [
+        sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={processes}",
+        f"--max-restarts={tr.max_restarts}", "-m", "eagle3_core.steps.drafter", str(config_path),
+    ]  # fmt: skip
+
+
+def _torchrun_training(config_path: Path, cfg: Eagle3Config, processes: int, log: Log) -> StepResult:
+    """`drafter_checkpoint_step` once per process under torchrun (`torchrun_command`), then the run's result
+    from the store. Each worker runs this module (`python -m eagle3_core.steps.drafter CONFIG`), which trains
+    in its process."""
+    command = torchrun_command(config_path, cfg, processes)
     log(" ".join(command))
     code = subprocess.call(command)
     if code != 0:

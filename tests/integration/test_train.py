@@ -193,6 +193,78 @@ def test_two_process_ddp_under_torchrun_matches_one_process(
         assert abs(ra.step_losses[0] - rb.step_losses[0]) < 1e-4 and abs(ra.acc[0] - rb.acc[0]) < 1e-6
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_train_the_run_one_node_trains_with_the_same_world_size(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two torchrun agents started as two nodes on 127.0.0.1 (c10d rendezvous, one gloo rank each) against
+    one node of two ranks: the same batches per rank and the same averaging, so the same weights, bit for bit,
+    and the same metric log."""
+    short = (
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 6, lr: 0.003, log_every: 2, "
+        "eval_every: 6, checkpoint_every: 3, val_fraction: 0.15, seed: 7, optimizer: adamw, %s}\n"
+    )
+    one = _copy(shard_store, tmp_path / "one", train=short % "processes: 2")
+    two = _copy(
+        shard_store, tmp_path / "two", train=short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+    )
+    single = eagle3(one, "train")
+    assert single.returncode == 0, single.stdout + single.stderr
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eagle3_cli.steps", "--config", str(two), "train"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "EAGLE3_NODE_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    # OMP_NUM_THREADS 1 on both nodes as on the one: torchrun sets it itself only for several ranks a node,
+    # and a second intra-op thread sums in another order
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert all("--nnodes=2" in out and "--rdzv-backend=c10d" in out for out in outputs)
+    assert "vocab mapping" in outputs[0] and "vocab mapping" not in outputs[1]  # node 0 built it, once
+    summary = json.loads((_run_dir(tmp_path / "two") / "final" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    la, lb = read_metrics(_run_dir(tmp_path / "one")), read_metrics(_run_dir(tmp_path / "two"))
+    assert _without_timing(la) == _without_timing(lb)
+
+
+def test_a_node_without_its_rank_or_a_rendezvous_is_refused_in_one_line(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    nodes = TRAIN.replace("seed: 7}", "seed: 7, nodes: 2}")
+    config = _copy(shard_store, tmp_path / "p", train=nodes)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SLURM_NODEID", "JOB_COMPLETION_INDEX", "EAGLE3_NODE_RANK")
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2 and "this node's rank is unknown" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
+        capture_output=True, text=True, timeout=300, env={**env, "EAGLE3_NODE_RANK": "0"},
+    )  # fmt: skip
+    assert (
+        done.returncode == 2
+        and "train.rendezvous: required with train.nodes > 1" in done.stdout + done.stderr
+    )
+
+
 def test_a_run_without_validation_samples_says_so_and_records_no_accuracy(
     shard_store: tuple[Path, Path], tmp_path: Path
 ) -> None:

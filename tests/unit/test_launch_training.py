@@ -21,7 +21,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(drafter, "vocab_step", lambda cfg, log: result("vocab"))
     monkeypatch.setattr(drafter, "drafter_checkpoint_step", lambda cfg, log: result("here"))
-    monkeypatch.setattr(drafter, "_torchrun_training", lambda path, n, log: result(f"torchrun:{n}"))
+    monkeypatch.setattr(drafter, "_torchrun_training", lambda path, cfg, n, log: result(f"torchrun:{n}"))
     for name in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
     return ran
@@ -56,3 +56,38 @@ def test_a_rank_of_another_launch_trains_here_and_leaves_the_vocab(
     assert drafter.lead_process()
     monkeypatch.delenv("WORLD_SIZE")
     assert drafter.torchrun_rank() is None and drafter.lead_process()
+
+
+def _nodes(tmp_path: Path, rendezvous: str = "10.0.0.1:29400") -> Path:
+    return write_config(
+        tmp_path, f"store: store\ntrain:\n  processes: 4\n  nodes: 2\n  rendezvous: '{rendezvous}'\n"
+    )
+
+
+def test_only_node_0_builds_the_vocab_and_every_node_starts_torchrun(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in drafter.NODE_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    drafter.launch_training(_nodes(tmp_path), with_vocab=True)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    drafter.launch_training(_nodes(tmp_path), with_vocab=True)
+    monkeypatch.delenv("SLURM_NODEID")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")  # a Kubernetes indexed job's pod 0
+    drafter.launch_training(_nodes(tmp_path), with_vocab=True)
+    assert calls == ["vocab", "torchrun:4", "torchrun:4", "vocab", "torchrun:4"]
+
+
+def test_the_torchrun_command_is_standalone_on_one_node_and_c10d_across_nodes(tmp_path: Path) -> None:
+    from eagle3_core.config import load_config
+
+    one = drafter.torchrun_command(_config(tmp_path / "a", 2), load_config(_config(tmp_path / "a", 2)), 2)
+    assert "--standalone" in one and "--nproc-per-node=2" in one and not any("rdzv" in a for a in one)
+    config = _nodes(tmp_path / "b")
+    two = drafter.torchrun_command(config, load_config(config), 4)
+    assert "--nnodes=2" in two and "--rdzv-backend=c10d" in two and "--rdzv-endpoint=10.0.0.1:29400" in two
+    assert "--standalone" not in two and "--nproc-per-node=4" in two
+    [rdzv_id] = [a for a in two if a.startswith("--rdzv-id=")]
+    again = _nodes(tmp_path / "b")  # every node of the run names the same rendezvous
+    assert rdzv_id in drafter.torchrun_command(again, load_config(again), 4)
