@@ -270,7 +270,11 @@ def _torchrun_training(config_path: Path, cfg: Eagle3Config, processes: int, log
     log(" ".join(command))
     code = subprocess.call(command)
     if code != 0:
-        raise Eagle3Error(f"torchrun training exited with status {code}")
+        raise Eagle3Error(
+            f"torchrun training exited with status {code} (a rank or a node stopped: the output above says "
+            "which); `eagle3 train` again resumes from the newest checkpoint"
+            + (", started on every node" if cfg.train.nodes > 1 else "")
+        )
     cfg = load_config(config_path)
     return _training_result(cfg, latest_final(StoreLayout(cfg.store_root)), None)
 

@@ -49,6 +49,9 @@ OPERATIONAL = {
     "loader_threads",
     "device",
     "processes",
+    "nodes",
+    "rendezvous",
+    "max_restarts",
     "compile",
 }
 
@@ -73,11 +76,12 @@ def run_id(
     """Same data, mapping, target, settings and starting weights -> same run directory, so running again
     resumes it."""
     # a padded plan is the same for any number of processes (and its ids predate packing); a packed one
-    # gives each process a row, so there the process count is part of what the run computes
+    # gives each process a row, so there the process and node counts are part of what the run computes; where
+    # the nodes meet (the rendezvous) and how often torchrun restarts never are
     padded = train.batching == "pad"
     identity = {
         "train": train.model_dump(
-            exclude=OPERATIONAL | {"batching"} if padded else OPERATIONAL - {"processes"}
+            exclude=OPERATIONAL | {"batching"} if padded else OPERATIONAL - {"processes", "nodes"}
         ),
         "mapping": mapping.fingerprint,
         "target": target_fingerprint,
