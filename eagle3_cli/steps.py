@@ -343,7 +343,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         dry_run_step(cfg, progress_log)
         console.print("dry run: both exports of the drafter as initialised are valid; nothing was trained")
         return 0
-    result = launch_training(Path(args.config), progress_log, args.nproc, with_vocab=not args.no_vocab)
+    result = launch_training(
+        Path(args.config),
+        progress_log,
+        args.nproc,
+        with_vocab=not args.no_vocab,
+        nodes=args.nodes,
+        rendezvous=args.rendezvous,
+    )
     if lead_process():
         print_training(result.record_as(RunSummary))
     return 0
@@ -504,6 +511,10 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = add("train", cmd_train, "Train the drafter on every shard; resumes a run that was cut short.")
     p.add_argument(
         "--nproc", type=int, help="DDP processes (GPUs) through torchrun (default: train.processes)."
+    )
+    p.add_argument("--nodes", type=int, help="Nodes the run spans (default: train.nodes).")
+    p.add_argument(
+        "--rendezvous", help="host:port of the c10d rendezvous every node joins (default: train.rendezvous)."
     )
     p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
     p.add_argument(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from eagle3_core.config import Eagle3Config, load_config
 from eagle3_core.draft.vocab import (
@@ -207,21 +208,37 @@ def dry_run_export(cfg: Eagle3Config, shards: list[Path], mapping: VocabMapping,
 
 
 def launch_training(
-    config_path: Path, log: Log = print, processes: int | None = None, *, with_vocab: bool = False
+    config_path: Path,
+    log: Log = print,
+    processes: int | None = None,
+    *,
+    with_vocab: bool = False,
+    nodes: int | None = None,
+    rendezvous: str | None = None,
 ) -> StepResult:
     """The drafter_checkpoint step as configured, the one place that decides how it runs, for the CLI and the
     Dagster asset alike: in this process when this process is already a torchrun rank (someone ran
-    `torchrun eagle3 train`) or `processes` (default train.processes) is 1, else once per process under a
-    torchrun this starts. `with_vocab` builds the vocab mapping first, once, before any rank starts (ranks only
-    read it); a rank of a launch made elsewhere leaves it to whoever launched it."""
+    `torchrun eagle3 train`) or `processes` (default train.processes) is 1 on one node, else once per process
+    under a torchrun this starts. `with_vocab` builds the vocab mapping first, once, before any rank starts
+    (ranks only read it); a rank of a launch made elsewhere leaves it to whoever launched it. `nodes` and
+    `rendezvous` stand in for train.nodes and train.rendezvous (a scheduler's job script knows them; they are
+    no part of the run's identity)."""
     cfg = load_config(config_path)
     if torchrun_rank() is not None:
         return drafter_checkpoint_step(cfg, log)
-    nodes = cfg.train.nodes
-    if with_vocab and (nodes == 1 or node_rank() == 0):  # every node's ranks wait for node 0 to join
+    launch = {k: v for k, v in (("nodes", nodes), ("rendezvous", rendezvous)) if v is not None}
+    if launch:
+        try:
+            train = cfg.train.model_validate({**cfg.train.model_dump(), **launch})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise Eagle3Error(f"--{first['loc'][0]}: {first['msg']}") from None
+        cfg = cfg.model_copy(update={"train": train})
+    multi_node = cfg.train.nodes > 1
+    if with_vocab and (not multi_node or node_rank() == 0):  # every node's ranks wait for node 0 to join
         vocab_step(cfg, log)
     processes = processes or cfg.train.processes
-    if processes > 1 or nodes > 1:
+    if processes > 1 or multi_node:
         return _torchrun_training(config_path, cfg, processes, log)
     return drafter_checkpoint_step(cfg, log)
 

@@ -91,3 +91,26 @@ def test_the_torchrun_command_is_standalone_on_one_node_and_c10d_across_nodes(tm
     [rdzv_id] = [a for a in two if a.startswith("--rdzv-id=")]
     again = _nodes(tmp_path / "b")  # every node of the run names the same rendezvous
     assert rdzv_id in drafter.torchrun_command(again, load_config(again), 4)
+
+
+def test_a_job_script_s_nodes_and_rendezvous_stand_in_for_the_config_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from eagle3_core.config import TrainConfig
+    from eagle3_core.errors import Eagle3Error
+
+    seen: list[TrainConfig] = []
+
+    def torchrun(path: Path, cfg: object, n: int, log: object) -> StepResult:
+        seen.append(cfg.train)  # type: ignore[attr-defined]
+        return StepResult("drafter_checkpoint", path, {})
+
+    monkeypatch.setattr(drafter, "_torchrun_training", torchrun)
+    monkeypatch.setattr(drafter, "vocab_step", lambda cfg, log: None)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    drafter.launch_training(_config(tmp_path, 8), nodes=2, rendezvous="gpu-001:29400")
+    assert (seen[0].nodes, seen[0].rendezvous, seen[0].processes) == (2, "gpu-001:29400", 8)
+    with pytest.raises(Eagle3Error, match=r"^--nodes: Input should be greater than 0$"):
+        drafter.launch_training(_config(tmp_path, 8), nodes=0)
