@@ -270,7 +270,15 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
             ) from None
         log(f"acceptance length not measured during training, the run keeps its last weights: {err}")
         return None
-    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log))
+    model_dir = target_dir(cfg, log=log)
+    if (crowded := target_crowds_training(model_dir)) is not None:
+        if "al_every" in tr.model_fields_set:
+            raise Eagle3Error(
+                f"train.al_every: {crowded}; set train.al_every: null and measure with drafter_eval"
+            )
+        log(f"acceptance length not measured during training, the run keeps its last weights: {crowded}")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     room = cfg.tokenize.max_seq_len - tr.al_max_new_tokens
     ids = [encoded for _, encoded in encode_fitting(tokenizer, primary, room)][: tr.al_prompts]
     if not ids:
@@ -282,6 +290,24 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
         f"acceptance length measured during training on {len(ids)} {primary.name} prompts at K={cfg.evaluate.gate_k}"
     )
     return TrainingProbe(cfg, ids, d2t, log)
+
+
+TARGET_SHARE = 0.25  # of the GPU's memory the target's weights may take beside training
+
+
+def target_crowds_training(model_dir: Path) -> str | None:
+    """Why the target cannot be loaded beside training on this process's GPU (None when it can, or on a CPU):
+    its weights would take more than TARGET_SHARE of the device's memory, where training needs the rest."""
+    if not torch.cuda.is_available():
+        return None
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if weights <= TARGET_SHARE * total:
+        return None
+    return (
+        f"the target's weights ({weights / 2**30:.1f} GiB) would take more than {TARGET_SHARE:.0%} of the GPU's "
+        f"{total / 2**30:.0f} GiB beside training"
+    )
 
 
 def gate_decision(
