@@ -12,6 +12,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -343,6 +344,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         dry_run_step(cfg, progress_log)
         console.print("dry run: both exports of the drafter as initialised are valid; nothing was trained")
         return 0
+    if args.pipes:
+        return _train_under_pipes(args)
     result = launch_training(
         Path(args.config),
         progress_log,
@@ -353,6 +356,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if lead_process():
         print_training(result.record_as(RunSummary))
+    return 0
+
+
+def _train_under_pipes(args: argparse.Namespace) -> int:
+    """`eagle3 train --pipes`: the training a Dagster Pipes client started, its log lines and its result (the
+    checkpoint page's numbers, accuracy table and AL curve) reported back to that run."""
+    from dagster_pipes import open_dagster_pipes
+
+    from eagle3_core.evaluate.plots import markdown_image
+    from eagle3_core.steps.drafter import accuracy_markdown, launch_training
+
+    with open_dagster_pipes() as pipes:
+        result = launch_training(
+            Path(args.config), pipes.log.info, args.nproc, with_vocab=not args.no_vocab,
+            nodes=args.nodes, rendezvous=args.rendezvous,
+        )  # fmt: skip
+        metadata: dict[str, Any] = {"path": {"raw_value": str(result.path), "type": "path"}}
+        for key, value in result.metadata.items():
+            metadata[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+        metadata["accuracy"] = {"raw_value": accuracy_markdown(result.record_as(RunSummary)), "type": "md"}
+        if "al_curve" in result.metadata:
+            image = markdown_image(Path(result.metadata["al_curve"]), "acceptance length during training")
+            metadata["al_curve"] = {"raw_value": image, "type": "md"}
+        pipes.report_asset_materialization(metadata=metadata)
     return 0
 
 
@@ -517,6 +544,11 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         "--rendezvous", help="host:port of the c10d rendezvous every node joins (default: train.rendezvous)."
     )
     p.add_argument("--no-vocab", action="store_true", help="Use the saved vocab mapping as it is.")
+    p.add_argument(
+        "--pipes",
+        action="store_true",
+        help="Report to the Dagster run that started this through Pipes (orchestration.training: pipes).",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",

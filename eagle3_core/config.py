@@ -586,6 +586,13 @@ class OrchestrationConfig(_Model):
     nightly_timezone: str = Field(
         default="UTC", description="The time zone nightly_cron is read in (IANA name)."
     )
+    training: Literal["in_run", "pipes"] = Field(
+        default="in_run",
+        description="Where drafter_checkpoint trains. in_run: in the Dagster run's own process (or the torchrun "
+        "it starts). pipes: `eagle3 train --pipes` as a Dagster Pipes subprocess of the run, whose log lines "
+        "and result come back to the asset page through Pipes, the pattern Dagster's cluster clients share "
+        "(docs/deployment.md).",
+    )
 
     @field_validator("nightly_cron")
     @classmethod

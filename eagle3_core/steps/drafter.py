@@ -318,6 +318,18 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
     return StepResult("drafter_checkpoint", final, meta, record=summary)
 
 
+def accuracy_markdown(summary: RunSummary) -> str:
+    """The last validation's accuracy per TTT position as a markdown table (the checkpoint's asset page)."""
+    acc = accuracy_per_position(summary, int(summary.train_config["ttt_steps"]))
+    rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
+    return "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
+
+
+def pipes_command(config_path: Path) -> list[str]:
+    """`eagle3 train --pipes` for this config, as a Dagster Pipes client starts it."""
+    return [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config_path), "train", "--pipes"]
+
+
 def _selection_metadata(summary: RunSummary, run_dir: Path) -> dict[str, Any]:
     """The acceptance length measured during training: the kept step against the last, and the curve's
     picture (written beside the run's metric log) for the asset page."""

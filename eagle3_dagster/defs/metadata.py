@@ -9,7 +9,7 @@ import dagster as dg
 
 from eagle3_core.evaluate.plots import markdown_image
 from eagle3_core.steps.common import StepResult
-from eagle3_core.steps.drafter import accuracy_per_position
+from eagle3_core.steps.drafter import accuracy_markdown
 from eagle3_core.store.records import CategoryMeasurement, EvalReport, GateDecision, KMeasurement, RunSummary
 
 
@@ -22,10 +22,7 @@ def step_metadata(result: StepResult) -> dict[str, Any]:
 
 def training_metadata(result: StepResult) -> dict[str, Any]:
     """A training step's numbers and its last validation's accuracy per TTT position, as a table."""
-    summary = result.record_as(RunSummary)
-    acc = accuracy_per_position(summary, int(summary.train_config["ttt_steps"]))
-    rows = "\n".join(f"| {k} | {a:.3f} |" for k, a in enumerate(acc) if a is not None)
-    table = "| position | val acc |\n|---|---|\n" + rows if rows else "no validation samples"
+    table = accuracy_markdown(result.record_as(RunSummary))
     meta = {**step_metadata(result), "accuracy": dg.MetadataValue.md(table)}
     if "al_curve" in result.metadata:  # acceptance measured during training (train.al_every)
         curve = Path(result.metadata["al_curve"])

@@ -34,7 +34,11 @@ def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
     automation_condition=when_every_shard_is_done(),
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
-    """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short."""
+    """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short. Under
+    orchestration.training: pipes, as a Dagster Pipes subprocess that reports the same page."""
+    if eagle3.config().orchestration.training == "pipes":
+        command = drafter.pipes_command(eagle3.resolved_path())
+        return dg.PipesSubprocessClient().run(command=command, context=context).get_materialize_result()
     result = drafter.launch_training(eagle3.resolved_path(), context.log.info)
     return dg.MaterializeResult(metadata=training_metadata(result))
 
