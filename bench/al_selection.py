@@ -15,6 +15,7 @@ bench/results/al_selection_<device>.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -91,7 +92,7 @@ def compare_kept_and_last(config: Path, run_dir: Path, summary: RunSummary, args
     ids = [encoded for _, encoded in encode_fitting(target.tokenizer, prompts, room)][args.al_prompts :]
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     kept, mapping, _ = load_trained(run_dir / "final", embed)
-    last, _, _ = load_trained(run_dir / "final", embed)
+    last = copy.deepcopy(kept)
     last_dir = checkpoint_dir(run_dir, summary.steps)
     load_drafter_state(last, load_file(str(last_dir / WEIGHTS)), last_dir)
     dtype = next(target.model.parameters()).dtype

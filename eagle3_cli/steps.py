@@ -21,6 +21,7 @@ from rich.table import Table
 
 from eagle3_core.config import Eagle3Config, load_config, without_url_passwords
 from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
+from eagle3_core.steps.common import StepResult
 from eagle3_core.store.layout import StoreLayout, check_shard_key
 from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary
 
@@ -344,34 +345,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         dry_run_step(cfg, progress_log)
         console.print("dry run: both exports of the drafter as initialised are valid; nothing was trained")
         return 0
+
+    def train(log: Callable[[str], None]) -> StepResult:
+        return launch_training(
+            Path(args.config), log, args.nproc, with_vocab=not args.no_vocab, nodes=args.nodes,
+            rendezvous=args.rendezvous,
+        )  # fmt: skip
+
     if args.pipes:
-        return _train_under_pipes(args)
-    result = launch_training(
-        Path(args.config),
-        progress_log,
-        args.nproc,
-        with_vocab=not args.no_vocab,
-        nodes=args.nodes,
-        rendezvous=args.rendezvous,
-    )
+        return _report_through_pipes(train)
+    result = train(progress_log)
     if lead_process():
         print_training(result.record_as(RunSummary))
     return 0
 
 
-def _train_under_pipes(args: argparse.Namespace) -> int:
+def _report_through_pipes(train: Callable[[Callable[[str], None]], StepResult]) -> int:
     """`eagle3 train --pipes`: the training a Dagster Pipes client started, its log lines and its result (the
     checkpoint page's numbers, accuracy table and AL curve) reported back to that run."""
     from dagster_pipes import open_dagster_pipes
 
     from eagle3_core.evaluate.plots import markdown_image
-    from eagle3_core.steps.drafter import accuracy_markdown, launch_training
+    from eagle3_core.steps.drafter import accuracy_markdown
 
     with open_dagster_pipes() as pipes:
-        result = launch_training(
-            Path(args.config), pipes.log.info, args.nproc, with_vocab=not args.no_vocab,
-            nodes=args.nodes, rendezvous=args.rendezvous,
-        )  # fmt: skip
+        result = train(pipes.log.info)
         metadata: dict[str, Any] = {"path": {"raw_value": str(result.path), "type": "path"}}
         for key, value in result.metadata.items():
             metadata[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)

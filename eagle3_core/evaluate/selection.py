@@ -35,6 +35,7 @@ from eagle3_core.evaluate.measure import (
 )
 from eagle3_core.store.atomic import atomic_directory
 from eagle3_core.store.records import ALRow, ALSelection, KeptRounds
+from eagle3_core.train.run_dir import drafter_state
 from eagle3_core.train.selection import BEST
 
 BEST_WEIGHTS = "drafter.safetensors"
@@ -126,8 +127,6 @@ class ALSelector:
     def _keep(self, drafter: Eagle3Drafter, measured: Measured) -> None:
         """best/: the weights and rounds of `measured`, whole or absent (written before they are relied on)."""
         from safetensors.torch import save_file
-
-        from eagle3_core.train.run_dir import drafter_state
 
         weights = {n: t.detach().cpu().clone().contiguous() for n, t in drafter_state(drafter).items()}
         with atomic_directory(self.best_dir, replace=True) as temp:

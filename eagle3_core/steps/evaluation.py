@@ -211,13 +211,15 @@ class TrainingProbe:
     `train.al_max_new_tokens` new tokens. The target is loaded at the first measurement (a finished run loads
     none), and its own replies are decoded once, for every measurement."""
 
-    def __init__(self, cfg: Eagle3Config, prompts: list[list[int]], d2t: torch.Tensor, log: Log) -> None:
+    def __init__(
+        self, cfg: Eagle3Config, model_dir: Path, prompts: list[list[int]], d2t: torch.Tensor, log: Log
+    ) -> None:
         from eagle3_core.steps.drafter import export_dtype
 
         ev, tr = cfg.evaluate, cfg.train
         self.cfg, self.log, self.d2t = cfg, log, d2t
         self.k, self.prompts, self.ids = ev.gate_k, len(prompts), prompts
-        self.export_dtype = export_dtype(cfg, target_dir(cfg, log=log))
+        self.export_dtype = export_dtype(cfg, model_dir)
         self.settings = DecodeSettings((ev.gate_k,), tr.al_max_new_tokens, ev.temperature, ev.seed)
         described = json.dumps([asdict(self.settings), prompts, str(self.export_dtype)])
         self.fingerprint = hashlib.sha256(described.encode()).hexdigest()[:16]
@@ -289,7 +291,7 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
     log(
         f"acceptance length measured during training on {len(ids)} {primary.name} prompts at K={cfg.evaluate.gate_k}"
     )
-    return TrainingProbe(cfg, ids, d2t, log)
+    return TrainingProbe(cfg, model_dir, ids, d2t, log)
 
 
 TARGET_SHARE = 0.25  # of the GPU's memory the target's weights may take beside training

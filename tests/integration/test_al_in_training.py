@@ -13,16 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_core.config import load_config
-from eagle3_core.data.ingest import ingest
-from eagle3_core.steps.data import extract_step, regenerate_step
-from eagle3_core.steps.drafter import drafter_checkpoint_step, export_step, vocab_step
+from eagle3_core.steps.drafter import drafter_checkpoint_step, export_step
 from eagle3_core.steps.evaluation import eval_step, report_file
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import ALRow, DrafterCurrent, EvalReport, RunSummary
-from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.run_dir import read_metrics
 from eagle3_core.train.selection import BEST
 from eagle3_dagster.defs.metadata import training_metadata
+from tests.conftest import extracted_and_trained
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,14 +48,7 @@ def _config(project: Path, target: Path, extra: str = "") -> Path:
 def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
     """The toy target's own replies extracted, and a drafter trained on them, measured every 10 steps."""
     project = tmp_path_factory.mktemp("al") / "project"
-    cfg = load_config(_config(project, toy_target_dir))
-    target = TransformersTarget(toy_target_dir, cfg.target)
-    for key in ingest(cfg).all_shards:
-        regenerate_step(cfg, key, target)
-        extract_step(cfg, key, target)
-    target.close()
-    vocab_step(cfg)
-    drafter_checkpoint_step(cfg, log=lambda _: None)
+    extracted_and_trained(_config(project, toy_target_dir), toy_target_dir)
     return project
 
 

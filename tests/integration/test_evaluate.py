@@ -17,12 +17,12 @@ from eagle3_core.data.ingest import ingest, load_conversation_shard
 from eagle3_core.evaluate.measure import DecodeSettings, measure
 from eagle3_core.evaluate.prompts import encode, heldout_prompts
 from eagle3_core.steps.common import StepResult
-from eagle3_core.steps.data import extract_step, regenerate_step
+from eagle3_core.steps.data import extract_step
 from eagle3_core.steps.drafter import drafter_checkpoint_step, export_step, vocab_step
 from eagle3_core.steps.evaluation import eval_step, load_exported, load_target, read_current, report_file
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.targets.hf import TransformersTarget
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, extracted_and_trained
 
 # the toy target and drafter decode one prompt at a time: ops small enough that a second thread only waits
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,14 +47,7 @@ def _config(project: Path, target: Path, *, steps: int, name: str = "eagle3.yaml
 def project(tmp_path_factory: pytest.TempPathFactory, toy_target_dir: Path) -> Path:
     """A store of the toy target's own greedy replies (extracted), a drafter trained on it, and its exports."""
     project = tmp_path_factory.mktemp("evaluate") / "project"
-    cfg = load_config(_config(project, toy_target_dir, steps=40))
-    target = TransformersTarget(toy_target_dir, cfg.target)
-    for key in ingest(cfg).all_shards:
-        regenerate_step(cfg, key, target)
-        extract_step(cfg, key, target)
-    target.close()
-    vocab_step(cfg)
-    drafter_checkpoint_step(cfg, log=lambda _: None)
+    cfg = extracted_and_trained(_config(project, toy_target_dir, steps=40), toy_target_dir)
     export_step(cfg)
     return project
 
