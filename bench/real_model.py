@@ -381,6 +381,7 @@ def draft_mapping(data: Data, args: argparse.Namespace, log: Log) -> Any:
 
 
 def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    from eagle3_core.steps.evaluation import training_selector
     from eagle3_core.targets.head import load_target_head
     from eagle3_core.train.trainer import train_drafter
 
@@ -394,9 +395,12 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             cfg = eagle3_config(args, seed)
             log(f"== {name}: train_drafter (seed {seed}; {' '.join(args.eagle3_set) or 'its defaults'})")
             started = time.perf_counter()
+            # as `eagle3 train` runs it: AL measured every train.al_every steps, the weights train.keep chooses
+            selector = training_selector(data.cfg.model_copy(update={"train": cfg}), mapping.d2t, _quiet(log))
             result = train_drafter(
-                shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log)
-            )
+                shards, data.target_dir, mapping, args.workdir / "train" / name, cfg, log=_quiet(log),
+                selector=selector,
+            )  # fmt: skip
             save_run(args, name, {
                 "trainer": "eagle3", "recipe": f"eagle3-{args.recipe}" if args.recipe else "eagle3",
                 "seed": seed, "final_dir": str(result.final_dir), "steps": result.steps,
@@ -404,6 +408,7 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "process_wall_s": round(time.perf_counter() - started, 1), "val": result.val,
                 "config": cfg.model_dump(mode="json"), "set": args.eagle3_set,
                 "store_dtype": args.store_dtype or "as extracted",
+                "al_during_training": al_during_training(result, selector),
             })  # fmt: skip
             log(f"   {name}: {result.steps} steps in {result.seconds:.0f} s; val {result.val}")
     if args.skip_speculators:
@@ -443,6 +448,28 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         })  # fmt: skip
         log(f"   {name}: {spec['process_wall_s']:.0f} s")
     return {"runs": trained_runs(args)}
+
+
+def al_during_training(result: Any, selector: Any) -> dict[str, Any] | None:
+    """What measuring the acceptance length during training cost and chose: the steps measured, their
+    seconds against the training loop's (the share train.al_overhead caps), the kept step, and the prompts
+    measured on (so the evaluation can leave them out)."""
+    from eagle3_core.store.records import ALRow
+    from eagle3_core.train.run_dir import read_metrics
+
+    if selector is None:
+        return None
+    rows = [r for r in read_metrics(result.run_dir) if isinstance(r, ALRow)]
+    spent = sum(r.seconds for r in rows)
+    selection = result.summary.selection
+    return {
+        "measured_steps": [r.step for r in rows],
+        "al": [r.al for r in rows],
+        "seconds": round(spent, 1),
+        "share_of_training": round(spent / max(result.seconds - spent, 1e-9), 4),
+        "selection": selection.dump() if selection is not None else None,
+        "prompt_ids": selector.probe.ids,
+    }
 
 
 def speculators_settings(
@@ -487,9 +514,11 @@ class EvalJob:
 
 
 def prompt_sets(
-    args: argparse.Namespace, data: Data, tokenizer: Any
+    args: argparse.Namespace, data: Data, tokenizer: Any, measured: Sequence[list[int]] = ()
 ) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
-    """Token ids of each source's prompts (those that leave room for the reply), and what was left out."""
+    """Token ids of each source's prompts (those that leave room for the reply), and what was left out:
+    `measured`, the prompts a run's acceptance length was measured on during training (its kept weights
+    were chosen on them), never evaluates a drafter."""
     from eagle3_core.evaluate.prompts import file_prompts, heldout_prompts
     from eagle3_core.steps.evaluation import encode_fitting
 
@@ -498,13 +527,28 @@ def prompt_sets(
         heldout_prompts(data.cfg.store_root, per_conversation=args.per_conversation, limit=sys.maxsize)
     ]
     sources += [file_prompts(f, limit=sys.maxsize) for f in args.prompt_file]
+    seen = {tuple(ids) for ids in measured}
     sets, facts = {}, {}
     for s in sources:
-        ids = [encoded for _, encoded in encode_fitting(tokenizer, s, room)][: args.prompts_per_source]
+        fitting = [encoded for _, encoded in encode_fitting(tokenizer, s, room)]
+        unseen = [ids for ids in fitting if tuple(ids) not in seen]
+        ids = unseen[: args.prompts_per_source]
+        if not ids:
+            raise Eagle3Error(
+                f"prompt set {s.name}: none of its {len(s.prompts)} prompts left to evaluate on "
+                f"({len(fitting)} fit in --max-len {args.max_len}, {len(fitting) - len(unseen)} of them measured "
+                "during training)"
+            )
         sets[s.name] = ids
         facts[s.name] = {"prompts": len(ids), "found": len(s.prompts), "rejected": s.reject_counts,
+                         "measured_during_training": len(fitting) - len(unseen),
                          "prompt_tokens_median": statistics.median(len(i) for i in ids) if ids else None}  # fmt: skip
     return sets, facts
+
+
+def measured_prompts(runs: dict[str, Any]) -> list[list[int]]:
+    """Every prompt a run's acceptance length was measured on during training."""
+    return [ids for r in runs.values() for ids in (r.get("al_during_training") or {}).get("prompt_ids", [])]
 
 
 def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -572,7 +616,9 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     if not trained:
         raise Eagle3Error("no trained drafters: run --stage train first")
     # the tokenizer alone: only the workers load the weights
-    sets, facts = prompt_sets(args, data, AutoTokenizer.from_pretrained(data.target_dir))
+    sets, facts = prompt_sets(
+        args, data, AutoTokenizer.from_pretrained(data.target_dir), measured_prompts(trained)
+    )
     device_is_gpu = torch.cuda.is_available()
     workers = args.eval_workers or (8 if device_is_gpu else 1)
     # one thread per worker on a CPU, where each thread computes (oversubscribed, 2 workers of 2 threads on a
@@ -625,7 +671,7 @@ def run_speedup(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     if not runs:
         raise Eagle3Error(f"no run eagle3-{seed} or speculators-{seed} to time: run --stage train first")
     target = load_target(data.cfg, lambda _m: None)
-    sets, _ = prompt_sets(args, data, target.tokenizer)
+    sets, _ = prompt_sets(args, data, target.tokenizer, measured_prompts(runs))
     prompts = next(iter(sets.values()))[: args.speedup_prompts]  # the held-out chitchat prompts
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     dtype = next(target.model.parameters()).dtype

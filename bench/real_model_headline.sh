@@ -8,6 +8,10 @@
 #   bash bench/real_model_headline.sh [TRAIN_SECONDS] [EVAL_SECONDS]
 #   REPLY_TOKENS=256 EVAL_TOKENS=128 bash bench/real_model_headline.sh   # regeneration and decoding budgets
 #   TARGET_STEP=eager bash bench/real_model_headline.sh   # the evaluation's target step (default auto: graphed on a GPU)
+#   EVAL_KS=3,5 EVAL_TEMPERATURES=0 EVAL_PROMPTS=100 bash bench/real_model_headline.sh   # a smaller evaluation
+#   SPECULATORS_LOSS=eager bash ...   # speculators' loss unfused from the start (its fused loss fails under torch 2.11)
+#   BESIDE_TRAINING="python3 -m bench.al_selection --device cuda" bash ...   # another job while the runs train,
+#                                                  # waited for before the speedup is timed alone on the GPU
 set -u
 cd "$(dirname "$0")/.."
 TRAIN_S=${1:-600}
@@ -19,12 +23,18 @@ COMMON+=(--max-new-tokens "${EVAL_TOKENS:-128}")
 prepare_data
 for seed in 0 1; do
     train_in_background "eagle3-$seed" "$TRAIN_S" --seeds "$seed" --skip-speculators
-    train_in_background "speculators-$seed" "$TRAIN_S" --seeds "$seed" --skip-eagle3
+    train_in_background "speculators-$seed" "$TRAIN_S" --seeds "$seed" --skip-eagle3 \
+        ${SPECULATORS_LOSS:+--speculators-loss "$SPECULATORS_LOSS"}
 done
+if [ -n "${BESIDE_TRAINING:-}" ]; then
+    (bash -c "$BESIDE_TRAINING" > "$LOGS/beside-training.log" 2>&1; say "beside training: exit $?") &
+fi
 wait
 bench --stage speedup --seeds 0 --ks 1,3,5,7 --speedup-prompts 16 > "$LOGS/speedup.log" 2>&1; say "speedup: exit $?"
-timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0,1 --eval-workers "${EVAL_WORKERS:-12}" \
+EVAL=(--seeds 0,1 --ks "${EVAL_KS:-1,3,5,7}" --temperatures "${EVAL_TEMPERATURES:-0,0.7}"
+      --prompts-per-source "${EVAL_PROMPTS:-100}")
+timeout "$EVAL_S" python3 -m bench.real_model --stage eval "${EVAL[@]}" --eval-workers "${EVAL_WORKERS:-12}" \
     --target-step "${TARGET_STEP:-auto}" "${COMMON[@]}" \
     > "$LOGS/eval.log" 2>&1 && say "evaluation and report: done (bench/results/real_model_*.json)" || {
     say "evaluation cut short: reporting what the workers finished"
-    bench --stage report --seeds 0,1 > "$LOGS/report.log" 2>&1; say "report: exit $?"; }
+    bench --stage report "${EVAL[@]}" > "$LOGS/report.log" 2>&1; say "report: exit $?"; }

@@ -147,12 +147,10 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     shards, mapping = _shards_and_mapping(cfg, layout, log)
     selector = None
     if lead_process():
-        from eagle3_core.evaluate.selection import ALSelector
-        from eagle3_core.steps.evaluation import training_probe  # evaluation reads this module's runs
+        from eagle3_core.steps.evaluation import training_selector  # evaluation reads this module's runs
 
         dry_run_export(cfg, shards, mapping, log)
-        probe = training_probe(cfg, mapping.d2t, log)
-        selector = ALSelector(probe, cfg.train, log) if probe is not None else None
+        selector = training_selector(cfg, mapping.d2t, log)
     result = train_drafter(
         shards,
         target_dir(cfg, log=log),

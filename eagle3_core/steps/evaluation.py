@@ -40,6 +40,7 @@ from eagle3_core.evaluate.measure import (
 )
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
+from eagle3_core.evaluate.selection import ALSelector
 from eagle3_core.export import FORMATS, check_complete_export
 from eagle3_core.export.common import FormatName
 from eagle3_core.steps.common import Log, StepResult, quiet
@@ -292,6 +293,14 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
         f"acceptance length measured during training on {len(ids)} {primary.name} prompts at K={cfg.evaluate.gate_k}"
     )
     return TrainingProbe(cfg, model_dir, ids, d2t, log)
+
+
+def training_selector(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> ALSelector | None:
+    """What `train_drafter` is given as its selector for these settings: the acceptance length measured every
+    train.al_every steps and the weights train.keep chooses (None where nothing is measured: the run keeps
+    its last weights)."""
+    probe = training_probe(cfg, d2t, log)
+    return ALSelector(probe, cfg.train, log) if probe is not None else None
 
 
 TARGET_SHARE = 0.25  # of the GPU's memory the target's weights may take beside training

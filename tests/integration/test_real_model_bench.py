@@ -26,6 +26,7 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
         "--chitchat-rows", "80", "--holdout-fraction", "0.1", "--shard-size", "40", "--regen-batch", "8",
         "--regen-max-new-tokens", "8", "--max-len", "256", "--seeds", "0",
         "--eagle3-set", "epochs=1", "--eagle3-set", "ttt_steps=1", "--eagle3-set", "draft_vocab_size=512",
+        "--eagle3-set", "al_prompts=2",
         "--skip-speculators", "--prompt-file", str(prompts), "--prompts-per-source", "3",
         "--per-conversation", "1", "--ks", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "8",
         "--eval-workers", "2", "--target-step", "graphed", "--results", str(results),
@@ -38,6 +39,13 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     runs = report["train"]["runs"]
     assert set(runs) == {"eagle3-0"}
     assert all(r["process_wall_s"] > 0 for r in runs.values())
+    # eagle3 at its defaults measures AL during training (its last step at least), on 2 held-out prompts that
+    # the evaluation then leaves out, the kept weights having been chosen on them (evaluate.per_conversation
+    # 2 there against 1 here: the first prompt of one conversation is in both)
+    during = runs["eagle3-0"]["al_during_training"]
+    assert during["measured_steps"][-1] == runs["eagle3-0"]["steps"] and len(during["prompt_ids"]) == 2
+    assert during["seconds"] > 0 and during["selection"]["kept_step"] in during["measured_steps"]
+    assert report["eval"]["prompt_sets"]["heldout"]["measured_during_training"] == 1
     assert report["eval"]["prompt_sets"]["questions"]["prompts"] == 3
     assert report["eval"]["target_step"] == "graphed"  # the engine-like step, run eagerly on a CPU
     # the speedup stage: both target steps, every K, the same greedy output as the target alone
