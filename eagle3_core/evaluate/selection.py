@@ -3,13 +3,19 @@
 Loss and teacher-forced accuracy keep improving after the acceptance length has peaked, so every
 `train.al_every` steps (and at the last) the drafter as it stands decodes a fixed set of held-out prompts by
 real speculative decoding (an `ALProbe`, built by the step that starts training: it holds the target). Each
-measurement is a metric log row (`ALRow`). Under `train.keep: best_al` a later measurement replaces the kept
-one only when it is better beyond noise: the lower end of the paired 95% interval of AL(later) - AL(kept),
-over the same prompts, above 0, the comparison the promotion gate makes. The kept weights and their rounds
-live in `best/` beside the checkpoints (whole or absent), so a resumed run keeps choosing from where it was.
+measurement is a metric log row (`ALRow`). Under `train.keep: best_al` the run ends with the last step's
+weights unless the best measured step beats the last beyond noise: the lower end of the paired 95% interval
+of AL(best) - AL(last), over the same prompts, above 0 (the promotion gate's comparison). The last step is
+the default because it has trained longest: on a curve that still rises slowly, keeping an earlier step until
+a later one is better beyond noise sticks to the early step (on the H200, bench/results/al_selection_gpu.json:
+step 120 of 320 kept, and the last step better by 0.065 on further prompts). The best measured weights and
+their rounds live in `best/` beside the checkpoints (whole or absent), so a resumed run keeps choosing from
+where it was.
 
-The measurements are bounded in time: one that falls due after they have taken more than
-`train.al_overhead` of the training time so far is skipped (and logged); the last step is always measured.
+The measurements are bounded in time by `train.al_overhead` of the training time projected for the whole
+run: the first is taken when it falls due (it also loads the target, so it tells what one costs); after it, a
+due measurement is taken only when it and the last step's, at the latest one's cost, still fit in the budget
+(skips are logged). The last step is always measured.
 """
 
 from __future__ import annotations
@@ -68,44 +74,54 @@ class ALSelector:
     def __init__(self, probe: ALProbe, cfg: TrainConfig, log: Log) -> None:
         self.probe, self.cfg, self.log = probe, cfg, log
         self.best_dir = Path(BEST)  # under the run directory, once `resume` binds it
-        self.best: Measured | None = None
+        self.best: Measured | None = None  # the highest AL measured (the later step on a tie)
         self.best_weights: dict[str, torch.Tensor] | None = None
         self.last: Measured | None = None
+        self.start_step = 0  # the step this process started training from
         self.spent = 0.0  # seconds measuring, in this process
+        self.latest_cost = 0.0  # seconds the latest measurement took
 
     # ---- when -----------------------------------------------------------------------------------------------
-    def due(self, step: int, last: bool, elapsed: float) -> bool:
-        """Whether to measure at this step; `elapsed`: seconds since training started in this process."""
+    def due(self, step: int, total: int, elapsed: float) -> bool:
+        """Whether to measure at `step` of `total`; `elapsed`: seconds since training started in this process."""
         every = self.cfg.al_every
-        if last:
+        if step == total:
             return True
         if every is None or step % every:
             return False
+        if self.cfg.al_overhead is None or self.latest_cost == 0.0:
+            return True
         training = max(elapsed - self.spent, 1e-9)
-        if self.cfg.al_overhead is not None and self.spent > self.cfg.al_overhead * training:
+        projected = training * (total - self.start_step) / max(step - self.start_step, 1)
+        needed = self.spent + 2 * self.latest_cost  # this measurement and the last step's
+        if needed > self.cfg.al_overhead * projected:
             self.log(
-                f"step {step}: acceptance length not measured (measuring took {self.spent:.0f} s of "
-                f"{training:.0f} s of training, over train.al_overhead {self.cfg.al_overhead})"
+                f"step {step}: acceptance length not measured (measuring took {self.spent:.0f} s so far, "
+                f"{self.latest_cost:.0f} s the latest, against {projected:.0f} s of training projected for the "
+                f"run: over train.al_overhead {self.cfg.al_overhead} with the last step's still to come)"
             )
             return False
         return True
 
     # ---- measuring ------------------------------------------------------------------------------------------
     def measure(self, drafter: Eagle3Drafter, step: int) -> ALRow:
-        """The drafter's AL now; the kept weights move here when it is better beyond noise (train.keep best_al)."""
+        """The drafter's AL now; best/ moves here when it is the highest measured (train.keep best_al)."""
         started = time.perf_counter()
         runs = self.probe.measure(drafter)
         seconds = time.perf_counter() - started
         self.spent += seconds
+        self.latest_cost = seconds
         self.last = Measured(step, runs)
-        if self.cfg.keep == "best_al" and self._better(runs):
-            self._keep(drafter, self.last)
         k = self.probe.k
+        if self.cfg.keep == "best_al" and (
+            self.best is None or pooled_runs_al(runs, k) >= pooled_runs_al(self.best.runs, k)
+        ):
+            self._keep(drafter, self.last)
         a = acceptance((x for r in runs for x in r.accepted), k)
-        best_step = self.best.step if self.best is not None else step
+        kept_step = self._kept().step
         self.log(
             f"step {step}: AL {a.acceptance_length:.3f} at K={k} on {len(runs)} held-out prompts "
-            f"({seconds:.1f} s); keeping step {best_step}"
+            f"({seconds:.1f} s); the run would keep step {kept_step}"
         )
         return ALRow(
             step=step,
@@ -115,14 +131,18 @@ class ALSelector:
             per_position=[round(x, 4) for x in a.per_position],
             prompts=len(runs),
             seconds=round(seconds, 2),
-            best_step=best_step,
+            best_step=kept_step,
         )
 
-    def _better(self, runs: list[PromptRun]) -> bool:
-        if self.best is None:
-            return True
-        low, _ = paired_al_difference(runs, self.best.runs).ci95
-        return low > 0
+    def _kept(self) -> Measured:
+        """What the run would end with now: the best measured step when it beats the latest beyond noise,
+        else the latest (measured) step."""
+        assert self.last is not None
+        best, last = self.best, self.last
+        if self.cfg.keep != "best_al" or best is None or best.step == last.step:
+            return last
+        low, _ = paired_al_difference(best.runs, last.runs).ci95
+        return best if low > 0 else last
 
     def _keep(self, drafter: Eagle3Drafter, measured: Measured) -> None:
         """best/: the weights and rounds of `measured`, whole or absent (written before they are relied on)."""
@@ -144,7 +164,7 @@ class ALSelector:
         steps are trained again."""
         from safetensors.torch import load_file
 
-        self.best_dir = run_dir / BEST
+        self.best_dir, self.start_step = run_dir / BEST, step
         rounds = self.best_dir / BEST_ROUNDS
         if not rounds.exists():
             shutil.rmtree(self.best_dir, ignore_errors=True)
@@ -159,15 +179,15 @@ class ALSelector:
         self.log(f"keeping step {measured.step}'s weights so far (measured before the run was cut short)")
 
     def kept_weights(self) -> dict[str, torch.Tensor] | None:
-        if self.cfg.keep != "best_al" or self.best is None or self.last is None:
+        if self.cfg.keep != "best_al" or self.last is None:
             return None
-        return None if self.best.step == self.last.step else self.best_weights
+        return None if self._kept() is self.last else self.best_weights
 
     def selection(self, measured_steps: list[int]) -> ALSelection | None:
-        """The kept step against the last, paired over the same prompts (None without both)."""
-        if self.cfg.keep != "best_al" or self.best is None or self.last is None:
+        """The kept step against the last, paired over the same prompts (None without a measured last step)."""
+        if self.cfg.keep != "best_al" or self.last is None:
             return None
-        k, kept, last = self.probe.k, self.best, self.last
+        k, kept, last = self.probe.k, self._kept(), self.last
         diff = paired_al_difference(kept.runs, last.runs)
         return ALSelection(
             k=k,

@@ -19,8 +19,8 @@ class RunSelector(Protocol):
         """Bind to the run in `run_dir`, resumed from `step` (0: started afresh)."""
         ...
 
-    def due(self, step: int, last: bool, elapsed: float) -> bool:
-        """Whether to measure at this step; `elapsed`: seconds since training started in this process."""
+    def due(self, step: int, total: int, elapsed: float) -> bool:
+        """Whether to measure at `step` of `total`; `elapsed`: seconds since training started in this process."""
         ...
 
     def measure(self, drafter: Eagle3Drafter, step: int) -> ALRow: ...

@@ -482,7 +482,7 @@ def _run(
         selector.resume(run_dir, progress.step)
     if warm is not None and progress.step == 0:
         # the weights started from are a candidate too: a run that only makes them worse keeps them
-        _measure_al(s, selector, metrics, 0, True, 0.0)
+        _measure_al(s, selector, metrics, 0, wanted=selector is not None)
     log(
         f"training run {run_dir.name}: {len(train_refs)} samples "
         f"({f'{len(val_refs)} validation' if val_refs else 'no validation samples'}), {len(plan)} steps, "
@@ -627,7 +627,9 @@ def _loop(
                 _log_interval(s, progress, epoch, lr, len(plan), started, metrics, log)
             if progress.step % cfg.eval_every == 0 or last:
                 _validate_and_log(s, val_refs, val_prefetch, progress.step, metrics, log)
-            _measure_al(s, selector, metrics, progress.step, last, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            due = selector is not None and selector.due(progress.step, len(plan), elapsed)
+            _measure_al(s, selector, metrics, progress.step, wanted=due)
             if progress.step % cfg.checkpoint_every == 0 or last:
                 _checkpoint(s, run_dir, progress, metrics)
     finally:
@@ -635,13 +637,11 @@ def _loop(
         val_prefetch.close()
 
 
-def _measure_al(
-    s: Setup, selector: RunSelector | None, metrics: MetricsLog, step: int, last: bool, elapsed: float
-) -> None:
-    """On the steps rank 0's selector finds due, the acceptance length measured on rank 0 (the other ranks
-    wait for it at their next collective) and logged."""
+def _measure_al(s: Setup, selector: RunSelector | None, metrics: MetricsLog, step: int, wanted: bool) -> None:
+    """Where rank 0 `wanted` it (its selector found the step due), the acceptance length measured on rank 0
+    (the other ranks wait for it at their next collective) and logged."""
     world = s.world
-    if not world.from_main(int(selector is not None and selector.due(step, last, elapsed))):
+    if not world.from_main(int(wanted)):
         return
 
     def measure() -> ALRow:
