@@ -486,6 +486,14 @@ class TrainConfig(_Model):
         description="DDP processes (one per GPU) on each node, started through torchrun; 1 on one node trains "
         "in process.",
     )
+    sharding: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="How several ranks hold the drafter. ddp: every rank holds the whole drafter and its "
+        "optimizer state. fsdp: torch's fully_shard shards the weights, gradients and AdamW state (the head's, "
+        "the largest at a full vocabulary) over the ranks, gathering the weights for each forward and backward; "
+        "Muon's matrices are updated whole on every rank. Checkpoints are saved whole either way, so a run "
+        "resumes under the other sharding. compile auto stays off under fsdp.",
+    )
     nodes: Annotated[int, Field(gt=0)] = Field(
         default=1,
         description="Nodes the run spans: `eagle3 train` on each starts torchrun with the c10d rendezvous at "

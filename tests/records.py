@@ -116,7 +116,7 @@ def trained_run(layout: StoreLayout, target_dir: Path, run: str, seed: int = 0) 
     from eagle3_core.export import ExportTarget
     from eagle3_core.store.atomic import atomic_write_json
     from eagle3_core.targets.head import load_target_head
-    from eagle3_core.train.run_dir import write_final
+    from eagle3_core.train.run_dir import drafter_state, write_final
     from tests.exports import drafter_config, random_drafter
 
     target = ExportTarget.from_model_dir(target_dir, (2, 4, 5), "post_norm")
@@ -130,7 +130,7 @@ def trained_run(layout: StoreLayout, target_dir: Path, run: str, seed: int = 0) 
             "vocab_mapping": mapping.fingerprint,
         }
     )
-    final = write_final(layout.drafter_runs / run, drafter, mapping, summary)
+    final = write_final(layout.drafter_runs / run, drafter_state(drafter), drafter.cfg, mapping, summary)
     atomic_write_json(layout.drafter_latest, {"run": run, "final": layout.pointer_path(final)})
     return final
 

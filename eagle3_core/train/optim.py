@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from eagle3_core.config import TrainConfig
+from eagle3_core.train.sharding import GatheredMuon
 
 ADAMW_BETAS = (0.9, 0.95)
 MUON_WEIGHT_DECAY = 0.1  # torch's and speculators' default for the Muon group
@@ -84,13 +86,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer == "adamw":
         return adamw([p for p in model.parameters() if p.requires_grad], cfg)
     muon, rest = muon_split(model)
-    return Optimizers(
-        [
-            # match_rms_adamw scales Muon's update to AdamW's RMS, so one learning rate serves both groups
-            torch.optim.Muon(muon, lr=cfg.lr, weight_decay=MUON_WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"),
-            adamw(rest, cfg),
-        ]
-    )
+    # match_rms_adamw scales Muon's update to AdamW's RMS, so one learning rate serves both groups
+    settings: dict[str, Any] = {
+        "lr": cfg.lr,
+        "weight_decay": MUON_WEIGHT_DECAY,
+        "adjust_lr_fn": "match_rms_adamw",
+    }
+    sharded = any(isinstance(p, DTensor) for p in muon)  # FSDP: Muon must see its matrices whole
+    orthogonal = GatheredMuon(muon, **settings) if sharded else torch.optim.Muon(muon, **settings)
+    return Optimizers([orthogonal, adamw(rest, cfg)])
 
 
 def adamw(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

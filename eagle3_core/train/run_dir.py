@@ -53,6 +53,7 @@ OPERATIONAL = {
     "rendezvous",
     "max_restarts",
     "compile",
+    "sharding",
 }
 
 
@@ -189,17 +190,21 @@ def load_drafter_state(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor],
         )
 
 
-def write_final(run_dir: Path, drafter: Eagle3Drafter, mapping: VocabMapping, summary: RunSummary) -> Path:
-    """final/: weights, drafter config, the vocab mapping it is bound to, and the summary; whole or absent."""
+def write_final(
+    run_dir: Path,
+    weights: dict[str, torch.Tensor],
+    drafter_cfg: DrafterConfig,
+    mapping: VocabMapping,
+    summary: RunSummary,
+) -> Path:
+    """final/: weights (`drafter_state`, whole), drafter config, the vocab mapping it is bound to, and the
+    summary; whole or absent."""
     from safetensors.torch import save_file
 
     final = run_dir / FINAL
     with atomic_directory(final) as temp:
-        save_file(
-            {n: t.cpu().contiguous() for n, t in drafter_state(drafter).items()},
-            str(temp / "drafter.safetensors"),
-        )
-        atomic_write_json(temp / "drafter_config.json", drafter.cfg.model_dump())
+        save_file({n: t.cpu().contiguous() for n, t in weights.items()}, str(temp / "drafter.safetensors"))
+        atomic_write_json(temp / "drafter_config.json", drafter_cfg.model_dump())
         save_vocab_mapping(mapping, temp / "vocab_mapping")
         summary.write(temp / SUMMARY)
     return final

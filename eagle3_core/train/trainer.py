@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eagle3_core.config import DrafterVariant, TrainConfig
 from eagle3_core.conventions import FinalStateConvention
-from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter
+from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter, Packing
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.records import ALRow, RunProgress, RunSummary, TrainRow, ValRow
@@ -88,7 +88,14 @@ from eagle3_core.train.schedule import (
     row_width,
     schedule,
 )
-from eagle3_core.train.selection import BEST, RunSelector
+from eagle3_core.train.selection import RunSelector
+from eagle3_core.train.sharding import (
+    copy_whole_into,
+    load_whole_optimizer_state,
+    shard_module,
+    whole_optimizer_state,
+    whole_state,
+)
 
 Log = Callable[[str], None]
 
@@ -174,8 +181,10 @@ class Setup:
     head: TargetHead
     mapping: VocabMapping
     drafter: Eagle3Drafter
-    model: nn.Module  # the drafter, or its DDP wrapper
+    loss: nn.Module  # the drafter's TTT loss (TTTLoss), sharded under FSDP: what validation runs
+    model: nn.Module  # `loss`, or its DDP wrapper: what a training step runs
     optimizer: torch.optim.Optimizer
+    sharded: bool  # train.sharding fsdp: weights and optimizer state are gathered whole to be saved
     t2d: torch.Tensor
     attention: AttentionBackend
     autocast_bf16: bool
@@ -199,19 +208,44 @@ def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
         )
 
 
+class TTTLoss(nn.Module):
+    """The drafter's TTT forward and its loss as one module: what DDP or FSDP wraps, so that the head's weight
+    the loss reads is inside the wrapped forward (FSDP gathers it there)."""
+
+    def __init__(self, drafter: Eagle3Drafter, cfg: TrainConfig, attention: AttentionBackend, bf16: bool):
+        super().__init__()
+        self.drafter, self.cfg, self.attention, self.bf16 = drafter, cfg, attention, bf16
+
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        packing: Packing | None,
+        targets: TTTTargets,
+        normalizer: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, TTTStats]:
+        autocast = torch.autocast(aux.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        with autocast:
+            states = self.drafter(aux, input_ids, self.cfg.ttt_steps, self.attention, "states", packing)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        return lean_ttt_loss(
+            states,
+            self.drafter.lm_head.weight,
+            targets,
+            self.cfg.step_weight,
+            normalizer,
+            self.cfg.loss,
+            dtype,
+        )
+
+
 def _loss(
     s: Setup, batch: Batch, model: nn.Module, targets: TTTTargets, normalizer: torch.Tensor | None
 ) -> tuple[torch.Tensor, TTTStats]:
-    """The TTT loss of `model` (the drafter, or its DDP wrapper) on one batch, and its statistics."""
+    """The TTT loss of `model` (a TTTLoss, or its DDP wrapper) on one batch, and its statistics."""
     aux = batch.aux if s.autocast_bf16 else batch.aux.float()
-    with s.autocast():
-        states: list[torch.Tensor] = model(
-            aux, batch.input_ids, s.cfg.ttt_steps, s.attention, "states", batch.packing
-        )
-    dtype = torch.bfloat16 if s.autocast_bf16 else torch.float32
-    return lean_ttt_loss(
-        states, s.drafter.lm_head.weight, targets, s.cfg.step_weight, normalizer, s.cfg.loss, dtype
-    )
+    loss, stats = model(aux, batch.input_ids, batch.packing, targets, normalizer)
+    return loss, stats
 
 
 def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
@@ -238,7 +272,7 @@ def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     with torch.no_grad():
         for batch in prefetch(batches):
             batch = batch.to(s.world.device)
-            _, stats = _loss(s, batch, s.drafter, teacher_targets(s, batch), None)
+            _, stats = _loss(s, batch, s.loss, teacher_targets(s, batch), None)
             total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
@@ -304,8 +338,9 @@ def device_memory(
     if cfg.batching == "pack" and cfg.batch_tokens != "auto":  # an SDPA query sees its whole row
         longest = row_width(cfg, world.size)
     estimate = estimate_training_memory(
-        dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0
-    )
+        dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0,
+        sharded=cfg.sharding == "fsdp", muon=cfg.optimizer == "muon",
+    )  # fmt: skip
     free, total = torch.cuda.mem_get_info(world.device)
     return DeviceMemory(free, total, estimate, f"{torch.cuda.get_device_name(world.device)} ({world.device})")
 
@@ -333,11 +368,16 @@ def build_setup(
         load_drafter_state(drafter, warm.weights, warm.final_dir)
     drafter.lm_head.weight.requires_grad_(cfg.head == "trained")
     drafter = drafter.to(world.device)
-    if cfg.compile == "on" or (cfg.compile == "auto" and cuda):
+    sharded = cfg.sharding == "fsdp" and world.distributed
+    if cfg.compile == "on" or (cfg.compile == "auto" and cuda and not sharded):
         compile_layer(drafter)
-    model: nn.Module = drafter
-    if world.distributed:
-        model = DistributedDataParallel(drafter, device_ids=[world.device] if cuda else None)
+    loss: nn.Module = TTTLoss(drafter, cfg, attention, bf16)
+    model = loss
+    if sharded:
+        # the optimizer is built after: its parameters are the shards
+        model = loss = shard_module(loss, world)
+    elif world.distributed:
+        model = DistributedDataParallel(loss, device_ids=[world.device] if cuda else None)
     optimizer = build_optimizer(drafter, cfg)
     return Setup(
         world,
@@ -346,8 +386,10 @@ def build_setup(
         head,
         mapping,
         drafter,
+        loss,
         model,
         optimizer,
+        sharded,
         mapping.t2d.to(world.device),
         attention,
         bf16,
@@ -493,10 +535,11 @@ def _run(
     _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log, selector)
     seconds = round(time.perf_counter() - started, 2)
     summary = _summary(s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm, selector)
+    weights = _weights(s)  # every rank gathers, under FSDP; rank 0 alone writes final/
     if selector is not None and (kept := selector.kept_weights()) is not None:
-        load_drafter_state(s.drafter, kept, run_dir / BEST)  # rank 0, which alone writes final/
+        weights = kept
         log(_selection_line(summary))
-    on_main(world, "writing the final drafter", lambda: _write_final(s, run_dir, summary, log))
+    on_main(world, "writing the final drafter", lambda: _write_final(s, weights, run_dir, summary, log))
     return TrainResult(
         run_dir,
         run_dir / FINAL,
@@ -510,10 +553,18 @@ def _run(
     )
 
 
-def _write_final(s: Setup, run_dir: Path, summary: RunSummary, log: Log) -> None:
-    needed = sum(t.nbytes for t in drafter_state(s.drafter).values())
+def _weights(s: Setup) -> dict[str, torch.Tensor]:
+    """The drafter's weights as a run saves them, whole: under FSDP every rank calls this (it gathers)."""
+    state = drafter_state(s.drafter)
+    return whole_state(state) if s.sharded else state
+
+
+def _write_final(
+    s: Setup, weights: dict[str, torch.Tensor], run_dir: Path, summary: RunSummary, log: Log
+) -> None:
+    needed = sum(t.nbytes for t in weights.values())
     with full_disk_stops_the_run(run_dir, "the final drafter", needed):
-        write_final(run_dir, s.drafter, s.mapping, summary)
+        write_final(run_dir, weights, s.drafter.cfg, s.mapping, summary)
     log(f"run {run_dir.name} finished: {run_dir / FINAL}")
 
 
@@ -561,6 +612,21 @@ def _resume_point(world: World, run_dir: Path, log: Log) -> Checkpoint | None:
     return load_checkpoint(checkpoint_dir(run_dir, step))
 
 
+def _load_weights(s: Setup, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Whole saved weights into the drafter, sharded or not (the checks `load_drafter_state` makes)."""
+    if not s.sharded:
+        load_drafter_state(s.drafter, weights, where)
+        return
+    params = drafter_state(s.drafter)
+    if params.keys() != weights.keys():
+        raise Eagle3Error(
+            f"{where}: drafter weights do not match (missing {sorted(params.keys() - weights.keys())}, "
+            f"unexpected {sorted(weights.keys() - params.keys())})"
+        )
+    for name, param in params.items():
+        copy_whole_into(param, weights[name])
+
+
 def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
     """The progress of the newest intact checkpoint, with the drafter, optimizer and RNG it saved loaded; a
     fresh start (and a fresh metric log) without one."""
@@ -568,8 +634,11 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
     ckpt = _resume_point(world, run_dir, log)
     progress = Progress(0, 0, TTTStats.zeros(steps, world.device), 0)
     if ckpt is not None:
-        load_drafter_state(s.drafter, ckpt.weights, ckpt.path)
-        s.optimizer.load_state_dict(ckpt.optimizer)
+        _load_weights(s, ckpt.weights, ckpt.path)
+        if s.sharded:
+            load_whole_optimizer_state(s.optimizer, ckpt.optimizer)
+        else:
+            s.optimizer.load_state_dict(ckpt.optimizer)
         saved = ckpt.state
         torch.set_rng_state(torch.tensor(saved.rng_cpu, dtype=torch.uint8))
         progress = Progress(ckpt.step, saved.tokens, progress.interval, 0, resumed_from=ckpt.step)
@@ -643,10 +712,18 @@ def _measure_al(s: Setup, selector: RunSelector | None, metrics: MetricsLog, ste
     world = s.world
     if not world.from_main(int(wanted)):
         return
+    drafter = s.drafter
+    if s.sharded:  # every rank gathers the weights; rank 0 measures a whole copy
+        weights = _weights(s)
+        if world.is_main:
+            drafter = Eagle3Drafter(s.drafter.cfg, s.drafter.embed_tokens.weight.detach().float().cpu())
+            load_drafter_state(
+                drafter, {n: t.cpu() for n, t in weights.items()}, Path("the drafter in training")
+            )
 
     def measure() -> ALRow:
         assert selector is not None  # due on rank 0 only where it has one
-        return selector.measure(s.drafter, step)
+        return selector.measure(drafter, step)
 
     metrics.write(on_main(world, f"measuring the acceptance length at step {step}", measure))
 
@@ -750,6 +827,9 @@ def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTT
 def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog) -> None:
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
+    # under FSDP every rank gathers what rank 0 saves, whole: the format DDP saves
+    weights = _weights(s) if s.sharded else {}
+    optimizer_state = whole_optimizer_state(s.optimizer) if s.sharded else {}
 
     def save() -> None:
         state = RunProgress(
@@ -762,8 +842,8 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
         save_checkpoint(
             run_dir,
             progress.step,
-            drafter_state(s.drafter),
-            s.optimizer.state_dict(),
+            weights if s.sharded else drafter_state(s.drafter),
+            optimizer_state if s.sharded else s.optimizer.state_dict(),
             state,
             s.cfg.keep_checkpoints,
         )

@@ -193,6 +193,65 @@ def test_two_process_ddp_under_torchrun_matches_one_process(
         assert abs(ra.step_losses[0] - rb.step_losses[0]) < 1e-4 and abs(ra.acc[0] - rb.acc[0]) < 1e-6
 
 
+FSDP_TRAIN = (
+    "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 20, lr: 0.003, log_every: 2, "
+    "eval_every: 10, checkpoint_every: 10, keep_checkpoints: 4, val_fraction: 0.15, seed: 7, sharding: %s}\n"
+)
+
+
+def _resume_from_step_10(project: Path, dest: Path, sharding: str, target: Path) -> Path:
+    """A copy of `project` whose run is cut back to its checkpoint of step 10, configured for `sharding`."""
+    shutil.copytree(project, dest)
+    run = _run_dir(dest)
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-00000020")
+    (dest / "store" / "drafter" / "latest.json").unlink()
+    return _config(dest, target, FSDP_TRAIN % sharding)
+
+
+def test_fsdp_trains_as_ddp_does_and_their_checkpoints_resume_under_each_other(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """FSDP2 (gloo, 2 ranks, Muon on the layer's matrices) against DDP: the same losses over 20 steps to
+    float rounding (Muon orthogonalises in bfloat16, so updates agree to its rounding), and each run's
+    checkpoint of step 10 resumed under the other sharding ends where the run itself ended."""
+    runs = {}
+    for sharding in ("ddp", "fsdp"):
+        config = _copy(shard_store, tmp_path / sharding, train=FSDP_TRAIN % sharding)
+        done = eagle3(config, "train", "--nproc", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[sharding] = tmp_path / sharding
+    ddp, fsdp = (read_metrics(_run_dir(runs[k])) for k in ("ddp", "fsdp"))
+    assert [(r.kind, r.step) for r in ddp] == [(r.kind, r.step) for r in fsdp]
+    assert sum(isinstance(r, TrainRow) for r in ddp) == 10  # a row every 2 steps, over 20
+    for a, b in zip(ddp, fsdp, strict=True):
+        assert a.counted == b.counted
+        assert a.step_losses == pytest.approx(b.step_losses, rel=1e-4)
+    weights = {k: _final_weights(runs[k]) for k in runs}
+    assert weights["ddp"].keys() == weights["fsdp"].keys()
+    for name in weights["ddp"]:
+        torch.testing.assert_close(weights["ddp"][name], weights["fsdp"][name], rtol=0.02, atol=5e-3)
+    # the checkpoints hold whole tensors whatever the sharding: the same names and shapes
+    saved = {k: load_file(str(_run_dir(runs[k]) / "checkpoints" / "step-00000010" / WEIGHTS)) for k in runs}
+    assert {n: t.shape for n, t in saved["ddp"].items()} == {n: t.shape for n, t in saved["fsdp"].items()}
+
+    _, target = shard_store
+    for saved_under, resumed_under in (("fsdp", "ddp"), ("ddp", "fsdp")):
+        project = tmp_path / f"{saved_under}-then-{resumed_under}"
+        config = _resume_from_step_10(runs[saved_under], project, resumed_under, target)
+        done = eagle3(config, "train", "--nproc", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "resuming run" in done.stdout + done.stderr and "from step 10" in done.stdout + done.stderr
+        resumed = _final_weights(project)
+        for name, tensor in weights[saved_under].items():
+            torch.testing.assert_close(resumed[name], tensor, rtol=0.02, atol=5e-3)
+        rows = read_metrics(_run_dir(project))
+        original = read_metrics(_run_dir(runs[saved_under]))
+        assert [(r.kind, r.step) for r in rows] == [(r.kind, r.step) for r in original]
+        for a, b in zip(rows, original, strict=True):
+            assert a.step_losses == pytest.approx(b.step_losses, rel=1e-4)
+
+
 def _free_port() -> int:
     import socket
 

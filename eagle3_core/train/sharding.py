@@ -1,0 +1,128 @@
+"""FSDP2 (train.sharding: fsdp): the drafter's weights, gradients and optimizer state sharded over the ranks
+with torch's `fully_shard`, and saved and loaded whole, so that a checkpoint does not depend on the sharding
+(a run saved under FSDP resumes under DDP, on another number of ranks, and the other way).
+
+The unit sharded is the TTT loss module as a whole (the drafter and the loss that reads its head's weight):
+its parameters rest sharded, one shard a rank, and are gathered for the forward and again for the backward;
+gradients are reduce-scattered, averaged as DDP averages them; AdamW's moments live on each rank's shard.
+Muon orthogonalises the update of a whole matrix (Newton-Schulz over its singular values), which a row shard
+cannot do: run on the shards it gives another update (15% off on a 96x64 matrix over two ranks, against 1.5%
+for bfloat16's own rounding), so `GatheredMuon` updates whole copies of its matrices and writes each rank's
+rows back. Those matrices (fc and the decoder layer's) are held whole on every rank, as under DDP; the head,
+the largest tensor at a full vocabulary, and the frozen embedding are what sharding saves.
+
+Every function here that gathers is a collective: each rank calls it, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from eagle3_core.train.distributed import World
+
+
+def shard_module(module: nn.Module, world: World) -> nn.Module:
+    """`module` sharded in place over the world's ranks (one FSDP unit), and returned."""
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    # resharded after every forward, the root too (its default keeps a root's weights gathered for the
+    # backward): a validation forward, which has no backward, would otherwise leave them gathered
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    return module
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (gathered from every rank), or the tensor itself when it is not sharded."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: whole(t) for name, t in tensors.items()}
+
+
+def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`, a whole tensor every rank holds alike, as `like` is laid out: this rank's shard of it when
+    `like` is sharded (no communication), else `value` itself."""
+    if not isinstance(like, DTensor):
+        return value
+    local = like.to_local()
+    return distribute_tensor(
+        value.to(local.device, local.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
+
+
+def copy_whole_into(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param` (sharded or not) set from the whole `value`."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            shard = shard_like(param, value)
+            assert isinstance(shard, DTensor)  # laid out as `param` is
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(value)
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict with every sharded state tensor gathered whole: the format DDP saves."""
+    saved = optimizer.state_dict()
+    state = {
+        i: {k: whole(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in saved["state"].items()
+    }
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A whole optimizer state (as `whole_optimizer_state` or DDP saved it) loaded into an optimizer whose
+    parameters may be sharded: each state tensor of a parameter's shape is cut to that parameter's shard."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def placed(i: int, value: Any) -> Any:
+        param = params[i]
+        if torch.is_tensor(value) and isinstance(param, DTensor) and value.shape == param.shape:
+            return shard_like(param, value)
+        return value
+
+    state = {i: {k: placed(int(i), v) for k, v in s.items()} for i, s in saved["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+class GatheredMuon(torch.optim.Optimizer):
+    """torch.optim.Muon on whole matrices, for matrices FSDP shards: each step gathers a matrix and its
+    gradient whole into a copy every rank holds, lets Muon update the copies, and writes each rank's shard
+    back. Its state_dict is Muon's over the whole matrices, the one DDP saves."""
+
+    def __init__(self, sharded: Iterable[nn.Parameter], **muon: Any) -> None:
+        self.sharded = list(sharded)
+        self.copies = [nn.Parameter(whole(p.detach()).clone()) for p in self.sharded]
+        self.inner = torch.optim.Muon(self.copies, **muon)
+        # deliberately no super().__init__: the groups and state are the inner Muon's
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for param, copy in zip(self.sharded, self.copies, strict=True):
+            copy.copy_(whole(param.detach()))  # the weights as they rest (a resume may have loaded them)
+            copy.grad = None if param.grad is None else whole(param.grad)
+        self.inner.step()
+        for param, copy in zip(self.sharded, self.copies, strict=True):
+            copy_whole_into(param, copy.detach())
+            copy.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.sharded:
+            param.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
