@@ -247,12 +247,14 @@ def measure(
     settings: DecodeSettings,
     progress: Callable[[int, int], None] = lambda _done, _total: None,
     references: Sequence[list[int]] | None = None,
+    target_alone: bool = True,
 ) -> Measurement:
     """Decode every prompt with the target alone and with the drafter at each K; pool the rounds per K.
 
     `references`: the target's own replies to `prompts` (`target_references` with these settings), when
     several drafters are measured on the same prompts: the target-alone path is then not decoded again, and
-    its speed is not timed (each run's speedup is nan)."""
+    its speed is not timed (each run's speedup is nan). `target_alone` False: no target-alone path at all,
+    for acceptance alone (the rounds are the same; no speed against the target, no greedy check)."""
     device = next(model.parameters()).device
     sampling = _sampling(settings, device)
 
@@ -285,7 +287,7 @@ def measure(
         if settings.graphed_target:
             widths = {1, *(k + 1 for k in settings.ks)}
             graphed = GraphedTarget(model, aux_layer_ids, capacity, graph_widths=widths)
-        return _measure(target, spec, device, prompts, settings, progress, references)
+        return _measure(target, spec, device, prompts, settings, progress, references, target_alone)
 
 
 def _sampling(settings: DecodeSettings, device: torch.device) -> Sampling:
@@ -329,23 +331,29 @@ def _measure(
     settings: DecodeSettings,
     progress: Callable[[int, int], None],
     references: Sequence[list[int]] | None = None,
+    target_alone: bool = True,
 ) -> Measurement:
     if references is not None and len(references) != len(prompts):
         raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
+    if references is not None and not target_alone:
+        raise ValueError("references stand for the target-alone path: not without it")
+    decode_target = references is None and target_alone
     if prompts:  # warm-up: kernels chosen, allocator primed, lazy imports done
-        if references is None:
+        if decode_target:
             target(prompts[0])
         for k in settings.ks:
             spec(prompts[0], k)
     runs: dict[int, list[PromptRun]] = {k: [] for k in settings.ks}
     mismatches = dict.fromkeys(settings.ks, 0)
-    paths = [*([] if references is not None else [0]), *settings.ks]  # 0: the target alone
+    paths = [*([0] if decode_target else []), *settings.ks]  # 0: the target alone
     for i, prompt in enumerate(prompts):
         shift = i % len(paths)  # each path goes first as often as the others
         outputs: dict[int, list[int]] = {}
         timings: dict[int, PathTiming] = {}
         if references is not None:  # decoded before, not timed
             outputs[0], timings[0] = references[i], PathTiming(len(references[i]), 0.0)
+        elif not target_alone:
+            timings[0] = PathTiming()
         accepted: dict[int, tuple[int, ...]] = {}
         for path in paths[shift:] + paths[:shift]:
             if path == 0:
@@ -356,11 +364,12 @@ def _measure(
             timings[path] = PathTiming(len(outputs[path]), seconds)
         for k in settings.ks:
             runs[k].append(PromptRun(accepted[k], timings[k], timings[0]))
-            mismatches[k] += int(outputs[k] != outputs[0])
+            if 0 in outputs:
+                mismatches[k] += int(outputs[k] != outputs[0])
         progress(i + 1, len(prompts))
     return Measurement(
         prompts=len(prompts),
         runs=runs,
         device=device.type,
-        greedy_mismatches=mismatches if settings.temperature == 0 else {},
+        greedy_mismatches=mismatches if settings.temperature == 0 and target_alone else {},
     )

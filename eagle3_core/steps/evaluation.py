@@ -210,7 +210,7 @@ class TrainingProbe:
     device and dtype as an export is loaded; the first `train.al_prompts` held-out prompts that fit (the set
     drafter_eval leads with); evaluate's seed and temperature at `evaluate.gate_k`, at most
     `train.al_max_new_tokens` new tokens. The target is loaded at the first measurement (a finished run loads
-    none), and its own replies are decoded once, for every measurement."""
+    none); the target alone is never decoded (acceptance needs only the speculative rounds)."""
 
     def __init__(
         self, cfg: Eagle3Config, model_dir: Path, prompts: list[list[int]], d2t: torch.Tensor, log: Log
@@ -225,18 +225,13 @@ class TrainingProbe:
         described = json.dumps([asdict(self.settings), prompts, str(self.export_dtype)])
         self.fingerprint = hashlib.sha256(described.encode()).hexdigest()[:16]
         self.target: Target | None = None
-        self.references: list[list[int]] = []
 
     def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]:
-        from eagle3_core.evaluate.measure import target_references
-
         t = self._target()
         exported = self._as_exported(drafter, t)
-        if not self.references:
-            self.references = target_references(t.model, t.aux_layer_ids, self.ids, t.eos_ids, self.settings)
         d2t = self.d2t.to(t.device)
         measured = measure(t.model, exported, d2t, t.aux_layer_ids, self.ids, t.eos_ids, self.settings,
-                           references=self.references)  # fmt: skip
+                           target_alone=False)  # fmt: skip
         return measured.runs[self.k]
 
     def _target(self) -> Target:

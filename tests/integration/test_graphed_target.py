@@ -131,6 +131,14 @@ def test_references_decoded_once_stand_for_the_target_alone_path(monkeypatch: py
     with pytest.raises(ValueError, match="2 references for 3 prompts"):
         measure(model, drafter, d2t, AUX, prompts, set(), settings, references=references[:2])
 
+    # acceptance alone (what training measures): the target alone is not decoded, the rounds are the same
+    calls.clear()
+    rounds = measure(model, drafter, d2t, AUX, prompts, set(), settings, target_alone=False)
+    assert not calls and rounds.greedy_mismatches == {}
+    for k in (1, 3):
+        assert [r.accepted for r in rounds.runs[k]] == [r.accepted for r in whole.runs[k]]
+        assert all(r.target.tokens == 0 for r in rounds.runs[k])
+
 
 def test_what_it_cannot_compute_is_refused_in_one_line() -> None:
     sliding = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
