@@ -11,7 +11,8 @@ for bfloat16's own rounding), so `GatheredMuon` updates whole copies of its matr
 rows back. Those matrices (fc and the decoder layer's) are held whole on every rank, as under DDP; the head,
 the largest tensor at a full vocabulary, and the frozen embedding are what sharding saves.
 
-Every function here that gathers is a collective: each rank calls it, in the same order.
+Every function here that gathers is a collective: each rank calls it, in the same order. What is
+gathered to be saved goes to rank 0's host memory, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -42,8 +43,17 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def whole_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: whole(t) for name, t in tensors.items()}
+def on_lead_cpu(tensor: torch.Tensor, world: World) -> torch.Tensor | None:
+    """The whole of `tensor` in rank 0's host memory (None on the other ranks): gathered one tensor at a time,
+    so a device holds one whole tensor beside its shards, never the whole model and its state."""
+    gathered = whole(tensor)
+    return gathered.cpu() if world.is_main else None
+
+
+def whole_state(tensors: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+    """`tensors` whole, in rank 0's host memory; empty on the other ranks."""
+    kept = {name: on_lead_cpu(t, world) for name, t in tensors.items()}
+    return {name: t for name, t in kept.items() if t is not None}
 
 
 def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -68,13 +78,15 @@ def copy_whole_into(param: torch.Tensor, value: torch.Tensor) -> None:
             param.copy_(value)
 
 
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state_dict with every sharded state tensor gathered whole: the format DDP saves."""
+def whole_optimizer_state(optimizer: torch.optim.Optimizer, world: World) -> dict[str, Any]:
+    """The optimizer's state_dict with every state tensor gathered whole into rank 0's host memory (the
+    format DDP saves); empty on the other ranks."""
     saved = optimizer.state_dict()
     state = {
-        i: {k: whole(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in saved["state"].items()
+        i: {k: on_lead_cpu(v, world) if torch.is_tensor(v) else v for k, v in entry.items()}
+        for i, entry in saved["state"].items()
     }
-    return {"state": state, "param_groups": saved["param_groups"]}
+    return {"state": state, "param_groups": saved["param_groups"]} if world.is_main else {}
 
 
 def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

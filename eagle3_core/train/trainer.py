@@ -554,9 +554,10 @@ def _run(
 
 
 def _weights(s: Setup) -> dict[str, torch.Tensor]:
-    """The drafter's weights as a run saves them, whole: under FSDP every rank calls this (it gathers)."""
+    """The drafter's weights as a run saves them, whole on rank 0 (under FSDP every rank calls this, as it
+    gathers, and the others get none)."""
     state = drafter_state(s.drafter)
-    return whole_state(state) if s.sharded else state
+    return whole_state(state, s.world) if s.sharded else state
 
 
 def _write_final(
@@ -715,11 +716,9 @@ def _measure_al(s: Setup, selector: RunSelector | None, metrics: MetricsLog, ste
     drafter = s.drafter
     if s.sharded:  # every rank gathers the weights; rank 0 measures a whole copy
         weights = _weights(s)
-        if world.is_main:
-            drafter = Eagle3Drafter(s.drafter.cfg, s.drafter.embed_tokens.weight.detach().float().cpu())
-            load_drafter_state(
-                drafter, {n: t.cpu() for n, t in weights.items()}, Path("the drafter in training")
-            )
+        if world.is_main:  # its embedding stays unset: the probe puts in the target's own, as an export does
+            drafter = Eagle3Drafter(s.drafter.cfg)
+            load_drafter_state(drafter, weights, Path("the drafter in training"))
 
     def measure() -> ALRow:
         assert selector is not None  # due on rank 0 only where it has one
@@ -829,7 +828,7 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
     # under FSDP every rank gathers what rank 0 saves, whole: the format DDP saves
     weights = _weights(s) if s.sharded else {}
-    optimizer_state = whole_optimizer_state(s.optimizer) if s.sharded else {}
+    optimizer_state = whole_optimizer_state(s.optimizer, s.world) if s.sharded else {}
 
     def save() -> None:
         state = RunProgress(

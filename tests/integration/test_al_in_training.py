@@ -5,6 +5,9 @@ the curve, and a warm-started run measures the weights it starts from. Assertion
 decodes: they compare two measurements of the same weights, and the kept weights with the kept step's."""
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -65,8 +68,13 @@ def test_each_measured_step_is_logged_and_the_run_ends_with_the_kept_weights(pro
     assert len(measured) >= 3 and [r.step for r in rows] == measured
     assert all(r.k == 3 and r.prompts == 6 and len(r.per_position) == 3 for r in rows)
     assert all(r.al == pytest.approx(1 + sum(r.per_position), abs=1e-3) for r in rows)
+    _assert_final_holds_the_kept_weights(run_dir, summary, rows)
+
+
+def _assert_final_holds_the_kept_weights(run_dir: Path, summary: RunSummary, rows: list[ALRow]) -> None:
+    last = summary.steps
     chosen = summary.selection
-    assert chosen is not None and chosen.last_step == last and chosen.measured_steps == measured
+    assert chosen is not None and chosen.last_step == last and chosen.measured_steps == [r.step for r in rows]
     assert chosen.kept_step == rows[-1].best_step
     by_step = {r.step: r for r in rows}
     assert chosen.kept_al == by_step[chosen.kept_step].al and chosen.last_al == by_step[last].al
@@ -77,6 +85,25 @@ def test_each_measured_step_is_logged_and_the_run_ends_with_the_kept_weights(pro
         else load_file(str(run_dir / "checkpoints" / f"step-{last:08d}" / "drafter.safetensors"))
     )
     assert final.keys() == kept.keys() and all(torch.equal(final[n], kept[n]) for n in final)
+
+
+def test_an_fsdp_run_measures_on_rank_0_and_ends_with_the_kept_weights(
+    project: Path, toy_target_dir: Path, tmp_path: Path
+) -> None:
+    """Two gloo ranks under FSDP (train.sharding fsdp): at each measured step every rank gathers its shards
+    and rank 0 decodes the whole weights; the run ends with the kept step's, written whole."""
+    copy = tmp_path / "fsdp"
+    shutil.copytree(project / "store", copy / "store", ignore=shutil.ignore_patterns("drafter"))
+    config = _config(copy, toy_target_dir, ", processes: 2, sharding: fsdp")
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir, summary, rows = _run(copy)
+    assert summary.world_size == 2
+    assert [r.step for r in rows] == sorted({*range(5, summary.steps + 1, 5), summary.steps})
+    _assert_final_holds_the_kept_weights(run_dir, summary, rows)
 
 
 def test_the_in_training_al_equals_drafter_eval_on_the_same_weights_and_prompts(project: Path) -> None:
