@@ -159,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", default="1,3,5,7")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--eval-workers", type=int, default=None, help="default: 8 on a GPU, 1 on a CPU")
+    p.add_argument(
+        "--eval-workers", type=int, default=None, help="default: 8 on a GPU, 1 on a CPU (1 batching)"
+    )
+    p.add_argument(
+        "--eval-batch", type=int, default=1,
+        help="prompts decoded at once by each worker (evaluate/batched.py): the same rounds, untimed",
+    )  # fmt: skip
     p.add_argument(
         "--target-step", choices=["auto", "eager", "graphed"], default="auto",
         help="the target's step when decoding: transformers' eager forward, or the graphed step an engine "
@@ -511,6 +517,7 @@ class EvalJob:
     threads: int  # torch's intra-op threads: the workers share the host's cores
     out: str
     graphed: bool = False  # the target's step as an engine runs it
+    batch: int = 1  # prompts decoded at once (evaluate/batched.py); 1: one at a time, timed
 
 
 def prompt_sets(
@@ -569,7 +576,8 @@ def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple
 
 def eval_worker(job: EvalJob) -> None:
     """Decode this worker's prompts with every drafter at every temperature; write each prompt's rounds."""
-    from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
+    from eagle3_core.evaluate.batched import target_generate_batch
+    from eagle3_core.evaluate.measure import DecodeSettings, measure, measure_acceptance, target_references
     from eagle3_core.steps.evaluation import load_target
 
     torch.set_num_threads(job.threads)
@@ -593,11 +601,20 @@ def eval_worker(job: EvalJob) -> None:
                 )
                 started = time.perf_counter()
                 if (temperature, set_name) not in references:
-                    references[temperature, set_name] = target_references(
-                        target.model, target.aux_layer_ids, ids, target.eos_ids, settings
-                    )
-                m = measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids,
-                            settings, references=references[temperature, set_name])  # fmt: skip
+                    references[temperature, set_name] = (
+                        target_references(target.model, target.aux_layer_ids, ids, target.eos_ids, settings)
+                        if job.batch == 1
+                        else target_generate_batch(target.model, target.aux_layer_ids, ids, job.max_new_tokens,
+                                                   target.eos_ids, _replies_sampling(temperature, target.device))
+                    )  # fmt: skip
+                replies = references[temperature, set_name]
+                m = (
+                    measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, settings,
+                            references=replies)
+                    if job.batch == 1
+                    else measure_acceptance(target.model, drafter, d2t, target.aux_layer_ids, ids,
+                                            target.eos_ids, settings, job.batch, replies)
+                )  # fmt: skip
                 out[f"{name}|{temperature}|{set_name}"] = {
                     str(k): [[list(r.accepted), r.spec.tokens, r.spec.seconds, r.target.tokens, r.target.seconds]
                              for r in runs]
@@ -606,6 +623,14 @@ def eval_worker(job: EvalJob) -> None:
                 _log(f"  {Path(job.out).stem}: {name} T={temperature} {set_name}: {len(ids)} prompts in "
                      f"{time.perf_counter() - started:.0f} s")  # fmt: skip
                 _write_json(Path(job.out), out)  # what is decoded survives a time limit cutting the rest
+
+
+def _replies_sampling(temperature: float, device: torch.device) -> Any:
+    """How the target alone chooses its replies at `temperature` (seed 0, as the decodes' settings)."""
+    from eagle3_core.evaluate.specdec import Sampling
+
+    generator = torch.Generator(device=device).manual_seed(0) if temperature > 0 else None
+    return Sampling(temperature, generator)
 
 
 def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
@@ -620,11 +645,19 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         args, data, AutoTokenizer.from_pretrained(data.target_dir), measured_prompts(trained)
     )
     device_is_gpu = torch.cuda.is_available()
-    workers = args.eval_workers or (8 if device_is_gpu else 1)
+    workers = args.eval_workers or (8 if device_is_gpu and args.eval_batch == 1 else 1)
     # one thread per worker on a CPU, where each thread computes (oversubscribed, 2 workers of 2 threads on a
     # loaded 2-core host took minutes for what 1 thread each did in seconds); on a GPU host a share of the cores
     threads = max(1, (os.cpu_count() or 1) // workers) if device_is_gpu else 1
     graphed = args.target_step == "graphed" or (args.target_step == "auto" and device_is_gpu)
+    # batched decoding runs the target's step eagerly, many rows at once (evaluate/batched.py)
+    step = (
+        f"batched, {args.eval_batch} prompts at once"
+        if args.eval_batch > 1
+        else "graphed"
+        if graphed
+        else "eager"
+    )
     out_dir = args.workdir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("worker-*.json"):
@@ -632,11 +665,11 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     # what the report needs to merge and describe the workers' files without the store
     _write_json(out_dir / PLAN, {"workers": workers, "prompt_sets": facts, "device": device_name(),
                                  "torch": torch.__version__,
-                                 "target_step": "graphed" if graphed else "eager"})  # fmt: skip
+                                 "target_step": step})  # fmt: skip
     jobs = [
         EvalJob(str(args.workdir / "eagle3.yaml"), trained, {n: ids[w::workers] for n, ids in sets.items()},
                 args.ks, args.temperatures, args.max_new_tokens, threads, str(out_dir / f"worker-{w}.json"),
-                graphed)
+                graphed, args.eval_batch)
         for w in range(workers)
     ]  # fmt: skip
     started = time.perf_counter()
@@ -653,7 +686,7 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     )
     return {
         "prompt_sets": facts, "seconds": seconds, "workers": workers, "device": device_name(),
-        "torch": torch.__version__, "target_step": "graphed" if graphed else "eager", "decoded": merged,
+        "torch": torch.__version__, "target_step": step, "decoded": merged,
     }  # fmt: skip
 
 

@@ -290,6 +290,44 @@ def measure(
         return _measure(target, spec, device, prompts, settings, progress, references, target_alone)
 
 
+def measure_acceptance(
+    model: Any,
+    drafter: Eagle3Drafter,
+    d2t: torch.Tensor,
+    aux_layer_ids: tuple[int, ...],
+    prompts: Sequence[list[int]],
+    eos_ids: set[int],
+    settings: DecodeSettings,
+    batch_size: int,
+    references: Sequence[list[int]] | None = None,
+) -> Measurement:
+    """What `measure` gives of acceptance, decoding `batch_size` prompts at once (evaluate/batched.py): each
+    prompt's rounds at each K (greedy: the very rounds `measure` decodes), and with `references` (the target's
+    own replies) the greedy check. No speed: batched rounds say nothing of a batch-1 step, so every path's
+    seconds are 0 (time the speedup with `measure`)."""
+    from eagle3_core.evaluate.batched import speculative_generate_batch
+
+    if references is not None and len(references) != len(prompts):
+        raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
+    device = next(model.parameters()).device
+    sampling = _sampling(settings, device)
+    runs: dict[int, list[PromptRun]] = {k: [] for k in settings.ks}
+    mismatches = dict.fromkeys(settings.ks, 0)
+    for k in settings.ks:
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start : start + batch_size])
+            decoded = speculative_generate_batch(
+                model, drafter, d2t, aux_layer_ids, chunk, settings.max_new_tokens, k, eos_ids, sampling
+            )
+            for offset, result in enumerate(decoded):
+                reference = references[start + offset] if references is not None else None
+                alone = PathTiming(len(reference) if reference is not None else 0, 0.0)
+                runs[k].append(PromptRun(tuple(result.accepted), PathTiming(len(result.tokens), 0.0), alone))
+                mismatches[k] += int(reference is not None and result.tokens != reference)
+    checked = settings.temperature == 0 and references is not None
+    return Measurement(len(prompts), runs, device.type, mismatches if checked else {})
+
+
 def _sampling(settings: DecodeSettings, device: torch.device) -> Sampling:
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     return Sampling(settings.temperature, generator if settings.temperature > 0 else None)

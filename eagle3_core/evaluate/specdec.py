@@ -320,7 +320,7 @@ def speculative_generate(
         keep(n + a + 1)  # seq[..n] and the accepted drafts
         # the next extend writes entries n..n+a: the target's aux states paired with the next committed token
         committed, committed_aux, start = seq.new_tensor(accepted), vaux[: a + 1], n
-        emitted = _until_stop(accepted, eos_ids, max_new_tokens - len(out))
+        emitted = until_stop(accepted, eos_ids, max_new_tokens - len(out))
         # AL counts what the round emitted: drafts past the budget or past end-of-turn are never served
         result.accepted.append(len(emitted) - 1)
         out.extend(emitted)
@@ -357,7 +357,7 @@ def crop_cache(kv: Any, keep: int) -> None:
         kv.crop(-drop)
 
 
-def _until_stop(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
+def until_stop(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
     """The tokens up to the budget and up to (and with) the first end-of-sequence token."""
     kept = tokens[:room]
     for i, tok in enumerate(kept):

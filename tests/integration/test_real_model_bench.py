@@ -73,6 +73,19 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert main([*argv[:1], "eval", *argv[2:]]) == 0
     assert record.read_text() == before
 
+    # the evaluation in batches (evaluate/batched.py, whose rounds tests/integration/test_batched_specdec.py
+    # checks against one prompt at a time in float64): every table filled, greedy replies the target's own
+    assert main([*argv[:1], "eval", *argv[2:], "--eval-batch", "2", "--eval-workers", "1"]) == 0
+    batched = json.loads(results.read_text())
+    assert batched["eval"]["target_step"] == "batched, 2 prompts at once"
+    assert set(batched["al"]) == set(report["al"])
+    for key in ("0.0|heldout", "0.0|questions"):
+        for k in ("1", "2"):
+            row = batched["al"][key][k]["eagle3-0"]
+            assert row["greedy_mismatches"] == 0
+            assert row["al"] == pytest.approx(1 + sum(row["per_position"]), abs=1e-3)
+    assert main([*argv[:1], "eval", *argv[2:]]) == 0  # back to one prompt at a time, for what follows
+
     # --prepare builds what runs started at once share, and trains nothing
     assert main([*argv[:1], "train", *argv[2:], "--prepare", "--seeds", "5"]) == 0
     assert not (tmp_path / "work" / "train" / "runs" / "eagle3-5.json").exists()
