@@ -9,6 +9,7 @@
 #   REPLY_TOKENS=256 EVAL_TOKENS=128 bash bench/real_model_headline.sh   # regeneration and decoding budgets
 #   TARGET_STEP=eager bash bench/real_model_headline.sh   # the evaluation's target step (default auto: graphed on a GPU)
 #   EVAL_KS=3,5 EVAL_TEMPERATURES=0 EVAL_PROMPTS=100 bash bench/real_model_headline.sh   # a smaller evaluation
+#   EVAL_BATCH=1 EVAL_WORKERS=12 bash ...   # one prompt at a time (default: 64 at once, evaluate/batched.py)
 #   RESULTS=.cache/headline/report.json bash ...   # the report elsewhere than bench/results/real_model_<device>.json
 #   SPECULATORS_LOSS=eager bash ...   # speculators' loss unfused from the start (its fused loss fails under torch 2.11)
 #   BESIDE_TRAINING="python3 -m bench.al_selection --device cuda" bash ...   # another job while the runs train,
@@ -34,7 +35,7 @@ wait
 bench --stage speedup --seeds 0 --ks 1,3,5,7 --speedup-prompts 16 > "$LOGS/speedup.log" 2>&1; say "speedup: exit $?"
 EVAL=(--seeds 0,1 --ks "${EVAL_KS:-1,3,5,7}" --temperatures "${EVAL_TEMPERATURES:-0,0.7}"
       --prompts-per-source "${EVAL_PROMPTS:-100}" ${RESULTS:+--results "$RESULTS"})
-timeout "$EVAL_S" python3 -m bench.real_model --stage eval "${EVAL[@]}" --eval-workers "${EVAL_WORKERS:-12}" \
+timeout "$EVAL_S" python3 -m bench.real_model --stage eval "${EVAL[@]}" --eval-batch "${EVAL_BATCH:-64}" ${EVAL_WORKERS:+--eval-workers "$EVAL_WORKERS"} \
     --target-step "${TARGET_STEP:-auto}" "${COMMON[@]}" \
     > "$LOGS/eval.log" 2>&1 && say "evaluation and report: done (bench/results/real_model_*.json)" || {
     say "evaluation cut short: reporting what the workers finished"

@@ -38,7 +38,7 @@ recipe t3e20 "${T3E20_SEEDS:-0}" ttt_steps=3 epochs=20  # speculators' depth and
 wait
 say "training done"
 timeout "$EVAL_S" python3 -m bench.real_model --stage eval --seeds 0,1 --ks "${EVAL_KS:-3,5}" --temperatures 0 \
-    --prompts-per-source "${EVAL_PROMPTS:-40}" --eval-workers "${EVAL_WORKERS:-12}" "${COMMON[@]}" \
+    --prompts-per-source "${EVAL_PROMPTS:-40}" --eval-batch "${EVAL_BATCH:-64}" ${EVAL_WORKERS:+--eval-workers "$EVAL_WORKERS"} "${COMMON[@]}" \
     --results "$LOGS/report.json" > "$LOGS/eval.log" 2>&1
 say "evaluation: exit $?"
 bench --stage report --seeds 0,1 --ks "${EVAL_KS:-3,5}" --temperatures 0 --results "$LOGS/report.json" \

@@ -165,3 +165,27 @@ def test_the_selection_bench_compares_kept_and_last_on_further_prompts(
     assert further["prompts"] == 2
     low, high = further["kept_minus_last"]["ci95"]
     assert low <= further["kept_minus_last"]["difference"] <= high
+
+
+def test_the_batched_evaluation_bench_runs_on_a_trained_project(project: Path, tmp_path: Path) -> None:
+    """bench/batched_eval.py at a tiny size on the toy project's drafter (its figures are SmolLM2's): both
+    paths measured, on the same prompts (that their rounds agree is test_batched_specdec.py's, in float64)."""
+    from bench.batched_eval import main
+
+    out = tmp_path / "batched.json"
+    argv = [
+        "--config",
+        str(project / "eagle3.yaml"),
+        "--prompts",
+        "4",
+        "--batch",
+        "3",
+        "--max-new-tokens",
+        "8",
+    ]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 4 and result["batch"] == 3
+    for path in ("one_at_a_time", "batched"):
+        assert 1.0 <= result[path]["al"] <= 1 + result["k"]
+    assert result["batched"]["wall_s"] > 0 and 0 <= result["prompts_with_the_same_rounds"] <= 4
