@@ -36,8 +36,11 @@ def _pair(tmp_path: Path, vocab: int, seed: int) -> tuple[torch.nn.Module, Eagle
     return model, Eagle3Drafter(cfg).double().eval(), torch.zeros(vocab, dtype=torch.long)
 
 
-def test_each_row_is_the_whole_forward_at_its_own_positions(tmp_path: Path) -> None:
-    model, _, _ = _pair(tmp_path, 64, seed=2)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_each_row_is_the_whole_forward_at_its_own_positions(family: str) -> None:
+    from tests.integration.test_graphed_target import _model
+
+    model = _model(family)
     rows = [list(range(3, 13)), [7, 1, 9, 4, 4, 2]]
     step = BatchedTarget(model, AUX, batch=2, capacity=32)
     for i, ids in enumerate(rows):  # a prefill a row, as the decoder runs it
