@@ -35,6 +35,7 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import Acceptance, acceptance
+from eagle3_core.evaluate.batched import speculative_generate_batch
 from eagle3_core.evaluate.graphed_target import GraphedTarget
 from eagle3_core.evaluate.prompts import EvalPrompt
 from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, speculative_generate, target_generate
@@ -305,8 +306,6 @@ def measure_acceptance(
     prompt's rounds at each K (greedy: the very rounds `measure` decodes), and with `references` (the target's
     own replies) the greedy check. No speed: batched rounds say nothing of a batch-1 step, so every path's
     seconds are 0 (time the speedup with `measure`)."""
-    from eagle3_core.evaluate.batched import speculative_generate_batch
-
     if references is not None and len(references) != len(prompts):
         raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
     device = next(model.parameters()).device
