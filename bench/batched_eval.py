@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     spec_s = sum(r.spec.seconds for r in alone.runs[args.k])
+
+    def rounds(runs: list[Any]) -> dict[str, int]:
+        return {"rounds": sum(len(r.accepted) for r in runs), "accepted": sum(sum(r.accepted) for r in runs)}
+
     same = sum(a.accepted == b.accepted for a, b in zip(alone.runs[args.k], many.runs[args.k], strict=True))
     result = {
         "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -90,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "batch": args.batch,
         "one_at_a_time": {"al": round(alone.acceptance[args.k].acceptance_length, 4),
+                          **rounds(alone.runs[args.k]),
                           "speculative_s": round(spec_s, 2), "wall_s_with_target_alone": round(alone_s, 2)},
-        "batched": {"al": round(many.acceptance[args.k].acceptance_length, 4), "wall_s": round(many_s, 2)},
+        "batched": {"al": round(many.acceptance[args.k].acceptance_length, 4), **rounds(many.runs[args.k]),
+                    "wall_s": round(many_s, 2)},
         "speculative_s_over_batched_s": round(spec_s / many_s, 2),
         "prompts_with_the_same_rounds": same,
     }  # fmt: skip

@@ -75,20 +75,13 @@ class _Graph:
     aux: torch.Tensor  # [w, A*H] static output
 
 
-class GraphedTarget:
-    """One prompt at a time: `reset`, then `extend(ids)` appends tokens and returns their logits and aux
-    states, `keep(n)` rolls the sequence back to its first n tokens. Widths in `graph_widths` run as CUDA
-    graphs on a GPU (captured on first use); other widths, and every width on a CPU, run the same code
-    eagerly."""
+class TargetLayers:
+    """The target's forward from its own modules (embedding, norms, projections, MLPs, rotary embedding,
+    head) over a KV cache of rows that attend by position: slot j of a row is seen by that row's query at
+    position p iff j <= p. What `GraphedTarget` runs for one sequence and `BatchedTarget`
+    (evaluate/batched.py) for many."""
 
-    def __init__(
-        self,
-        model: Any,
-        aux_layer_ids: tuple[int, ...],
-        capacity: int,
-        graph_widths: Iterable[int] = (),
-        graphs: bool | None = None,
-    ) -> None:
+    def __init__(self, model: Any, aux_layer_ids: tuple[int, ...]) -> None:
         check_supported(model)
         self.model = model
         self.layers = list(model.model.layers)
@@ -103,16 +96,93 @@ class GraphedTarget:
         self.heads = first.q_proj.out_features // self.head_dim
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
+        rope_module = sys.modules[type(first).__module__]
+        self.apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_module.apply_rotary_pos_emb
+
+    def cache(self, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values [layers, rows, kv_heads, slots, d] (the slot ids are kept for the masks)."""
+        shape = (len(self.layers), rows, self.kv_heads, slots, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.slot_ids = torch.arange(slots, device=self.device)
+        return keys, torch.zeros_like(keys)
+
+    def rows_forward(
+        self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [b, n] appended to the cache rows `keys`, `values` [layers, b, kv_heads, slots, d]
+        -> logits [b, n, V] and aux states [b, n, A*H] (each layer's input, as output_hidden_states gives it)."""
+        inner = self.model.model
+        h = inner.embed_tokens(ids)  # [b, n, H]
+        cos, sin = inner.rotary_emb(h, positions)
+        visible = (self.slot_ids[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, n, slots]
+        inputs: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            inputs[index] = h
+            x = layer.input_layernorm(h)
+            attention = self._attention(
+                keys[index], values[index], layer.self_attn, x, cos, sin, positions, visible
+            )
+            h = h + attention
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(inner.norm(h))
+        return logits, torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1)
+
+    def _attention(
+        self,
+        keys: torch.Tensor,  # [b, kv_heads, slots, d]: this layer's cache rows
+        values: torch.Tensor,
+        attn: Any,
+        x: torch.Tensor,  # [b, n, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,  # [b, n]
+        visible: torch.Tensor,  # [b, 1, n, slots]
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = attn.q_proj(x).view(b, n, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: an RMSNorm per head, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [b, heads, n, d]
+        write_slots(keys, positions, k)
+        write_slots(values, positions, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=visible,
+            scale=float(attn.scaling),
+            enable_gqa=self.heads != self.kv_heads,
+        )  # [b, heads, n, d]
+        return attn.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+def write_slots(cache: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor) -> None:
+    """cache [b, heads, slots, d] <- entries [b, heads, n, d] at each row's positions [b, n]."""
+    index = positions[:, None, :, None].expand(-1, entries.shape[1], -1, entries.shape[3])
+    cache.scatter_(2, index, entries)
+
+
+class GraphedTarget(TargetLayers):
+    """One prompt at a time: `reset`, then `extend(ids)` appends tokens and returns their logits and aux
+    states, `keep(n)` rolls the sequence back to its first n tokens. Widths in `graph_widths` run as CUDA
+    graphs on a GPU (captured on first use); other widths, and every width on a CPU, run the same code
+    eagerly."""
+
+    def __init__(
+        self,
+        model: Any,
+        aux_layer_ids: tuple[int, ...],
+        capacity: int,
+        graph_widths: Iterable[int] = (),
+        graphs: bool | None = None,
+    ) -> None:
+        super().__init__(model, aux_layer_ids)
         self.capacity = capacity
         self.widest = max([1, *graph_widths])
         # slots past `capacity` are scratch for capture: beyond every real position, so never attended to
-        slots = capacity + self.widest
-        shape = (len(self.layers), self.kv_heads, slots, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.slot_ids = torch.arange(slots, device=self.device)
-        rope_module = sys.modules[type(first).__module__]
-        self.apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_module.apply_rotary_pos_emb
+        self.keys, self.values = self.cache(1, capacity + self.widest)
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
         self.graph_widths = set(graph_widths)
         self.graphs: dict[int, _Graph] = {}
@@ -169,47 +239,8 @@ class GraphedTarget:
 
     # ---- the forward ---------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inner = self.model.model
-        h = inner.embed_tokens(ids)[None]  # [1, n, H]
-        cos, sin = inner.rotary_emb(h, positions[None])
-        visible = self.slot_ids[None, :] <= positions[:, None]  # [n, slots]
-        inputs: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.layers):
-            inputs[index] = h[0]  # the input of layer `index`, as output_hidden_states gives it
-            x = layer.input_layernorm(h)
-            h = h + self._attention(index, layer.self_attn, x, cos, sin, positions, visible)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.model.lm_head(inner.norm(h))[0]
-        return logits, torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1)
-
-    def _attention(
-        self,
-        index: int,
-        attn: Any,
-        x: torch.Tensor,  # [1, n, H]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,  # [n]
-        visible: torch.Tensor,  # [n, slots]
-    ) -> torch.Tensor:
-        n = x.shape[1]
-        q = attn.q_proj(x).view(1, n, self.heads, self.head_dim)
-        k = attn.k_proj(x).view(1, n, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: an RMSNorm per head, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, n, d]
-        self.keys[index].index_copy_(1, positions, k[0])
-        self.values[index].index_copy_(1, positions, v[0])
-        out = F.scaled_dot_product_attention(
-            q,
-            self.keys[index][None],
-            self.values[index][None],
-            attn_mask=visible[None, None],
-            scale=float(attn.scaling),
-            enable_gqa=self.heads != self.kv_heads,
-        )  # [1, heads, n, d]
-        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
+        logits, aux = self.rows_forward(self.keys, self.values, ids[None], positions[None])
+        return logits[0], aux[0]
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------------
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

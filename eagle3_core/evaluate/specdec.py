@@ -34,22 +34,23 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_core.draft.model import Eagle3Drafter, rope_angles
-from eagle3_core.evaluate.graphed_target import GraphedTarget
+from eagle3_core.evaluate.graphed_target import GraphedTarget, write_slots
 
 
 class DraftDecoder:
-    """The drafter with a KV cache of fixed capacity ([1, kv_heads, capacity, d]) for one sequence at a time.
+    """The drafter with a KV cache of fixed capacity ([rows, kv_heads, capacity, d]), one sequence a row
+    (`rows` 1 here; evaluate/batched.py decodes many).
 
-    Entry i of the cache is RoPE position i. A write at positions start.. makes every later entry stale, and
+    Entry i of a row's cache is RoPE position i. A write at positions start.. makes every later entry stale, and
     the attention mask (slot <= position) never lets a query see one, so rejection needs no crop. Fixed
     shapes and addresses are what lets a greedy round be captured once per (K, committed count) and replayed.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, capacity: int, graphs: bool = False) -> None:
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, graphs: bool = False, rows: int = 1) -> None:
         cfg = drafter.cfg
         weight = drafter.lm_head.weight
         self.drafter, self.capacity = drafter, capacity
-        shape = (1, cfg.num_kv_heads, capacity, cfg.dim)
+        shape = (rows, cfg.num_kv_heads, capacity, cfg.dim)
         # zeros, not empty: a masked slot's value still meets a zero weight, and 0 * NaN would leak
         self.keys = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
         self.values = torch.zeros_like(self.keys)
@@ -61,19 +62,27 @@ class DraftDecoder:
     def step(
         self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries (tokens [n], features h [n, H]) written at positions [n]; (draft logits [n, Vd], the state
-        the next draft is fed [n, H]: pre-norm, or post-norm for a norm_output drafter)."""
+        """Entries (tokens [n], features h [n, H]) written at positions [n] of the first row; (draft logits
+        [n, Vd], the state the next draft is fed [n, H]: pre-norm, or post-norm for a norm_output drafter)."""
+        logits, fed = self.rows_step(tokens[None], h[None], positions[None], slice(0, 1))
+        return logits[0], fed[0]
+
+    def rows_step(
+        self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, rows: slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` for the cache rows `rows`, each at its own positions: tokens, positions [b, n], h [b, n, H]
+        -> draft logits [b, n, Vd], the states fed on [b, n, H]."""
         d = self.drafter
         angles = self.cos[positions], self.sin[positions]
-        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens)[None], h[None], angles)
-        self.keys.index_copy_(2, positions, k)
-        self.values.index_copy_(2, positions, v)
-        mask = self.slots[None, :] <= positions[:, None]  # [n, capacity]: the entries up to each query's own
+        q, k, v = d.midlayer.qkv(d.embed_tokens(tokens), h, angles)
+        keys, values = self.keys[rows], self.values[rows]
+        write_slots(keys, positions, k)
+        write_slots(values, positions, v)
+        mask = self.slots[None, None, :] <= positions[:, :, None]  # [b, n, capacity]: up to each query's own
         if d.cfg.sliding_window is not None:
-            mask &= self.slots[None, :] > positions[:, None] - d.cfg.sliding_window
-        out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask, enable_gqa=True)
-        logits, fed = d.head(d.midlayer.finish(h[None], d.midlayer.self_attn._out(out)))
-        return logits[0], fed[0]
+            mask &= self.slots[None, None, :] > positions[:, :, None] - d.cfg.sliding_window
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+        return d.head(d.midlayer.finish(h, d.midlayer.self_attn._out(out)))
 
     def draft(
         self,
@@ -111,20 +120,44 @@ class DraftDecoder:
         sampling: Sampling,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, h = self.step(tokens, self.drafter.features(aux), positions)
-        logits, h, position = logits[-1], h[-1:], positions[-1:]
+        drafts, probs = self.draft_rows(logits[-1:], h[-1:][None], positions[-1:], k, to_target, sampling)
+        return drafts[0], None if probs is None else probs[0]
+
+    def extend_rows(
+        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed entries (tokens [B, m], aux [B, m, 3H_t]) at positions [B, m] of every row; each row's
+        entry `last` [B] is its newest real one (those after it pad a shorter row). Its (draft logits [B, Vd],
+        state [B, 1, H])."""
+        logits, h = self.rows_step(tokens, self.drafter.features(aux), positions)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        return logits[rows, last], h[rows, last][:, None]
+
+    def draft_rows(
+        self,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        position: torch.Tensor,
+        k: int,
+        to_target: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K drafts a row from the newest committed entry's logits [B, Vd] and state [B, 1, H] at position
+        [B]: target ids [B, K] and, when sampling, their draft-vocabulary distributions [B, K, Vd]."""
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for j in range(k):
             if j:
                 position = position + 1
-                logits, h = self.step(to_target[ids[-1]], h, position)
-                logits = logits[-1]
+                step_logits, h = self.rows_step(to_target[ids[-1]][:, None], h, position[:, None])
+                logits = step_logits[:, 0]
             if sampling.greedy:
-                ids.append(logits.argmax(-1, keepdim=True))
+                ids.append(logits.argmax(-1))
             else:
                 probs.append(sampling.probs(logits))
-                ids.append(sampling.draw(probs[-1])[None])
-        return to_target[torch.cat(ids)], torch.stack(probs) if probs else None
+                ids.append(sampling.draw(probs[-1]))
+        drafts = to_target[torch.stack(ids, dim=1)]
+        return drafts, torch.stack(probs, dim=1) if probs else None
 
 
 class _CapturedRound:
