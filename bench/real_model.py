@@ -577,7 +577,13 @@ def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple
 def eval_worker(job: EvalJob) -> None:
     """Decode this worker's prompts with every drafter at every temperature; write each prompt's rounds."""
     from eagle3_core.evaluate.batched import target_generate_batch
-    from eagle3_core.evaluate.measure import DecodeSettings, measure, measure_acceptance, target_references
+    from eagle3_core.evaluate.measure import (
+        DecodeSettings,
+        decode_sampling,
+        measure,
+        measure_acceptance,
+        target_references,
+    )
     from eagle3_core.steps.evaluation import load_target
 
     torch.set_num_threads(job.threads)
@@ -605,7 +611,7 @@ def eval_worker(job: EvalJob) -> None:
                         target_references(target.model, target.aux_layer_ids, ids, target.eos_ids, settings)
                         if job.batch == 1
                         else target_generate_batch(target.model, target.aux_layer_ids, ids, job.max_new_tokens,
-                                                   target.eos_ids, _replies_sampling(temperature, target.device))
+                                                   target.eos_ids, decode_sampling(settings, target.device))
                     )  # fmt: skip
                 replies = references[temperature, set_name]
                 m = (
@@ -623,14 +629,6 @@ def eval_worker(job: EvalJob) -> None:
                 _log(f"  {Path(job.out).stem}: {name} T={temperature} {set_name}: {len(ids)} prompts in "
                      f"{time.perf_counter() - started:.0f} s")  # fmt: skip
                 _write_json(Path(job.out), out)  # what is decoded survives a time limit cutting the rest
-
-
-def _replies_sampling(temperature: float, device: torch.device) -> Any:
-    """How the target alone chooses its replies at `temperature` (seed 0, as the decodes' settings)."""
-    from eagle3_core.evaluate.specdec import Sampling
-
-    generator = torch.Generator(device=device).manual_seed(0) if temperature > 0 else None
-    return Sampling(temperature, generator)
 
 
 def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:

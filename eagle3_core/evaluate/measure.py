@@ -257,7 +257,7 @@ def measure(
     its speed is not timed (each run's speedup is nan). `target_alone` False: no target-alone path at all,
     for acceptance alone (the rounds are the same; no speed against the target, no greedy check)."""
     device = next(model.parameters()).device
-    sampling = _sampling(settings, device)
+    sampling = decode_sampling(settings, device)
 
     # one drafter cache (and one graphed target) for every prompt and K: their CUDA graphs are captured
     # once, during the warm-up
@@ -309,7 +309,7 @@ def measure_acceptance(
     if references is not None and len(references) != len(prompts):
         raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
     device = next(model.parameters()).device
-    sampling = _sampling(settings, device)
+    sampling = decode_sampling(settings, device)
     runs: dict[int, list[PromptRun]] = {k: [] for k in settings.ks}
     mismatches = dict.fromkeys(settings.ks, 0)
     for k in settings.ks:
@@ -327,7 +327,9 @@ def measure_acceptance(
     return Measurement(len(prompts), runs, device.type, mismatches if checked else {})
 
 
-def _sampling(settings: DecodeSettings, device: torch.device) -> Sampling:
+def decode_sampling(settings: DecodeSettings, device: torch.device) -> Sampling:
+    """How `settings` choose tokens on `device`: greedy at temperature 0, else drawn with a generator seeded
+    by settings.seed."""
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     return Sampling(settings.temperature, generator if settings.temperature > 0 else None)
 
@@ -341,7 +343,7 @@ def target_references(
 ) -> list[list[int]]:
     """The target's own reply to each prompt, as `measure` decodes it (greedy: the reference every
     speculative output must equal), for `measure(..., references=)`."""
-    sampling = _sampling(settings, next(model.parameters()).device)
+    sampling = decode_sampling(settings, next(model.parameters()).device)
     capacity = max((len(p) for p in prompts), default=0) + settings.max_new_tokens + 1
     with attention_without_cudnn():
         graphed = (
