@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "al_selection")
     p.add_argument("--target", default="smollm2", help="target.path (toy: the tests' tiny run)")
     p.add_argument("--conversations", type=int, default=80)
+    p.add_argument(
+        "--holdout-fraction", type=float, default=0.3, help="share of the conversations held out (never trained on)"
+    )
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--al-every", type=int, default=10)
     p.add_argument("--al-prompts", type=int, default=12)
@@ -59,7 +62,7 @@ def project(args: argparse.Namespace) -> Path:
         "store": "store",
         "cache": str(REPO / ".cache" / "eagle3"),
         "data": {"dataset": "chat", "sources": [{"kind": "chitchat", "limit": args.conversations}],
-                 "shard_size": args.conversations, "holdout_fraction": 0.3},
+                 "shard_size": args.conversations, "holdout_fraction": args.holdout_fraction},
         "target": {"path": args.target, "device": args.device},
         "regenerate": {"enabled": True, "temperature": 0.0, "max_new_tokens": 64, "max_turns": 1, "batch_size": 16},
         "tokenize": {"max_seq_len": 1024},

@@ -1,6 +1,7 @@
 """The trainer on real shards of a real (tiny) transformers target: learning, exact resume after SIGKILL, DDP,
 and a run's faults (a damaged checkpoint, a second trainer, a full disk) through the real CLI."""
 
+import contextlib
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -296,6 +298,72 @@ def test_two_nodes_train_the_run_one_node_trains_with_the_same_world_size(
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     la, lb = read_metrics(_run_dir(tmp_path / "one")), read_metrics(_run_dir(tmp_path / "two"))
     assert _without_timing(la) == _without_timing(lb)
+
+
+def _kill_node(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL a node as a lost machine dies: its eagle3 train, its torchrun agent and the agent's ranks.
+    torchrun starts each rank in a session of its own, so killing the agent's process group would leave the
+    rank running as an orphan that trains on with the other node."""
+    import psutil
+
+    node = psutil.Process(agent.pid)
+    for process in [node, *node.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended on its own meanwhile
+            process.kill()
+
+
+def test_a_node_lost_mid_run_ends_the_run_and_the_rerun_resumes_it_exactly(
+    shard_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two nodes; once the first checkpoint is written, node 1 (its eagle3 train, torchrun agent and rank) is
+    killed: node 0 ends with the one-line error, and both nodes started again resume from that checkpoint and
+    end where one node of two ranks ends."""
+    short = (
+        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 12, lr: 0.003, "
+        "log_every: 2, eval_every: 12, checkpoint_every: 4, val_fraction: 0.15, seed: 7, optimizer: adamw, %s}\n"
+    )
+    one = _copy(shard_store, tmp_path / "one", train=short % "processes: 2")
+    single = eagle3(one, "train")
+    assert single.returncode == 0, single.stdout + single.stderr
+
+    def start(rank: int, config: Path) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "EAGLE3_NODE_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+
+    two = _copy(
+        shard_store, tmp_path / "two", train=short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+    )
+    node0, node1 = start(0, two), start(1, two)
+    runs = tmp_path / "two" / "store" / "drafter" / "runs"
+    deadline = time.monotonic() + 300
+    while not list(runs.glob("*/checkpoints/step-00000004")) and node1.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    _kill_node(node1)
+    node1.communicate(timeout=60)
+    out0, _ = node0.communicate(timeout=300)
+    assert node0.returncode == 2, out0
+    assert (
+        _error_line(out0).startswith("error: torchrun training exited with status") and "every node" in out0
+    )
+    [run_dir] = list(runs.iterdir())
+    assert not (run_dir / "final").exists() and list_checkpoints(run_dir)
+
+    # a new rendezvous port for the rerun (the old one may linger): not part of the run's identity
+    again = _config(
+        tmp_path / "two", shard_store[1], short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+    )
+    node0, node1 = start(0, again), start(1, again)
+    outputs = [node.communicate(timeout=600)[0] for node in (node0, node1)]
+    assert [node0.returncode, node1.returncode] == [0, 0], "\n".join(outputs)
+    assert any("resuming run" in out for out in outputs)
+    assert [d.name for d in runs.iterdir()] == [run_dir.name]
+    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert _without_timing(read_metrics(_run_dir(tmp_path / "one"))) == _without_timing(read_metrics(run_dir))
 
 
 def test_a_node_without_its_rank_or_a_rendezvous_is_refused_in_one_line(
