@@ -570,6 +570,68 @@ class EvaluateConfig(_Model):
 CRON_ALIASES = {"@hourly", "@daily", "@midnight", "@weekly", "@monthly", "@yearly", "@annually"}
 
 
+class KubernetesTrainingConfig(_Model):
+    """The pod `drafter_checkpoint` trains in under orchestration.training: k8s, started by Dagster's
+    PipesK8sClient (dagster-k8s); its log lines and result come back through Pipes to the asset page."""
+
+    image: str = Field(
+        min_length=1,
+        description="The image the pod runs: eagle3's code-location image (docker/Dockerfile, a CUDA build "
+        "for GPUs), with eagle3 at the version the run uses.",
+    )
+    namespace: str | None = Field(
+        default=None,
+        description="The namespace of the pod. None: the run's own namespace when it runs in a pod, else default.",
+    )
+    kubeconfig: str | None = Field(
+        default=None,
+        description="A kubeconfig file (relative to the config file). None: the in-cluster service account "
+        "when the run runs in a pod, else ~/.kube/config.",
+    )
+    volumes: dict[str, str] = Field(
+        default_factory=dict,
+        description="PersistentVolumeClaims by the path they are mounted at, e.g. {/store: eagle3-store, "
+        "/config: eagle3-config}. The pod must see the config file, the store, the cache and a target given "
+        "as a path at the paths the run sees them: each must lie under one of these (ReadWriteMany where "
+        "runs on other nodes share them).",
+    )
+    gpus: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="nvidia.com/gpu the pod asks for. None: train.processes, or 0 when train.device is cpu.",
+    )
+    shm_size: str = Field(
+        default="16Gi",
+        description="A memory-backed /dev/shm of this size when train.processes > 1 (NCCL and torchrun "
+        "need more than the container runtime's 64 MiB).",
+    )
+    pod_spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further PodSpec fields, as Kubernetes spells them (nodeSelector, tolerations, "
+        "serviceAccountName, imagePullSecrets, ...). The container is eagle3's: containers is refused.",
+    )
+    timeout_hours: Annotated[float, Field(gt=0.0)] | None = Field(
+        default=None,
+        description="Fail the materialization (and delete the pod) when training runs longer. None: wait "
+        "for as long as training takes.",
+    )
+
+    @field_validator("volumes")
+    @classmethod
+    def _absolute_mounts(cls, volumes: dict[str, str]) -> dict[str, str]:
+        relative = [path for path in volumes if not path.startswith("/")]
+        if relative:
+            raise ValueError(f"mount paths must be absolute, got {relative}")
+        return volumes
+
+    @field_validator("pod_spec")
+    @classmethod
+    def _no_containers(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted({"containers", "initContainers", "init_containers", "restartPolicy"} & spec.keys())
+        if taken:
+            raise ValueError(f"{taken} are set by eagle3 (the training container and restartPolicy Never)")
+        return spec
+
+
 class OrchestrationConfig(_Model):
     """What Dagster starts by itself: the inbox sensor (new files become shards) and the nightly retraining."""
 
@@ -597,12 +659,15 @@ class OrchestrationConfig(_Model):
     nightly_timezone: str = Field(
         default="UTC", description="The time zone nightly_cron is read in (IANA name)."
     )
-    training: Literal["in_run", "pipes"] = Field(
+    training: Literal["in_run", "pipes", "k8s"] = Field(
         default="in_run",
         description="Where drafter_checkpoint trains. in_run: in the Dagster run's own process (or the torchrun "
-        "it starts). pipes: `eagle3 train --pipes` as a Dagster Pipes subprocess of the run, whose log lines "
-        "and result come back to the asset page through Pipes, the pattern Dagster's cluster clients share "
-        "(docs/deployment.md).",
+        "it starts). pipes: `eagle3 train --pipes` as a Dagster Pipes subprocess of the run. k8s: the same "
+        "command in a Kubernetes pod (orchestration.k8s). Through Pipes the log lines and the result come "
+        "back to the asset page (docs/deployment.md).",
+    )
+    k8s: KubernetesTrainingConfig | None = Field(
+        default=None, description="The training pod, for orchestration.training: k8s."
     )
 
     @field_validator("nightly_cron")
@@ -625,6 +690,12 @@ class OrchestrationConfig(_Model):
                 f"unknown time zone {name!r} (an IANA name such as 'UTC' or 'Europe/Paris')"
             ) from None
         return name
+
+    @model_validator(mode="after")
+    def _k8s_pod_described(self) -> OrchestrationConfig:
+        if self.training == "k8s" and self.k8s is None:
+            raise ValueError("orchestration.k8s is required with training: k8s (at least its image)")
+        return self
 
 
 class SGLangServerConfig(_Model):

@@ -564,31 +564,46 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     assert speculators["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
 
 
-def test_the_checkpoint_asset_trains_as_a_dagster_pipes_subprocess(
-    shard_store: tuple[Path, Path], tmp_path: Path
+@pytest.mark.parametrize("where", ["pipes", "k8s"])
+def test_the_checkpoint_asset_trains_as_a_dagster_pipes_process(
+    shard_store: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """orchestration.training: pipes: drafter_checkpoint starts `eagle3 train --pipes` through Dagster's
-    PipesSubprocessClient; the trainer's log lines and its page (numbers, accuracy table) come back through
-    Pipes, and the run trained is the one an in-run materialization would train."""
+    """orchestration.training pipes or k8s: drafter_checkpoint starts `eagle3 train --pipes` through Dagster's
+    PipesSubprocessClient, or in a pod through dagster-k8s's PipesK8sClient (against tests/k8s_api_stub.py, a
+    stand-in for a cluster, which runs the pod's command here); the trainer's log lines and its page
+    (numbers, accuracy table) come back through Pipes, and the run trained is the one an in-run
+    materialization would train."""
     import dagster as dg
 
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, vocab_mapping
     from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
     from eagle3_dagster.materialize import SHARD_ASSETS
+    from tests.k8s_api_stub import KubernetesApiStub
 
-    short = (
-        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, "
-        "eval_every: 4, checkpoint_every: 4, val_fraction: 0.15}\norchestration: {training: pipes}\n"
-    )
-    config = _copy(shard_store, tmp_path / "p", train=short)
-    eagle3_resource = Eagle3Resource(config_path=str(config))
-    instance = dg.DagsterInstance.ephemeral()
-    result = dg.materialize(
-        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint],
-        selection=[vocab_mapping, drafter_checkpoint],
-        instance=instance,
-        resources={"eagle3": eagle3_resource, "target": TargetResource(eagle3=eagle3_resource)},
-    )
+    with contextlib.ExitStack() as stack:
+        orchestration = "{training: pipes}"
+        if where == "k8s":
+            stub = stack.enter_context(KubernetesApiStub())
+            kubeconfig = stub.kubeconfig(tmp_path / "kubeconfig")
+            orchestration = (
+                f"{{training: k8s, k8s: {{image: 'eagle3:test', namespace: ml, kubeconfig: '{kubeconfig}', "
+                f"volumes: {{'{tmp_path}': project, '{shard_store[1]}': toy-target}}}}}}"
+            )
+            # the pod's `python` is the image's; here, the one running the tests
+            monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        short = (
+            "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 4, log_every: 2, "
+            f"eval_every: 4, checkpoint_every: 4, val_fraction: 0.15, device: cpu}}\norchestration: {orchestration}\n"
+        )
+        config = _copy(shard_store, tmp_path / "p", train=short)
+        eagle3_resource = Eagle3Resource(config_path=str(config))
+        instance = dg.DagsterInstance.ephemeral()
+        result = dg.materialize(
+            [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint],
+            selection=[vocab_mapping, drafter_checkpoint],
+            instance=instance,
+            resources={"eagle3": eagle3_resource, "target": TargetResource(eagle3=eagle3_resource)},
+        )
     assert result.success
     [event] = [
         e.step_materialization_data.materialization
@@ -601,6 +616,12 @@ def test_the_checkpoint_asset_trains_as_a_dagster_pipes_subprocess(
     logs = [r.user_message for r in instance.all_logs(result.run_id)]
     assert any("training run" in m for m in logs), "the trainer's log lines did not come back through Pipes"
     assert (_run_dir(tmp_path / "p") / "final" / "summary.json").exists()
+    if where == "k8s":
+        [pod] = stub.created
+        [container] = pod["spec"]["containers"]
+        assert container["command"][-2:] == ["train", "--pipes"] and pod["metadata"]["namespace"] == "ml"
+        assert "resources" not in container  # train.device cpu: no GPU asked for
+        assert stub.deleted == [pod["metadata"]["name"]]
 
 
 def test_batches_hold_the_stored_rows_cut_to_max_len_and_zero_padding(

@@ -37,6 +37,13 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
         ("data: {shard_sise: 10}\n", "data.shard_sise", "Extra inputs"),
         ("data: {sources: [{kind: file}]}\n", "data.sources.0.path", "Field required"),
         ("data: {dataset: My-Data}\n", "data.dataset", "pattern"),
+        ("orchestration: {training: k8s}\n", "orchestration", "orchestration.k8s is required"),
+        ("orchestration: {k8s: {image: e, volumes: {store: c}}}\n", "orchestration.k8s.volumes", "absolute"),
+        (
+            "orchestration: {k8s: {image: e, pod_spec: {containers: []}}}\n",
+            "orchestration.k8s.pod_spec",
+            "set by eagle3",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(tmp_path: Path, text: str, field: str, fragment: str) -> None:

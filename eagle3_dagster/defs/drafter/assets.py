@@ -8,6 +8,7 @@ from eagle3_core.steps import drafter
 from eagle3_core.steps.serving import serve_commands, serve_markdown
 from eagle3_dagster.defs.automation import after_its_parent, when_every_shard_is_done
 from eagle3_dagster.defs.data.assets import hidden_states
+from eagle3_dagster.defs.drafter.pipes import train_through_pipes
 from eagle3_dagster.defs.metadata import step_metadata, training_metadata
 from eagle3_dagster.defs.resources import Eagle3Resource
 
@@ -35,10 +36,10 @@ def vocab_mapping(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> 
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
     """The EAGLE-3 drafter trained with training-time test on every shard; resumes a run cut short. Under
-    orchestration.training: pipes, as a Dagster Pipes subprocess that reports the same page."""
-    if eagle3.config().orchestration.training == "pipes":
-        command = drafter.pipes_command(eagle3.resolved_path())
-        return dg.PipesSubprocessClient().run(command=command, context=context).get_materialize_result()
+    orchestration.training pipes or k8s, as a Dagster Pipes subprocess or pod that reports the same page."""
+    cfg = eagle3.config()
+    if cfg.orchestration.training != "in_run":
+        return train_through_pipes(context, cfg, eagle3.resolved_path())
     result = drafter.launch_training(eagle3.resolved_path(), context.log.info)
     return dg.MaterializeResult(metadata=training_metadata(result))
 
