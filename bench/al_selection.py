@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--holdout-fraction", type=float, default=0.3, help="share of the conversations held out (never trained on)"
     )
     p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--lr", type=float, default=None, help="train.lr (default: eagle3's)")
+    p.add_argument("--schedule", choices=["cosine", "linear", "constant"], default=None)
     p.add_argument("--al-every", type=int, default=10)
     p.add_argument("--al-prompts", type=int, default=12)
     p.add_argument(
@@ -74,6 +76,7 @@ def project(args: argparse.Namespace) -> Path:
                      "max_prompts": args.al_prompts + args.compare_prompts,
                      "max_new_tokens": args.max_new_tokens},
     }  # fmt: skip
+    config["train"] |= {k: v for k, v in (("lr", args.lr), ("schedule", args.schedule)) if v is not None}
     args.workdir.mkdir(parents=True, exist_ok=True)
     path = args.workdir / "eagle3.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

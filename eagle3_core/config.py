@@ -393,8 +393,10 @@ class TrainConfig(_Model):
         default="muon",
         description="muon: torch.optim.Muon on the 2-D weights of fc and the decoder layer, AdamW on the rest.",
     )
-    schedule: Literal["cosine", "linear"] = Field(
-        default="linear", description="Learning-rate decay to zero after the warmup."
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="linear",
+        description="Learning-rate decay to zero after the warmup (cosine, linear), or none (constant: the "
+        "rate stays train.lr, and the last steps move the weights as much as any).",
     )
     loss: Literal["kl", "lk_hybrid"] = Field(
         default="kl",

@@ -1,5 +1,6 @@
 """A stand-in for the Kubernetes API server, which cannot run here: just enough of its pod API for
-dagster-k8s's `PipesK8sClient.run` (and the `wait_for_pod` it calls) to run a pod end to end. A pod is a local
+dagster-k8s's `PipesK8sClient.run` (and the `wait_for_pod` it calls) to run a pod end to end, and of its Job API
+for `K8sRunLauncher.launch_run` to create a run's Job (recorded, never run). A pod is a local
 process group: its first container's `command` + `args`, with the container's `env` over os.environ, in the
 current directory (the image is ignored); like a container, it ends when that first process does.
 
@@ -9,6 +10,7 @@ Served, namespace from the URL; anything else is a 404 with a Status:
   GET    /api/v1/namespaces/{ns}/pods/{name}
   GET    /api/v1/namespaces/{ns}/pods/{name}/log   follow (chunked), timestamps, tailLines; sinceSeconds ignored
   DELETE /api/v1/namespaces/{ns}/pods/{name}       kills the pod's processes
+  POST   /apis/batch/v1/namespaces/{ns}/jobs       records the Job (no pod is started for it)
 
 A pod reads Running (its container running and ready) while its process runs and for at least
 `min_running_seconds` after it started, like a kubelet yet to notice a quick exit, so that `wait_for_pod`
@@ -36,6 +38,7 @@ import yaml
 from tests.fakes import FakeHandler, FakeHTTPServer
 
 ROUTE = re.compile(r"/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?")
+JOBS = re.compile(r"/apis/batch/v1/namespaces/([^/]+)/jobs")
 
 
 def _rfc3339(seconds: float) -> str:
@@ -108,13 +111,15 @@ class _Pod:
 
 class KubernetesApiStub:
     """The API on a free loopback port while in a `with`. `created`: the pod bodies POSTed (camelCase, as the
-    client sent them, with the namespace of the URL in their metadata); `deleted`: the names deleted. On exit the pods' processes are killed, and the
-    kubernetes client's default configuration (which loading the kubeconfig replaces) is put back."""
+    client sent them, with the namespace of the URL in their metadata); `deleted`: the names deleted; `jobs`: the
+    Job bodies POSTed, as `created`. On exit the pods' processes are killed, and the kubernetes client's default
+    configuration (which loading the kubeconfig replaces) is put back."""
 
     def __init__(self, min_running_seconds: float = 0.5) -> None:
         self.min_running_seconds = min_running_seconds
         self.created: list[dict[str, Any]] = []
         self.deleted: list[str] = []
+        self.jobs: list[dict[str, Any]] = []
         self.pods: dict[tuple[str, str], _Pod] = {}
         self._started: list[_Pod] = []  # deleted ones too
         self._lock = threading.Lock()
@@ -152,6 +157,16 @@ class KubernetesApiStub:
             threading.Thread(target=work, daemon=True).start()
         return pod
 
+    def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The Job recorded, or None when one of its name exists in its namespace."""
+        body = {**body, "metadata": {**body["metadata"], "namespace": namespace}}
+        key = (namespace, body["metadata"]["name"])
+        with self._lock:
+            if any((j["metadata"]["namespace"], j["metadata"]["name"]) == key for j in self.jobs):
+                return None
+            self.jobs.append(body)
+        return body
+
     def delete(self, namespace: str, name: str) -> _Pod | None:
         with self._lock:
             pod = self.pods.pop((namespace, name), None)
@@ -183,6 +198,12 @@ class _Handler(FakeHandler):
         stub, url, method = self.server.state, urlsplit(self.path), self.command
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         body = self.json_body() if int(self.headers.get("Content-Length") or 0) else None
+        if (jobs := JOBS.fullmatch(url.path)) and method == "POST" and body:
+            if job := stub.create_job(jobs.group(1), body):
+                return self.reply(201, job)
+            return self.reply(
+                409, _status(409, "AlreadyExists", f'jobs.batch "{body["metadata"]["name"]}" exists')
+            )
         route = ROUTE.fullmatch(url.path)
         namespace, name, log = route.groups() if route else ("", None, None)
         pod = stub.pods.get((namespace, name)) if name else None

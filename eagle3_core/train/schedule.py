@@ -17,10 +17,12 @@ from eagle3_core.train.data import Rows, SampleRef, plan_epoch, plan_packed_epoc
 
 
 def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_ratio of the steps, then cosine or linear decay to zero."""
+    """Linear warmup over warmup_ratio of the steps, then cosine or linear decay to zero, or constant."""
     warmup = max(1, round(cfg.warmup_ratio * total))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if cfg.schedule == "linear":
         return cfg.lr * (1.0 - progress)

@@ -12,7 +12,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import dagster as dg
 import pytest
@@ -21,53 +20,20 @@ from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
 from eagle3_dagster.materialize import QUIET, SHARD_ASSETS, add_shard_partitions
-from tests.conftest import FIXTURES, REPO, in_ci, write_config
+from tests.conftest import FIXTURES, REPO, write_config
 from tests.helpers import save_tiny_chat_target
-from tests.postgres_server import PostgresServer, postgres_bin_dir, running_postgres
+from tests.postgres_server import PostgresServer
 
 DOCKER_DAGSTER_YAML = REPO / "docker" / "dagster.yaml"
 
 
-def _missing(reason: str) -> NoReturn:
-    if in_ci():
-        pytest.fail(f"{reason} (CI=true: the deployment's storage test must run)")
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        _missing("PostgreSQL's server binaries are not installed (Debian: apt-get install postgresql)")
-    try:
-        import dagster_postgres  # noqa: F401
-        import psycopg2  # noqa: F401
-    except ImportError as err:
-        _missing(f"{err.name} is not installed (make installs dagster-postgres and psycopg2-binary)")
-    with running_postgres(bin_dir) as server:
-        yield server
-
-
 @pytest.fixture
-def postgres_home(
-    tmp_path: Path, postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Path]:
-    """A DAGSTER_HOME whose dagster.yaml is docker/dagster.yaml, byte for byte, on a database of its own."""
-    import psycopg2
-
-    db_name = f"dagster_{os.urandom(4).hex()}"
-    conn = psycopg2.connect(postgres.dsn())
-    try:
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{db_name}"')
-    finally:
-        conn.close()
+def postgres_home(tmp_path: Path, postgres_database: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A DAGSTER_HOME whose dagster.yaml is docker/dagster.yaml, byte for byte, on a database of its own
+    (`postgres_database`, tests/integration/conftest.py, with the server started once for the module)."""
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copyfile(DOCKER_DAGSTER_YAML, home / "dagster.yaml")
-    for name, value in {**postgres.dagster_env(), "DAGSTER_POSTGRES_DB": db_name}.items():
-        monkeypatch.setenv(name, value)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     yield home
 

@@ -161,6 +161,13 @@ def test_learning_rate_warms_up_then_decays_to_zero(schedule: Literal["cosine", 
     assert lrs[-1] == pytest.approx(1e-3 / 90) if schedule == "linear" else lrs[-1] < 1e-6
 
 
+def test_a_constant_learning_rate_warms_up_then_stays_at_lr() -> None:
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.1, schedule="constant")
+    lrs = [learning_rate(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == 1e-4 and all(a < b for a, b in itertools.pairwise(lrs[:10]))
+    assert lrs[9:] == [1e-3] * 91
+
+
 def test_checkpoints_are_whole_or_absent_and_pruned(tmp_path: Path) -> None:
     w = {"fc.weight": torch.randn(3, 4)}
     opt = {
