@@ -90,6 +90,23 @@ def straight_run(
     return project, done
 
 
+# Two ranks, on one node or on two: 12 steps with a checkpoint every 4, so a node can be lost mid-run
+TWO_RANKS = (
+    "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 12, lr: 0.003, log_every: 2, "
+    "eval_every: 12, checkpoint_every: 4, val_fraction: 0.15, seed: 7, optimizer: adamw, %s}\n"
+)
+
+
+@pytest.fixture(scope="module")
+def one_node_of_two_ranks(shard_store: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project of one uninterrupted TWO_RANKS run on one node of two ranks, which the two-node runs
+    (whole, and with a node lost) must end at."""
+    project = tmp_path_factory.mktemp("one_node") / "p"
+    done = eagle3(_copy(shard_store, project, train=TWO_RANKS % "processes: 2"), "train")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return project
+
+
 def _final_weights(project: Path) -> dict[str, torch.Tensor]:
     layout = StoreLayout(project / "store")
     final = layout.from_pointer(json.loads(layout.drafter_latest.read_text())["final"])
@@ -262,41 +279,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _start_node(rank: int, config: Path) -> subprocess.Popen[str]:
+    """`eagle3 train` as node `rank` of the config's nodes. OMP_NUM_THREADS 1 as on one node of two ranks:
+    torchrun sets it itself only for several ranks a node, and a second intra-op thread sums in another order."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "EAGLE3_NODE_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
 def test_two_nodes_train_the_run_one_node_trains_with_the_same_world_size(
-    shard_store: tuple[Path, Path], tmp_path: Path
+    shard_store: tuple[Path, Path], one_node_of_two_ranks: Path, tmp_path: Path
 ) -> None:
     """Two torchrun agents started as two nodes on 127.0.0.1 (c10d rendezvous, one gloo rank each) against
     one node of two ranks: the same batches per rank and the same averaging, so the same weights, bit for bit,
     and the same metric log."""
-    short = (
-        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 6, lr: 0.003, log_every: 2, "
-        "eval_every: 6, checkpoint_every: 3, val_fraction: 0.15, seed: 7, optimizer: adamw, %s}\n"
-    )
-    one = _copy(shard_store, tmp_path / "one", train=short % "processes: 2")
+    one = one_node_of_two_ranks
     two = _copy(
-        shard_store, tmp_path / "two", train=short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
     )
-    single = eagle3(one, "train")
-    assert single.returncode == 0, single.stdout + single.stderr
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "eagle3_cli.steps", "--config", str(two), "train"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "EAGLE3_NODE_RANK": str(rank), "OMP_NUM_THREADS": "1"},
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    # OMP_NUM_THREADS 1 on both nodes as on the one: torchrun sets it itself only for several ranks a node,
-    # and a second intra-op thread sums in another order
+    agents = [_start_node(rank, two) for rank in (0, 1)]
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     assert all("--nnodes=2" in out and "--rdzv-backend=c10d" in out for out in outputs)
     assert "vocab mapping" in outputs[0] and "vocab mapping" not in outputs[1]  # node 0 built it, once
     summary = json.loads((_run_dir(tmp_path / "two") / "final" / "summary.json").read_text())
     assert summary["world_size"] == 2
-    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    a, b = _final_weights(one), _final_weights(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    la, lb = read_metrics(_run_dir(tmp_path / "one")), read_metrics(_run_dir(tmp_path / "two"))
+    la, lb = read_metrics(_run_dir(one)), read_metrics(_run_dir(tmp_path / "two"))
     assert _without_timing(la) == _without_timing(lb)
 
 
@@ -313,30 +325,16 @@ def _kill_node(agent: subprocess.Popen[str]) -> None:
 
 
 def test_a_node_lost_mid_run_ends_the_run_and_the_rerun_resumes_it_exactly(
-    shard_store: tuple[Path, Path], tmp_path: Path
+    shard_store: tuple[Path, Path], one_node_of_two_ranks: Path, tmp_path: Path
 ) -> None:
     """Two nodes; once the first checkpoint is written, node 1 (its eagle3 train, torchrun agent and rank) is
     killed: node 0 ends with the one-line error, and both nodes started again resume from that checkpoint and
     end where one node of two ranks ends."""
-    short = (
-        "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, max_steps: 12, lr: 0.003, "
-        "log_every: 2, eval_every: 12, checkpoint_every: 4, val_fraction: 0.15, seed: 7, optimizer: adamw, %s}\n"
-    )
-    one = _copy(shard_store, tmp_path / "one", train=short % "processes: 2")
-    single = eagle3(one, "train")
-    assert single.returncode == 0, single.stdout + single.stderr
-
-    def start(rank: int, config: Path) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "eagle3_cli.steps", "--config", str(config), "train"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "EAGLE3_NODE_RANK": str(rank), "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
 
     two = _copy(
-        shard_store, tmp_path / "two", train=short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
     )
-    node0, node1 = start(0, two), start(1, two)
+    node0, node1 = _start_node(0, two), _start_node(1, two)
     runs = tmp_path / "two" / "store" / "drafter" / "runs"
     deadline = time.monotonic() + 300
     while not list(runs.glob("*/checkpoints/step-00000004")) and node1.poll() is None:
@@ -354,16 +352,18 @@ def test_a_node_lost_mid_run_ends_the_run_and_the_rerun_resumes_it_exactly(
 
     # a new rendezvous port for the rerun (the old one may linger): not part of the run's identity
     again = _config(
-        tmp_path / "two", shard_store[1], short % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        tmp_path / "two", shard_store[1], TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
     )
-    node0, node1 = start(0, again), start(1, again)
+    node0, node1 = _start_node(0, again), _start_node(1, again)
     outputs = [node.communicate(timeout=600)[0] for node in (node0, node1)]
     assert [node0.returncode, node1.returncode] == [0, 0], "\n".join(outputs)
     assert any("resuming run" in out for out in outputs)
     assert [d.name for d in runs.iterdir()] == [run_dir.name]
-    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    a, b = _final_weights(one_node_of_two_ranks), _final_weights(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    assert _without_timing(read_metrics(_run_dir(tmp_path / "one"))) == _without_timing(read_metrics(run_dir))
+    assert _without_timing(read_metrics(_run_dir(one_node_of_two_ranks))) == _without_timing(
+        read_metrics(run_dir)
+    )
 
 
 def test_a_node_without_its_rank_or_a_rendezvous_is_refused_in_one_line(
