@@ -6,10 +6,11 @@
 SmolLM2's own greedy replies to a small set of chitchat conversations are regenerated and extracted (the
 `eagle3` steps), and a drafter is trained on them for many epochs with the acceptance length measured during
 training (`train.al_every`, `train.keep: best_al`, no overhead cap so that every due step is measured). Then
-the kept weights (`final/`) and the last step's (its checkpoint) decode the same further held-out prompts,
-ones the in-training measurement never saw, and the paired difference kept minus last is reported with its
-95% interval: keeping the best should never be worse than keeping the last beyond noise. The result goes to
-bench/results/al_selection_<device>.json.
+the kept weights (`final/`), the best measured step's (`best/`) and the last step's (its checkpoint) decode
+the same further held-out prompts, ones the in-training measurement never saw, and the paired differences
+against the last are reported with their 95% intervals: the kept weights should never be worse than the last
+beyond noise, and when the run keeps its last step, the best measured one should not beat it there either.
+The result goes to bench/results/al_selection_<device>.json.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2", help="target.path (toy: the tests' tiny run)")
     p.add_argument("--conversations", type=int, default=80)
     p.add_argument(
-        "--holdout-fraction", type=float, default=0.3, help="share of the conversations held out (never trained on)"
+        "--holdout-fraction",
+        type=float,
+        default=0.3,
+        help="share of the conversations held out (never trained on)",
     )
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=None, help="train.lr (default: eagle3's)")
@@ -83,13 +87,15 @@ def project(args: argparse.Namespace) -> Path:
     return path
 
 
-def compare_kept_and_last(config: Path, run_dir: Path, summary: RunSummary, args: argparse.Namespace) -> Any:
-    """Kept and last weights decoded on the held-out prompts after the ones measured during training."""
+def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: argparse.Namespace) -> Any:
+    """The kept weights (`final/`) and the best measured step's (`best/`) against the last step's, decoded on
+    the held-out prompts after the ones measured during training. Weights of one step are decoded once."""
     from safetensors.torch import load_file
 
     from eagle3_core.evaluate.prompts import heldout_prompts
     from eagle3_core.steps.evaluation import encode_fitting, load_target
     from eagle3_core.train.checkpoint import WEIGHTS, checkpoint_dir
+    from eagle3_core.train.selection import BEST
 
     cfg = load_config(config)
     target = load_target(cfg, lambda _m: None)
@@ -98,24 +104,42 @@ def compare_kept_and_last(config: Path, run_dir: Path, summary: RunSummary, args
     ids = [encoded for _, encoded in encode_fitting(target.tokenizer, prompts, room)][args.al_prompts :]
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     kept, mapping, _ = load_trained(run_dir / "final", embed)
-    last = copy.deepcopy(kept)
-    last_dir = checkpoint_dir(run_dir, summary.steps)
-    load_drafter_state(last, load_file(str(last_dir / WEIGHTS)), last_dir)
+    chosen = summary.selection
+    best_step = max(reversed(read_al_rows(run_dir)), key=lambda r: r.al).step  # ties: the later step
+    if json.loads((run_dir / BEST / "rounds.json").read_text())["step"] != best_step:
+        sys.exit(f"{run_dir / BEST} does not hold the best measured step {best_step}")
+    steps = {"kept": chosen.kept_step if chosen else summary.steps, "best_measured": best_step,
+             "last": summary.steps}  # fmt: skip
+    sources = {
+        summary.steps: checkpoint_dir(run_dir, summary.steps) / WEIGHTS,
+        best_step: run_dir / BEST / WEIGHTS,
+    }
     dtype = next(target.model.parameters()).dtype
     settings = DecodeSettings((3,), args.max_new_tokens, 0.0, 0)
-    runs = {}
-    for name, drafter in (("kept", kept), ("last", last)):
+    runs: dict[int, Any] = {}
+    for step in sorted(set(steps.values())):
+        drafter = copy.deepcopy(kept)
+        if step != steps["kept"]:
+            load_drafter_state(drafter, load_file(str(sources[step])), sources[step].parent)
         d = drafter.to(target.device, dtype).eval()
         m = measure(target.model, d, mapping.d2t.to(target.device), target.aux_layer_ids, ids, target.eos_ids,
-                    settings)  # fmt: skip
-        runs[name] = m.runs[3]
-    diff = paired_al_difference(runs["kept"], runs["last"])
+                    settings, target_alone=False)  # fmt: skip
+        runs[step] = m.runs[3]
+    last = runs[steps["last"]]
     return {
         "prompts": len(ids),
-        "kept_al": round(pooled_runs_al(runs["kept"], 3), 4),
-        "last_al": round(pooled_runs_al(runs["last"], 3), 4),
-        "kept_minus_last": diff.as_dict(),
+        "steps": steps,
+        "al": {name: round(pooled_runs_al(runs[step], 3), 4) for name, step in steps.items()},
+        "minus_last": {
+            name: paired_al_difference(runs[step], last).as_dict()
+            for name, step in steps.items()
+            if name != "last"
+        },
     }
+
+
+def read_al_rows(run_dir: Path) -> list[ALRow]:
+    return [r for r in read_metrics(run_dir) if isinstance(r, ALRow)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     layout = StoreLayout(load_config(config).store_root)
     run_dir = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final).parent
     summary = RunSummary.read(run_dir / "final" / SUMMARY)
-    rows = [r.dump() for r in read_metrics(run_dir) if isinstance(r, ALRow)]
+    rows = [r.dump() for r in read_al_rows(run_dir)]
     started = time.perf_counter()
-    comparison = compare_kept_and_last(config, run_dir, summary, args)
+    comparison = compare_with_last(config, run_dir, summary, args)
     seconds["compare"] = round(time.perf_counter() - started, 1)
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -163,8 +163,14 @@ def test_the_selection_bench_compares_kept_and_last_on_further_prompts(
     assert result["selection"]["kept_step"] in [r["step"] for r in rows]
     further = result["on_further_heldout_prompts"]
     assert further["prompts"] == 2
-    low, high = further["kept_minus_last"]["ci95"]
-    assert low <= further["kept_minus_last"]["difference"] <= high
+    steps = further["steps"]
+    best = max(reversed(rows), key=lambda r: r["al"])  # the highest measured AL, the later of a tie
+    assert steps == {"kept": result["selection"]["kept_step"], "best_measured": best["step"],
+                     "last": result["steps"]}  # fmt: skip
+    for name in ("kept", "best_measured"):  # the pooled difference of the two decodes, 0 against itself
+        difference = further["minus_last"][name]["difference"]
+        assert difference == pytest.approx(further["al"][name] - further["al"]["last"], abs=1e-3)
+        assert difference == 0.0 or steps[name] != steps["last"]
 
 
 def test_the_batched_evaluation_bench_runs_on_a_trained_project(project: Path, tmp_path: Path) -> None:
