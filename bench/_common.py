@@ -27,17 +27,20 @@ def save_random_target(
     intermediate: int,
     init_device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    heads: int | None = None,
+    kv_heads: int | None = None,
 ) -> Path:
     """A random-weight Llama saved like a real checkpoint; on cuda a wide one initialises in seconds, and
-    bfloat16 halves its files (a 5B-parameter target at hidden 7168 is 10 GB)."""
+    bfloat16 halves its files (a 5B-parameter target at hidden 7168 is 10 GB). Attention heads default to
+    hidden / 64 of them and hidden / 128 key/value heads."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128),
+        num_attention_heads=heads or max(1, hidden // 64),
+        num_key_value_heads=kv_heads or max(1, hidden // 128),
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )

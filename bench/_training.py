@@ -51,9 +51,13 @@ class DataSpec:
     extract_batch_tokens: int = 16384
     prompt_share: float = 0.0  # each sample's first share of tokens is loss-masked, as a chat's prompt is
     store_dtype: str = "bfloat16"  # extract.store_dtype of the shards
+    heads: int | None = None  # the target's attention heads (None: save_random_target's default)
+    kv_heads: int | None = None
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        # fields left unset stay out, so a spec without them keeps the key (and the data) it had before them
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ def _build(root: Path, spec: DataSpec, log: Log) -> dict[str, Any]:
         intermediate=spec.intermediate,
         init_device=spec.device,
         dtype=torch.bfloat16 if spec.device == "cuda" else torch.float32,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
     )
     log(f"  random target saved ({time.perf_counter() - started:.0f}s)")
     target = TransformersTarget(target_dir, TargetConfig(device=spec.device))

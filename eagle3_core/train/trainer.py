@@ -528,8 +528,13 @@ def _run(
     log(
         f"training run {run_dir.name}: {len(train_refs)} samples "
         f"({f'{len(val_refs)} validation' if val_refs else 'no validation samples'}), {len(plan)} steps, "
-        f"{world.size} process(es) on {world.device}, attention {s.attention}, "
+        f"{world.size} process(es) on {world.device}{', FSDP' if s.sharded else ''}, attention {s.attention}, "
         f"{'bf16 autocast' if s.autocast_bf16 else 'float32'}"
+        + (
+            ", train.sharding fsdp: one process shards nothing"
+            if cfg.sharding == "fsdp" and not s.sharded
+            else ""
+        )
     )
     started = time.perf_counter()
     _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log, selector)

@@ -239,6 +239,7 @@ def test_fsdp_trains_as_ddp_does_and_their_checkpoints_resume_under_each_other(
         config = _copy(shard_store, tmp_path / sharding, train=FSDP_TRAIN % sharding)
         done = eagle3(config, "train", "--nproc", "2")
         assert done.returncode == 0, done.stdout + done.stderr
+        assert ("2 process(es) on cpu, FSDP," in done.stdout) == (sharding == "fsdp"), done.stdout
         runs[sharding] = tmp_path / sharding
     ddp, fsdp = (read_metrics(_run_dir(runs[k])) for k in ("ddp", "fsdp"))
     assert [(r.kind, r.step) for r in ddp] == [(r.kind, r.step) for r in fsdp]
