@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
         "steps": summary.steps,
-        "seconds": seconds,
+        "seconds": seconds,  # of this invocation: a rerun of a finished run only compares
+        "training_loop_seconds": summary.seconds,  # the run's own, measuring included
         "al_during_training": rows,
         "selection": summary.selection.dump() if summary.selection else None,
         "on_further_heldout_prompts": comparison,
