@@ -15,7 +15,9 @@ where it was.
 The measurements are bounded in time by `train.al_overhead` of the training time projected for the whole
 run: the first is taken when it falls due (it also loads the target, so it tells what one costs); after it, a
 due measurement is taken only when it and the last step's, at the latest one's cost, still fit in the budget
-(skips are logged). The last step is always measured.
+(skips are logged). The last step is always measured. At the last step, a best measured step that leads
+the last within noise is decoded with it on `train.al_confirm_prompts` further prompts, the choice then made
+over all of them, when that still fits in the same budget.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from eagle3_core.evaluate.measure import (
 )
 from eagle3_core.store.atomic import atomic_directory
 from eagle3_core.store.records import ALRow, ALSelection, KeptRounds
-from eagle3_core.train.run_dir import drafter_state
+from eagle3_core.train.run_dir import drafter_state, load_drafter_state
 from eagle3_core.train.selection import BEST
 
 BEST_WEIGHTS = "drafter.safetensors"
@@ -57,8 +59,13 @@ class ALProbe(Protocol):
     k: int
     prompts: int
     fingerprint: str
+    confirm_prompts: int  # further prompts `confirm` decodes (0: none)
 
     def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]: ...
+
+    def confirm(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        """The drafter on the further prompts, decoded as `measure` decodes its own."""
+        ...
 
 
 @dataclass
@@ -80,19 +87,22 @@ class ALSelector:
         self.start_step = 0  # the step this process started training from
         self.spent = 0.0  # seconds measuring, in this process
         self.latest_cost = 0.0  # seconds the latest measurement took
+        self.total: int | None = None  # the run's last step, once `due` has been asked
+        self.projected: float | None = None  # seconds of training projected for the run, at the latest `due`
 
     # ---- when -----------------------------------------------------------------------------------------------
     def due(self, step: int, total: int, elapsed: float) -> bool:
         """Whether to measure at `step` of `total`; `elapsed`: seconds since training started in this process."""
-        every = self.cfg.al_every
+        every, self.total = self.cfg.al_every, total
+        training = max(elapsed - self.spent, 1e-9)
+        projected = training * (total - self.start_step) / max(step - self.start_step, 1)
+        self.projected = projected
         if step == total:
             return True
         if every is None or step % every:
             return False
         if self.cfg.al_overhead is None or self.latest_cost == 0.0:
             return True
-        training = max(elapsed - self.spent, 1e-9)
-        projected = training * (total - self.start_step) / max(step - self.start_step, 1)
         needed = self.spent + 2 * self.latest_cost  # this measurement and the last step's
         if needed > self.cfg.al_overhead * projected:
             self.log(
@@ -118,6 +128,8 @@ class ALSelector:
         ):
             self._keep(drafter, self.last)
         a = acceptance((x for r in runs for x in r.accepted), k)
+        if step == self.total:
+            self._confirm(drafter)
         kept_step = self._kept().step
         self.log(
             f"step {step}: AL {a.acceptance_length:.3f} at K={k} on {len(runs)} held-out prompts "
@@ -143,6 +155,39 @@ class ALSelector:
             return last
         low, _ = paired_al_difference(best.runs, last.runs).ci95
         return best if low > 0 else last
+
+    def _confirm(self, last_drafter: Eagle3Drafter) -> None:
+        """At the last step, when the best measured step leads the last but not beyond noise: both decoded on
+        the probe's further prompts, and each one's rounds extended by them, so that the choice is made over
+        all the prompts (a small decline hides in a few prompts' noise)."""
+        best, last, k = self.best, self.last, self.probe.k
+        if best is None or last is None or best.step == last.step or self.best_weights is None:
+            return
+        if self.probe.confirm_prompts == 0 or pooled_runs_al(best.runs, k) <= pooled_runs_al(last.runs, k):
+            return
+        if paired_al_difference(best.runs, last.runs).ci95[0] > 0:
+            return
+        cost = 2 * self.latest_cost * self.probe.confirm_prompts / max(len(last.runs), 1)  # as measured
+        budget = self.cfg.al_overhead
+        if budget is not None and self.projected is not None and self.spent + cost > budget * self.projected:
+            self.log(
+                f"step {best.step} led the last step within noise; not decoded on {self.probe.confirm_prompts} more "
+                f"prompts: about {cost:.0f} s more would put measuring over train.al_overhead {budget}"
+            )
+            return
+        started = time.perf_counter()
+        best_drafter = Eagle3Drafter(
+            last_drafter.cfg
+        )  # its embedding stays unset: the probe puts in the target's
+        load_drafter_state(best_drafter, self.best_weights, self.best_dir)
+        self.best = Measured(best.step, best.runs + self.probe.confirm(best_drafter))
+        self.last = Measured(last.step, last.runs + self.probe.confirm(last_drafter))
+        seconds = time.perf_counter() - started
+        self.spent += seconds
+        self.log(
+            f"step {best.step} led the last step within noise on {len(best.runs)} prompts: both decoded on "
+            f"{self.probe.confirm_prompts} more ({seconds:.1f} s), the choice made on all of them"
+        )
 
     def _keep(self, drafter: Eagle3Drafter, measured: Measured) -> None:
         """best/: the weights and rounds of `measured`, whole or absent (written before they are relied on)."""

@@ -213,13 +213,21 @@ class TrainingProbe:
     none); the target alone is never decoded (acceptance needs only the speculative rounds)."""
 
     def __init__(
-        self, cfg: Eagle3Config, model_dir: Path, prompts: list[list[int]], d2t: torch.Tensor, log: Log
+        self,
+        cfg: Eagle3Config,
+        model_dir: Path,
+        prompts: list[list[int]],
+        d2t: torch.Tensor,
+        log: Log,
+        further: list[list[int]] | None = None,
     ) -> None:
         from eagle3_core.steps.drafter import export_dtype
 
         ev, tr = cfg.evaluate, cfg.train
         self.cfg, self.log, self.d2t = cfg, log, d2t
         self.k, self.prompts, self.ids = ev.gate_k, len(prompts), prompts
+        self.further = further or []  # the next held-out prompts, for `confirm`
+        self.confirm_prompts = len(self.further)
         self.export_dtype = export_dtype(cfg, model_dir)
         self.settings = DecodeSettings((ev.gate_k,), tr.al_max_new_tokens, ev.temperature, ev.seed)
         described = json.dumps([asdict(self.settings), prompts, str(self.export_dtype)])
@@ -227,10 +235,16 @@ class TrainingProbe:
         self.target: Target | None = None
 
     def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        return self._decode(drafter, self.ids)
+
+    def confirm(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        return self._decode(drafter, self.further)
+
+    def _decode(self, drafter: Eagle3Drafter, ids: list[list[int]]) -> list[PromptRun]:
         t = self._target()
         exported = self._as_exported(drafter, t)
         d2t = self.d2t.to(t.device)
-        measured = measure(t.model, exported, d2t, t.aux_layer_ids, self.ids, t.eos_ids, self.settings,
+        measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, self.settings,
                            target_alone=False)  # fmt: skip
         return measured.runs[self.k]
 
@@ -278,7 +292,8 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
         return None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     room = cfg.tokenize.max_seq_len - tr.al_max_new_tokens
-    ids = [encoded for _, encoded in encode_fitting(tokenizer, primary, room)][: tr.al_prompts]
+    fitting = [encoded for _, encoded in encode_fitting(tokenizer, primary, room)]
+    ids, further = fitting[: tr.al_prompts], fitting[tr.al_prompts : tr.al_prompts + tr.al_confirm_prompts]
     if not ids:
         raise Eagle3Error(
             f"train.al_every: none of the {len(primary.prompts)} {primary.name} prompts fits in "
@@ -287,7 +302,7 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
     log(
         f"acceptance length measured during training on {len(ids)} {primary.name} prompts at K={cfg.evaluate.gate_k}"
     )
-    return TrainingProbe(cfg, model_dir, ids, d2t, log)
+    return TrainingProbe(cfg, model_dir, ids, d2t, log, further)
 
 
 def training_selector(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> ALSelector | None:

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # drafter_eval measured on exactly what the probe decodes: 6 held-out prompts, K=3, 24 new tokens, greedy
 EVALUATE = "evaluate: {ks: [3], gate_k: 3, max_prompts: 6, per_conversation: 1, max_new_tokens: 24}\n"
-PROBE = "al_every: 5, al_prompts: 6, al_max_new_tokens: 24, al_overhead: null"
+# no further prompts: the kept step's AL is then its row's, whichever step the toy's curve makes the best
+PROBE = "al_every: 5, al_prompts: 6, al_confirm_prompts: 0, al_max_new_tokens: 24, al_overhead: null"
 
 
 def _config(project: Path, target: Path, extra: str = "") -> Path:
@@ -117,6 +118,29 @@ def test_the_in_training_al_equals_drafter_eval_on_the_same_weights_and_prompts(
     assert heldout.prompts == kept.prompts
     assert heldout.by_k["3"].acceptance_length == pytest.approx(kept.al, abs=1e-4)
     assert heldout.by_k["3"].per_position == pytest.approx(kept.per_position, abs=1e-4)
+
+
+def test_the_probe_decodes_its_further_prompts_as_it_decodes_its_own(project: Path) -> None:
+    """`confirm` (the last step's tie-break) decodes the held-out prompts after the probe's, exactly as a probe
+    of all of them decodes those: 2 + 3 prompts against 5."""
+    from eagle3_core.steps.evaluation import TrainingProbe, load_target, training_probe
+    from eagle3_core.train.run_dir import load_trained
+
+    run_dir, _, _ = _run(project)
+    cfg = load_config(project / "eagle3.yaml")
+    embed = load_target(cfg, lambda _: None).model.get_input_embeddings().weight.detach().float().cpu()
+    drafter, mapping, _ = load_trained(run_dir / "final", embed)
+
+    def probe(prompts: int, further: int) -> TrainingProbe:
+        train = cfg.train.model_copy(update={"al_prompts": prompts, "al_confirm_prompts": further})
+        made = training_probe(cfg.model_copy(update={"train": train}), mapping.d2t, lambda _: None)
+        assert made is not None
+        return made
+
+    split, whole = probe(2, 3), probe(5, 0)
+    assert (split.prompts, split.confirm_prompts, whole.prompts, whole.confirm_prompts) == (2, 3, 5, 0)
+    rounds = [r.accepted for r in split.measure(drafter) + split.confirm(drafter)]
+    assert rounds == [r.accepted for r in whole.measure(drafter)]
 
 
 def test_the_checkpoint_asset_page_shows_the_curve_and_the_kept_step(project: Path) -> None:

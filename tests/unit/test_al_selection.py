@@ -3,6 +3,7 @@ probe), and what a resumed run takes up of a choice made before it was cut short
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +25,29 @@ class ScriptedProbe:
 
     k, prompts, fingerprint = K, PROMPTS, "scripted"
 
-    def __init__(self, *accepted: list[int]) -> None:
+    def __init__(self, *accepted: list[int], further: dict[float, list[int]] | None = None) -> None:
         self.script = list(accepted)
         self.calls = 0
+        self.further = further or {}  # the further prompts' rounds, by the drafter's weights (its fill)
+        self.confirm_prompts = len(next(iter(self.further.values()), []))
+        self.confirmed: list[float] = []
+
+    delay = 0.0  # seconds a measurement takes
 
     def measure(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        time.sleep(self.delay)
         per_prompt = self.script[self.calls]
         self.calls += 1
-        return [PromptRun((a,) * 4, PathTiming(), PathTiming()) for a in per_prompt]
+        return _runs(per_prompt)
+
+    def confirm(self, drafter: Eagle3Drafter) -> list[PromptRun]:
+        fill = round(float(drafter.fc.weight.flatten()[0]), 4)  # which step's weights it was given
+        self.confirmed.append(fill)
+        return _runs(self.further[fill])
+
+
+def _runs(per_prompt: list[int]) -> list[PromptRun]:
+    return [PromptRun((a,) * 4, PathTiming(), PathTiming()) for a in per_prompt]
 
 
 def _drafter(fill: float) -> Eagle3Drafter:
@@ -170,3 +186,62 @@ def test_kept_rounds_measured_on_other_prompts_are_not_compared(tmp_path: Path) 
     selector = ALSelector(other, TrainConfig(al_overhead=None), lambda _: None)
     selector.resume(tmp_path, 10)
     assert selector.best is None and not (tmp_path / BEST).exists()
+
+
+@pytest.mark.parametrize(
+    ("further_best", "kept"),
+    [
+        ([3] * 24, 20),  # on 24 more prompts the best measured step is better everywhere: it is kept
+        ([2] * 24, 30),  # and where they are equal there, the last is
+    ],
+)
+def test_a_lead_within_noise_is_decided_on_further_prompts_at_the_last_step(
+    tmp_path: Path, further_best: list[int], kept: int
+) -> None:
+    """Step 20 leads the last on one prompt of 12 (within noise): at the last step both decode the probe's
+    further prompts, given each step's own weights, and the choice is made on all 36."""
+    probe = ScriptedProbe(
+        [1] * PROMPTS, [3] * PROMPTS, _mixed(3, 2, 11), further={0.2: further_best, 0.3: [2] * 24}
+    )
+    selector = _selector(probe, tmp_path, al_every=10)
+    for step in (10, 20, 30):
+        assert selector.due(step, 30, 1.0)
+        selector.measure(_drafter(step / 100), step)
+    assert sorted(probe.confirmed) == [0.2, 0.3]  # best/'s weights and the last's
+    chosen = selector.selection([10, 20, 30])
+    assert chosen is not None and chosen.prompts == 36 and chosen.kept_step == kept
+    assert (selector.kept_weights() is None) == (kept == 30)
+
+
+def test_no_further_prompts_are_decoded_when_the_last_leads_or_the_best_is_already_beyond_noise(
+    tmp_path: Path,
+) -> None:
+    further = {0.2: [3] * 24, 0.3: [3] * 24}
+    for name, last in (("last leads", [3] * PROMPTS), ("beyond noise", [0] * PROMPTS)):
+        probe = ScriptedProbe([1] * PROMPTS, _mixed(3, 2, 11), last, further=further)
+        selector = _selector(probe, tmp_path / name.replace(" ", "_"), al_every=10)
+        for step in (10, 20, 30):
+            assert selector.due(step, 30, 1.0)
+            selector.measure(_drafter(step / 100), step)
+        assert probe.confirmed == [], name
+        chosen = selector.selection([10, 20, 30])
+        assert chosen is not None and chosen.prompts == PROMPTS, name
+
+
+def test_further_prompts_that_would_break_the_overhead_budget_are_not_decoded(tmp_path: Path) -> None:
+    """A lead within noise, but decoding 12,000 further prompts twice, at 0.05 s for 12, would take about
+    100 s against 30 s of training (al_overhead 1.0): skipped, said, and the choice made on the probe's."""
+    probe = ScriptedProbe(
+        [1] * PROMPTS, [3] * PROMPTS, _mixed(3, 2, 11), further={0.2: [3] * 12000, 0.3: [3] * 12000}
+    )
+    probe.delay = 0.05
+    said: list[str] = []
+    selector = ALSelector(probe, TrainConfig(al_every=10, al_overhead=1.0), said.append)
+    selector.resume(tmp_path, 0)
+    for step in (10, 20, 30):
+        assert selector.due(step, 30, selector.spent + step)  # a second of training a step
+        selector.measure(_drafter(step / 100), step)
+    assert probe.confirmed == []
+    assert any("not decoded on 12000 more prompts" in line and "al_overhead 1.0" in line for line in said)
+    chosen = selector.selection([10, 20, 30])
+    assert chosen is not None and chosen.prompts == PROMPTS and chosen.kept_step == 30
