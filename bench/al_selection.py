@@ -58,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compare-prompts", type=int, default=24, help="further held-out prompts for kept vs last"
     )
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--confirm-prompts", type=int, default=32, help="train.al_confirm_prompts")
+    p.add_argument(
+        "--compare-run",
+        type=Path,
+        default=None,
+        help="compare this finished run directory of --workdir's store instead of training (a run trained "
+        "under other settings, e.g. before train.al_confirm_prompts existed)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -75,7 +83,8 @@ def project(args: argparse.Namespace) -> Path:
         "train": {"draft_vocab_size": 2048, "batch_tokens": 2048, "max_len": 1024, "epochs": args.epochs,
                   "device": args.device, "log_every": 10, "eval_every": 50, "checkpoint_every": 50,
                   "al_every": args.al_every, "al_prompts": args.al_prompts,
-                  "al_max_new_tokens": args.max_new_tokens, "al_overhead": None, "keep": "best_al"},
+                  "al_max_new_tokens": args.max_new_tokens, "al_overhead": None, "keep": "best_al",
+                  "al_confirm_prompts": args.confirm_prompts},
         "evaluate": {"gate_k": 3, "ks": [3], "per_conversation": 1, "temperature": 0.0,
                      "max_prompts": args.al_prompts + args.compare_prompts,
                      "max_new_tokens": args.max_new_tokens},
@@ -89,7 +98,10 @@ def project(args: argparse.Namespace) -> Path:
 
 def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: argparse.Namespace) -> Any:
     """The kept weights (`final/`) and the best measured step's (`best/`) against the last step's, decoded on
-    the held-out prompts after the ones measured during training. Weights of one step are decoded once."""
+    the held-out prompts after the ones measured during training; and the second look train.al_confirm_prompts
+    gives a lead within noise at the last step (best against last over the probe's prompts and the first
+    --confirm-prompts further ones). The probe's prompts are decoded again: each step's AL on them must be its
+    row's. Weights of one step are decoded once."""
     from safetensors.torch import load_file
 
     from eagle3_core.evaluate.prompts import heldout_prompts
@@ -101,7 +113,7 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
     target = load_target(cfg, lambda _m: None)
     prompts = heldout_prompts(cfg.store_root, per_conversation=1, limit=cfg.evaluate.max_prompts)
     room = cfg.tokenize.max_seq_len - args.max_new_tokens
-    ids = [encoded for _, encoded in encode_fitting(target.tokenizer, prompts, room)][args.al_prompts :]
+    ids = [encoded for _, encoded in encode_fitting(target.tokenizer, prompts, room)]
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     kept, mapping, _ = load_trained(run_dir / "final", embed)
     chosen = summary.selection
@@ -125,15 +137,27 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
         m = measure(target.model, d, mapping.d2t.to(target.device), target.aux_layer_ids, ids, target.eos_ids,
                     settings, target_alone=False)  # fmt: skip
         runs[step] = m.runs[3]
-    last = runs[steps["last"]]
+    rows = {r.step: r.al for r in read_al_rows(run_dir)}
+    probe = {step: pooled_runs_al(r[: args.al_prompts], 3) for step, r in runs.items()}
+    if any(abs(al - rows[step]) > 1e-3 for step, al in probe.items()):
+        sys.exit(f"the probe's prompts decoded again gave {probe}, not the run's {rows}")
+    further = {step: r[args.al_prompts :] for step, r in runs.items()}
+    last = further[steps["last"]]
+    upto = args.al_prompts + args.confirm_prompts
+    look = paired_al_difference(runs[best_step][:upto], runs[steps["last"]][:upto])
     return {
-        "prompts": len(ids),
+        "prompts": len(last),
         "steps": steps,
-        "al": {name: round(pooled_runs_al(runs[step], 3), 4) for name, step in steps.items()},
+        "al": {name: round(pooled_runs_al(further[step], 3), 4) for name, step in steps.items()},
         "minus_last": {
-            name: paired_al_difference(runs[step], last).as_dict()
+            name: paired_al_difference(further[step], last).as_dict()
             for name, step in steps.items()
             if name != "last"
+        },
+        "second_look": {
+            "prompts": len(runs[best_step][:upto]),
+            "best_minus_last": look.as_dict(),
+            "would_keep": best_step if look.ci95[0] > 0 else steps["last"],
         },
     }
 
@@ -149,13 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2 if args.device == "cpu" else torch.get_num_threads())
     config = project(args)
     seconds: dict[str, float] = {}
-    for command in (["ingest"], ["regenerate"], ["extract"], ["train"]):
+    for command in (["ingest"], ["regenerate"], ["extract"], ["train"]) if args.compare_run is None else ():
         started = time.perf_counter()
         if eagle3(["--config", str(config), *command]) != 0:
             sys.exit(f"eagle3 {command[0]} failed")
         seconds[command[0]] = round(time.perf_counter() - started, 1)
     layout = StoreLayout(load_config(config).store_root)
-    run_dir = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final).parent
+    run_dir = args.compare_run or layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final).parent
     summary = RunSummary.read(run_dir / "final" / SUMMARY)
     rows = [r.dump() for r in read_al_rows(run_dir)]
     started = time.perf_counter()

@@ -179,7 +179,8 @@ def test_the_selection_bench_compares_kept_and_last_on_further_prompts(
 
     out = tmp_path / "al_selection.json"
     main(["--target", "toy", "--workdir", str(tmp_path / "work"), "--conversations", "40", "--epochs", "2",
-          "--al-every", "2", "--al-prompts", "2", "--compare-prompts", "2", "--max-new-tokens", "8",
+          "--al-every", "2", "--al-prompts", "2", "--compare-prompts", "2", "--confirm-prompts", "1",
+          "--max-new-tokens", "8",
           "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     rows = result["al_during_training"]
@@ -191,6 +192,8 @@ def test_the_selection_bench_compares_kept_and_last_on_further_prompts(
     best = max(reversed(rows), key=lambda r: r["al"])  # the highest measured AL, the later of a tie
     assert steps == {"kept": result["selection"]["kept_step"], "best_measured": best["step"],
                      "last": result["steps"]}  # fmt: skip
+    look = further["second_look"]  # over the probe's 2 prompts and the first of --confirm-prompts 1 further
+    assert look["prompts"] == 3 and look["would_keep"] in (steps["best_measured"], steps["last"])
     for name in ("kept", "best_measured"):  # the pooled difference of the two decodes, 0 against itself
         difference = further["minus_last"][name]["difference"]
         assert difference == pytest.approx(further["al"][name] - further["al"]["last"], abs=1e-3)
