@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagle3_core.procs import pid_alive
 from tests.fakes import free_port
@@ -90,6 +91,35 @@ def _stop(bin_dir: Path, data_dir: Path, pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def create_database(dsn: str, name: str) -> None:
+    """CREATE DATABASE `name` on the server `dsn` reaches (psycopg2, outside a transaction as it must be)."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        conn.close()
+
+
+def assert_postgres_queued_and_pooled(instance: Any) -> None:
+    """What both deployment instance files (docker/dagster.yaml, docker/k8s/dagster.yaml) give: PostgreSQL
+    storages, the queued coordinator, GPU-pool granularity run at 1, run monitoring that frees slots."""
+    from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
+
+    assert isinstance(instance.run_storage, PostgresRunStorage)
+    assert isinstance(instance.event_log_storage, PostgresEventLogStorage)
+    assert isinstance(instance.schedule_storage, PostgresScheduleStorage)
+    assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+    pools = instance.get_concurrency_config().pool_config
+    assert pools.pool_granularity is not None and pools.pool_granularity.value == "run"
+    assert pools.default_pool_limit == 1
+    assert instance.run_monitoring_enabled
+    assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] == 300
+
+
 @contextlib.contextmanager
 def running_postgres(
     bin_dir: Path, user: str = "dagster", db_name: str = "dagster", attempts: int = 3
@@ -140,15 +170,9 @@ def running_postgres(
                     ) from None
         pid = int((data_dir / "postmaster.pid").read_text().split()[0])
 
-        import psycopg2
-
-        conn = psycopg2.connect(host="127.0.0.1", port=port, user=user, password=password, dbname="postgres")
-        try:
-            conn.autocommit = True
-            with conn.cursor() as cur:
-                cur.execute(f'CREATE DATABASE "{db_name}"')
-        finally:
-            conn.close()
+        create_database(
+            f"host=127.0.0.1 port={port} user={user} password={password} dbname=postgres", db_name
+        )
         yield PostgresServer("127.0.0.1", port, user, password, db_name, pid, data_dir)
     finally:
         if pid is not None:

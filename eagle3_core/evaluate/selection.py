@@ -176,9 +176,8 @@ class ALSelector:
             )
             return
         started = time.perf_counter()
-        best_drafter = Eagle3Drafter(
-            last_drafter.cfg
-        )  # its embedding stays unset: the probe puts in the target's
+        # the best step's weights in a drafter of their own; its embedding stays unset: the probe puts in the target's
+        best_drafter = Eagle3Drafter(last_drafter.cfg)
         load_drafter_state(best_drafter, self.best_weights, self.best_dir)
         self.best = Measured(best.step, best.runs + self.probe.confirm(best_drafter))
         self.last = Measured(last.step, last.runs + self.probe.confirm(last_drafter))

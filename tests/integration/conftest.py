@@ -12,7 +12,7 @@ from typing import NoReturn
 import pytest
 
 from tests.conftest import in_ci
-from tests.postgres_server import PostgresServer, postgres_bin_dir, running_postgres
+from tests.postgres_server import PostgresServer, create_database, postgres_bin_dir, running_postgres
 
 
 def _missing(reason: str) -> NoReturn:
@@ -38,16 +38,8 @@ def postgres() -> Iterator[PostgresServer]:
 @pytest.fixture
 def postgres_database(postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> str:
     """A new database on the server, its name; DAGSTER_POSTGRES_* (the instance files' credentials) point at it."""
-    import psycopg2
-
     db_name = f"dagster_{os.urandom(4).hex()}"
-    conn = psycopg2.connect(postgres.dsn())
-    try:
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{db_name}"')
-    finally:
-        conn.close()
+    create_database(postgres.dsn(), db_name)
     for name, value in {**postgres.dagster_env(), "DAGSTER_POSTGRES_DB": db_name}.items():
         monkeypatch.setenv(name, value)
     return db_name

@@ -22,7 +22,7 @@ from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
 from eagle3_dagster.materialize import QUIET, SHARD_ASSETS, add_shard_partitions
 from tests.conftest import FIXTURES, REPO, write_config
 from tests.helpers import save_tiny_chat_target
-from tests.postgres_server import PostgresServer
+from tests.postgres_server import PostgresServer, assert_postgres_queued_and_pooled
 
 DOCKER_DAGSTER_YAML = REPO / "docker" / "dagster.yaml"
 
@@ -51,19 +51,9 @@ def _query(server: PostgresServer, db_name: str, sql: str) -> list[tuple[object,
 
 
 def test_docker_instance_config_is_postgres_queued_pooled_and_monitored(postgres_home: Path) -> None:
-    from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
-
     with dg.DagsterInstance.from_config(str(postgres_home)) as instance:
-        assert isinstance(instance.run_storage, PostgresRunStorage)
-        assert isinstance(instance.event_log_storage, PostgresEventLogStorage)
-        assert isinstance(instance.schedule_storage, PostgresScheduleStorage)
-        assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert_postgres_queued_and_pooled(instance)
         assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
-        pools = instance.get_concurrency_config().pool_config
-        assert pools.pool_granularity is not None and pools.pool_granularity.value == "run"
-        assert pools.default_pool_limit == 1
-        assert instance.run_monitoring_enabled
-        assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] == 300
 
 
 def test_one_shard_materialized_through_the_postgres_instance(
