@@ -54,6 +54,9 @@ OPERATIONAL = {
     "max_restarts",
     "compile",
     "sharding",
+    # read once, at the last step's choice: a run resumed with another value (or by an eagle3 from before the
+    # setting) is the same run
+    "al_confirm_prompts",
 }
 
 

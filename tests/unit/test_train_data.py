@@ -349,3 +349,24 @@ def test_a_packed_row_holds_its_samples_back_to_back_then_zeros(tmp_path: Path) 
         assert padded.packing is None and padded.input_ids.shape == (2, 6)
     finally:
         data.close()
+
+
+def test_the_second_looks_size_is_no_part_of_the_runs_identity() -> None:
+    """train.al_confirm_prompts is read once, at the last step's choice: a run resumed with another value (or
+    by an eagle3 from before it) is the same run; the probe's own size, which every measurement reads, is not."""
+    from types import SimpleNamespace
+
+    from eagle3_core.draft.model import DrafterConfig
+    from eagle3_core.train.run_dir import run_id
+
+    drafter = DrafterConfig(
+        target_hidden_size=16, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
+        target_vocab_size=64, draft_vocab_size=32,
+    )  # fmt: skip
+    mapping = SimpleNamespace(fingerprint="mapping")
+
+    def identity(**train: object) -> str:
+        return run_id(TrainConfig().model_copy(update=train), mapping, "target", drafter)  # type: ignore[arg-type]
+
+    assert identity(al_confirm_prompts=0) == identity() == identity(al_confirm_prompts=64)
+    assert identity(al_prompts=4) != identity()
