@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -676,8 +677,10 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     if workers == 1:
         eval_worker(jobs[0])
     else:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            pool.map(eval_worker, jobs)
+        # an executor ends its workers by telling them to, where Pool's exit sends SIGTERM and waits: a worker
+        # that inherited an ignored SIGTERM (some launchers ignore it) then never ends
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(eval_worker, jobs))
     seconds = round(time.perf_counter() - started, 1)
     merged = merge_workers(
         [json.loads(Path(j.out).read_text()) for j in jobs], workers, {n: len(ids) for n, ids in sets.items()}
