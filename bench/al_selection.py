@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: import `bench` from the repo roo
 from eagle3_core.config import load_config
 from eagle3_core.evaluate.measure import DecodeSettings, measure, paired_al_difference, pooled_runs_al
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import ALRow, DrafterLatest, RunSummary
+from eagle3_core.store.records import ALRow, DrafterLatest, KeptRounds, RunSummary
 from eagle3_core.train.run_dir import SUMMARY, load_drafter_state, load_trained, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,9 @@ def project(args: argparse.Namespace) -> Path:
     return path
 
 
-def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: argparse.Namespace) -> Any:
+def compare_with_last(
+    config: Path, run_dir: Path, summary: RunSummary, rows: list[ALRow], args: argparse.Namespace
+) -> Any:
     """The kept weights (`final/`) and the best measured step's (`best/`) against the last step's, decoded on
     the held-out prompts after the ones measured during training; and the second look train.al_confirm_prompts
     gives a lead within noise at the last step (best against last over the probe's prompts and the first
@@ -105,6 +107,7 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
     from safetensors.torch import load_file
 
     from eagle3_core.evaluate.prompts import heldout_prompts
+    from eagle3_core.evaluate.selection import BEST_ROUNDS
     from eagle3_core.steps.evaluation import encode_fitting, load_target
     from eagle3_core.train.checkpoint import WEIGHTS, checkpoint_dir
     from eagle3_core.train.selection import BEST
@@ -117,8 +120,8 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
     kept, mapping, _ = load_trained(run_dir / "final", embed)
     chosen = summary.selection
-    best_step = max(reversed(read_al_rows(run_dir)), key=lambda r: r.al).step  # ties: the later step
-    if json.loads((run_dir / BEST / "rounds.json").read_text())["step"] != best_step:
+    best_step = max(reversed(rows), key=lambda r: r.al).step  # ties: the later step
+    if KeptRounds.read(run_dir / BEST / BEST_ROUNDS).step != best_step:
         sys.exit(f"{run_dir / BEST} does not hold the best measured step {best_step}")
     steps = {"kept": chosen.kept_step if chosen else summary.steps, "best_measured": best_step,
              "last": summary.steps}  # fmt: skip
@@ -137,10 +140,10 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
         m = measure(target.model, d, mapping.d2t.to(target.device), target.aux_layer_ids, ids, target.eos_ids,
                     settings, target_alone=False)  # fmt: skip
         runs[step] = m.runs[3]
-    rows = {r.step: r.al for r in read_al_rows(run_dir)}
+    measured = {r.step: r.al for r in rows}
     probe = {step: pooled_runs_al(r[: args.al_prompts], 3) for step, r in runs.items()}
-    if any(abs(al - rows[step]) > 1e-3 for step, al in probe.items()):
-        sys.exit(f"the probe's prompts decoded again gave {probe}, not the run's {rows}")
+    if any(abs(al - measured[step]) > 1e-3 for step, al in probe.items()):
+        sys.exit(f"the probe's prompts decoded again gave {probe}, not the run's {measured}")
     further = {step: r[args.al_prompts :] for step, r in runs.items()}
     last = further[steps["last"]]
     upto = args.al_prompts + args.confirm_prompts
@@ -162,10 +165,6 @@ def compare_with_last(config: Path, run_dir: Path, summary: RunSummary, args: ar
     }
 
 
-def read_al_rows(run_dir: Path) -> list[ALRow]:
-    return [r for r in read_metrics(run_dir) if isinstance(r, ALRow)]
-
-
 def main(argv: list[str] | None = None) -> None:
     from eagle3_cli.steps import main as eagle3
 
@@ -181,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     layout = StoreLayout(load_config(config).store_root)
     run_dir = args.compare_run or layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final).parent
     summary = RunSummary.read(run_dir / "final" / SUMMARY)
-    rows = [r.dump() for r in read_al_rows(run_dir)]
+    rows = [r for r in read_metrics(run_dir) if isinstance(r, ALRow)]
     started = time.perf_counter()
-    comparison = compare_with_last(config, run_dir, summary, args)
+    comparison = compare_with_last(config, run_dir, summary, rows, args)
     seconds["compare"] = round(time.perf_counter() - started, 1)
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": summary.steps,
         "seconds": seconds,  # of this invocation: a rerun of a finished run only compares
         "training_loop_seconds": summary.seconds,  # the run's own, measuring included
-        "al_during_training": rows,
+        "al_during_training": [r.dump() for r in rows],
         "selection": summary.selection.dump() if summary.selection else None,
         "on_further_heldout_prompts": comparison,
     }
