@@ -13,7 +13,8 @@ their rounds live in `best/` beside the checkpoints (whole or absent), so a resu
 where it was.
 
 The measurements are bounded in time by `train.al_overhead` of the training time projected for the whole
-run: the first is taken when it falls due (it also loads the target, so it tells what one costs); after it, a
+run (the steps left at the rate since the latest due step, not at a mean that carries the first steps'
+compilation): the first is taken when it falls due (it also loads the target, so it tells what one costs); after it, a
 due measurement is taken only when it and the last step's, at the latest one's cost, still fit in the budget
 (skips are logged). The last step is always measured. At the last step, a best measured step that leads
 the last within noise is decoded with it on `train.al_confirm_prompts` further prompts, the choice then made
@@ -89,18 +90,19 @@ class ALSelector:
         self.latest_cost = 0.0  # seconds the latest measurement took
         self.total: int | None = None  # the run's last step, once `due` has been asked
         self.projected: float | None = None  # seconds of training projected for the run, at the latest `due`
+        self.rate_mark: tuple[int, float] | None = None  # (step, seconds of training) at the latest due step
 
     # ---- when -----------------------------------------------------------------------------------------------
     def due(self, step: int, total: int, elapsed: float) -> bool:
         """Whether to measure at `step` of `total`; `elapsed`: seconds since training started in this process."""
         every, self.total = self.cfg.al_every, total
         training = max(elapsed - self.spent, 1e-9)
-        projected = training * (total - self.start_step) / max(step - self.start_step, 1)
-        self.projected = projected
+        projected = self.projected = self._projected_training(step, total, training)
         if step == total:
             return True
         if every is None or step % every:
             return False
+        self.rate_mark = (step, training)
         if self.cfg.al_overhead is None or self.latest_cost == 0.0:
             return True
         needed = self.spent + 2 * self.latest_cost  # this measurement and the last step's
@@ -112,6 +114,15 @@ class ALSelector:
             )
             return False
         return True
+
+    def _projected_training(self, step: int, total: int, training: float) -> float:
+        """Seconds of training projected for the run: those so far, and the steps left at the rate since the
+        latest due step (or since this process started, before one). Not the run's mean rate: the first steps
+        compile, a cost paid once (on the H200 the SmolLM2 headline run took 178 s for its first 200 steps and
+        32-39 s for each 200 after), and a mean that carries it overstates the time left."""
+        since_step, since_training = self.rate_mark or (self.start_step, 0.0)
+        per_step = (training - since_training) / max(step - since_step, 1)
+        return training + (total - step) * per_step
 
     # ---- measuring ------------------------------------------------------------------------------------------
     def measure(self, drafter: Eagle3Drafter, step: int) -> ALRow:

@@ -152,12 +152,30 @@ def test_measurements_are_taken_while_they_and_the_last_one_fit_in_the_overhead_
     assert "over train.al_overhead 0.1 with the last step's still to come" in logged[-1]
     assert selector.due(100, 100, elapsed=108.0)  # the last step is always measured
     # a run resumed at step 50 projects from the steps this process trained: 10 s for 10 of its 50 steps
-    selector.start_step, selector.spent = 50, 2.0
-    assert not selector.due(60, 100, elapsed=12.0)  # 50 s projected: 5 s to measure in, 6 s needed
-    assert selector.due(60, 100, elapsed=14.0)  # 12 s for 10 steps: 60 s projected, 6 s needed
+    resumed = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
+    resumed.start_step, resumed.spent, resumed.latest_cost = 50, 2.0, 2.0
+    assert not resumed.due(60, 100, elapsed=12.0)  # 50 s projected: 5 s to measure in, 6 s needed
+    resumed = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
+    resumed.start_step, resumed.spent, resumed.latest_cost = 50, 2.0, 2.0
+    assert resumed.due(60, 100, elapsed=14.0)  # 12 s for 10 steps: 60 s projected, 6 s needed
     unbounded = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=None), logged.append)
     unbounded.spent = unbounded.latest_cost = 1000.0
     assert unbounded.due(20, 100, elapsed=1010.0)
+
+
+def test_the_budget_projects_the_steps_left_at_the_rate_since_the_last_due_step() -> None:
+    """A slow start (the first steps compile) is paid once: projected at the run's mean rate, it would leave
+    room for measurements the run's real training time has not."""
+    logged: list[str] = []
+    selector = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
+    assert selector.due(10, 100, elapsed=50.0)  # the first 10 steps took 50 s
+    selector.spent = selector.latest_cost = 2.0
+    assert selector.due(20, 100, elapsed=62.0)  # 1 s a step since: 60 + 80 = 140 s projected, 6 s needed
+    assert selector.projected == 140.0
+    selector.spent = 11.0  # 11 + 2 + 2 = 15 s against 14 (at the mean rate, 70 of 30 steps: 23 s)
+    assert not selector.due(30, 100, elapsed=81.0)
+    assert selector.projected == 140.0 and "over train.al_overhead" in logged[-1]
+    assert selector.due(100, 100, elapsed=151.0) and selector.projected == 140.0  # at the end: as trained
 
 
 def test_a_resumed_run_takes_up_the_kept_weights_chosen_before_its_checkpoint(tmp_path: Path) -> None:
