@@ -139,6 +139,13 @@ def test_keep_last_measures_but_keeps_nothing_aside(tmp_path: Path) -> None:
     assert not (tmp_path / BEST).exists()
 
 
+def _resumed_at_50(logged: list[str]) -> ALSelector:
+    """A selector of a run resumed at step 50 of 100 that has measured once since, for 2 s."""
+    selector = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
+    selector.start_step, selector.spent, selector.latest_cost = 50, 2.0, 2.0
+    return selector
+
+
 def test_measurements_are_taken_while_they_and_the_last_one_fit_in_the_overhead_budget() -> None:
     logged: list[str] = []
     selector = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
@@ -152,12 +159,8 @@ def test_measurements_are_taken_while_they_and_the_last_one_fit_in_the_overhead_
     assert "over train.al_overhead 0.1 with the last step's still to come" in logged[-1]
     assert selector.due(100, 100, elapsed=108.0)  # the last step is always measured
     # a run resumed at step 50 projects from the steps this process trained: 10 s for 10 of its 50 steps
-    resumed = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
-    resumed.start_step, resumed.spent, resumed.latest_cost = 50, 2.0, 2.0
-    assert not resumed.due(60, 100, elapsed=12.0)  # 50 s projected: 5 s to measure in, 6 s needed
-    resumed = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=0.1), logged.append)
-    resumed.start_step, resumed.spent, resumed.latest_cost = 50, 2.0, 2.0
-    assert resumed.due(60, 100, elapsed=14.0)  # 12 s for 10 steps: 60 s projected, 6 s needed
+    assert not _resumed_at_50(logged).due(60, 100, elapsed=12.0)  # 50 s projected: 5 s budget, 6 needed
+    assert _resumed_at_50(logged).due(60, 100, elapsed=14.0)  # 12 s for 10 steps: 60 s projected, 6 s needed
     unbounded = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=None), logged.append)
     unbounded.spent = unbounded.latest_cost = 1000.0
     assert unbounded.due(20, 100, elapsed=1010.0)
