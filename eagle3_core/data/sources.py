@@ -16,6 +16,7 @@ nothing else is blank. The raw bytes keep it, so the digests of rows an earlier 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from eagle3_core.data.conversation import Conversation, Location, RowRejected, b
 from eagle3_core.errors import ConfigError, SourceUnreadableError
 
 CHITCHAT_NAME = "chitchat-dataset"
+CHITCHAT_REQUIREMENT = "chitchat-dataset==0.9.0"  # as pyproject.toml pins it
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet"}
 BOM = "\ufeff".encode()
 
@@ -67,6 +69,12 @@ def resolve_sources(cfg: Eagle3Config) -> list[ResolvedSource]:
     named: dict[str, Path] = {}
     for index, spec in enumerate(cfg.data.sources):
         if isinstance(spec, ChitchatSource):
+            # refused before any row is read (an image whose packages were installed --no-deps)
+            if importlib.util.find_spec("chitchat_dataset") is None:
+                raise SourceUnreadableError(
+                    f"data.sources[{index}]: kind chitchat reads the {CHITCHAT_NAME} package, which is not "
+                    f"installed: pip install {CHITCHAT_REQUIREMENT}"
+                )
             out.append(ResolvedSource(CHITCHAT_NAME, spec))
             continue
         pattern = str(cfg.resolve(spec.path))

@@ -2,12 +2,14 @@ import codecs
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
 
+from eagle3_cli.steps import main
 from eagle3_core.config import ConfigError, load_config
 from eagle3_core.data.conversation import Conversation, build_conversation, is_heldout
 from eagle3_core.data.ingest import Ledger, SourceChangedError, ingest, load_conversation_shard
@@ -160,6 +162,23 @@ def test_chitchat_source(tmp_path: Path) -> None:
     samples, _ = load_conversation_shard(cfg.store_root, report.all_shards[0])
     assert samples[0].messages[0].role == "user"
     assert samples[0].source.file.startswith("chitchat-dataset:")
+
+
+def test_a_chitchat_source_without_its_package_is_one_line_before_any_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(
+        tmp_path, "store: store\ndata: {dataset: c, sources: [{path: c.jsonl}, {kind: chitchat, limit: 4}]}\n"
+    )
+    (tmp_path / "c.jsonl").write_text(_message_row(0) + "\n")
+    monkeypatch.setitem(sys.modules, "chitchat_dataset", None)  # as if never installed: find_spec gives None
+    assert main(["--config", str(config), "ingest"]) == 2
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert line == (
+        "error: data.sources[1]: kind chitchat reads the chitchat-dataset package, which is not installed: "
+        "pip install chitchat-dataset==0.9.0"
+    )
+    assert not StoreLayout(tmp_path / "store").conversations("c-00000").exists()  # the file's row neither
 
 
 def _message_row(i: int) -> str:
