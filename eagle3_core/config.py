@@ -463,8 +463,8 @@ class TrainConfig(_Model):
     )
     al_prompts: Annotated[int, Field(gt=0)] = Field(
         default=8,
-        description="Held-out prompts each in-training measurement decodes (what one costs grows with it: on the H200, 8 "
-        "took about 6.5 s a measurement in a 570 s SmolLM2 run).",
+        description="Held-out prompts each in-training measurement decodes (what one costs grows with it: on "
+        "the H200, 8 took about 6.5 s a measurement in a 570 s SmolLM2 run).",
     )
     al_confirm_prompts: Annotated[int, Field(ge=0)] = Field(
         default=32,
@@ -480,8 +480,8 @@ class TrainConfig(_Model):
         description="The most of the run's training time the measurements may take: after the first (which "
         "tells what one costs), a due measurement is taken only when it and the last step's still fit in this "
         "share of the training time projected for the whole run (the steps left at the rate since the latest "
-        "due step); a skip is logged. The last step is always "
-        "measured. None: every due step is measured, whatever it costs.",
+        "due step); a skip is logged. The last step is always measured. None: every due step is measured, "
+        "whatever it costs.",
     )
     keep: Literal["best_al", "last"] = Field(
         default="best_al",
