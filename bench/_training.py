@@ -54,6 +54,25 @@ class DataSpec:
     heads: int | None = None  # the target's attention heads (None: save_random_target's default)
     kv_heads: int | None = None
 
+    @classmethod
+    def from_args(
+        cls, args: Any, *, intermediate: int, device: Literal["cpu", "cuda"], **rest: Any
+    ) -> DataSpec:
+        """The spec of a bench's shared flags (--hidden --layers --vocab --k --samples-per-shard --min-len
+        --max-len); `rest`: the other fields (two shards unless given)."""
+        return cls(
+            hidden=args.hidden,
+            layers=args.layers,
+            vocab=args.vocab,
+            intermediate=intermediate,
+            draft_vocab=args.k,
+            samples_per_shard=args.samples_per_shard,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            device=device,
+            **{"shards": 2, **rest},
+        )
+
     def key(self) -> str:
         # fields left unset stay out, so a spec without them keeps the key (and the data) it had before them
         fields = {k: v for k, v in asdict(self).items() if v is not None}

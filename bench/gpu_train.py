@@ -129,17 +129,8 @@ def parse_args() -> argparse.Namespace:
 
 # ---- data and config -----------------------------------------------------------------------------------------
 def data_spec(args: argparse.Namespace, device: torch.device) -> DataSpec:
-    return DataSpec(
-        hidden=args.hidden,
-        layers=args.layers,
-        vocab=args.vocab,
-        intermediate=intermediate_for(args.hidden),
-        draft_vocab=args.k,
-        shards=2,
-        samples_per_shard=args.samples_per_shard,
-        min_len=args.min_len,
-        max_len=args.max_len,
-        device="cuda" if device.type == "cuda" else "cpu",
+    return DataSpec.from_args(
+        args, intermediate=intermediate_for(args.hidden), device="cuda" if device.type == "cuda" else "cpu"
     )
 
 

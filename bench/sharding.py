@@ -151,16 +151,9 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
 
 # ---- data ----------------------------------------------------------------------------------------------------
 def data_spec(args: argparse.Namespace) -> DataSpec:
-    return DataSpec(
-        hidden=args.hidden,
-        layers=args.layers,
-        vocab=args.vocab,
+    return DataSpec.from_args(
+        args,
         intermediate=args.intermediate,
-        draft_vocab=args.k,
-        shards=2,
-        samples_per_shard=args.samples_per_shard,
-        min_len=args.min_len,
-        max_len=args.max_len,
         device=args.device,
         heads=args.attention_heads,
         kv_heads=args.kv_heads,
@@ -458,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    ts = training_set(args.workdir, data_spec(args), log)
+    spec = data_spec(args)
+    ts = training_set(args.workdir, spec, log)
     for head in args.heads:
         mapping_dir(ts, args, head)
     free_memory(pick_device(args.device))
@@ -470,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": args.nproc,
         "compile": args.compile,
         "sizes": sizes(args),
-        "data": {"tokens": ts.tokens, "samples": ts.samples, "spec": asdict(data_spec(args))},
+        "data": {"tokens": ts.tokens, "samples": ts.samples, "spec": asdict(spec)},
         "method": METHOD,
     }
     results["runs"] = earlier(path, results)

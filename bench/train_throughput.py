@@ -115,17 +115,11 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def data_spec(args: argparse.Namespace, device: torch.device, store_dtype: str) -> DataSpec:
-    return DataSpec(
-        hidden=args.hidden,
-        layers=args.layers,
-        vocab=args.vocab,
+    return DataSpec.from_args(
+        args,
         intermediate=intermediate_for(args.hidden),
-        draft_vocab=args.k,
-        shards=args.shards,
-        samples_per_shard=args.samples_per_shard,
-        min_len=args.min_len,
-        max_len=args.max_len,
         device="cuda" if device.type == "cuda" else "cpu",
+        shards=args.shards,
         store_dtype=store_dtype,
     )
 

@@ -16,9 +16,9 @@ The measurements are bounded in time by `train.al_overhead` of the training time
 run (the steps left at the rate since the latest due step, not at a mean that carries the first steps'
 compilation): the first is taken when it falls due (it also loads the target, so it tells what one costs);
 after it, a due measurement is taken only when it and the last step's, at the latest one's cost, still fit
-in the budget (skips are logged). The last step is always measured. At the last step, a best measured step that leads
-the last within noise is decoded with it on `train.al_confirm_prompts` further prompts, the choice then made
-over all of them, when that still fits in the same budget.
+in the budget (skips are logged). The last step is always measured. At the last step, a best measured step
+that leads the last within noise is decoded with it on `train.al_confirm_prompts` further prompts, the
+choice then made over all of them, when that still fits in the same budget.
 """
 
 from __future__ import annotations

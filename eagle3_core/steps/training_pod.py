@@ -33,8 +33,7 @@ class TrainingPod:
 def training_pod(cfg: Eagle3Config, config_path: Path) -> TrainingPod:
     """The pod for this config; Eagle3Error naming the field when it cannot train the run as configured."""
     k8s = cfg.orchestration.k8s
-    if k8s is None:
-        raise Eagle3Error("orchestration.k8s: required with orchestration.training: k8s (at least its image)")
+    assert k8s is not None, "the config refuses orchestration.training: k8s without orchestration.k8s"
     if cfg.train.nodes > 1:
         raise Eagle3Error(
             "orchestration.training: k8s starts one pod, and train.nodes is "
