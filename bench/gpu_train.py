@@ -309,10 +309,12 @@ def summary_line(r: dict[str, Any]) -> str:
 
 
 # ---- DDP -----------------------------------------------------------------------------------------------------
-def steady_rate(run_dir: Path) -> dict[str, Any]:
-    """Tokens/s from the run's own log, from the end of the first log interval on (compile and start-up out)."""
+def steady_rate(run_dir: Path, from_step: int | None = None) -> dict[str, Any]:
+    """Tokens/s from the run's own log, from the row of `from_step` on (default: the end of the first log
+    interval), so that compilation and start-up are left out."""
     train = [r for r in read_metrics(run_dir) if isinstance(r, TrainRow)]
-    first, last = train[0], train[-1]
+    timed = [r for r in train if from_step is None or r.step >= from_step]
+    first, last = timed[0], timed[-1]
     rate = (last.tokens - first.tokens) / max(last.elapsed_s - first.elapsed_s, 1e-9)
     return {
         "tokens_per_s": round(rate, 1),
@@ -323,7 +325,7 @@ def steady_rate(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_record(result: Any, world: int) -> dict[str, Any]:
+def run_record(result: Any, world: int, from_step: int | None = None) -> dict[str, Any]:
     return {
         "world_size": world,
         "run_dir": str(result.run_dir),
@@ -331,7 +333,7 @@ def run_record(result: Any, world: int) -> dict[str, Any]:
         "tokens": result.tokens,
         "seconds": result.seconds,
         "val": result.val,
-        **steady_rate(result.run_dir),
+        **steady_rate(result.run_dir, from_step),
     }
 
 

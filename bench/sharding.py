@@ -11,8 +11,10 @@ Each (head, sharding) run is `train_drafter` (TTT 7, otherwise the defaults: Muo
 attention on a GPU) under torchrun with --nproc ranks, on the same data and global batches, for --warmup
 untimed steps and --steps timed ones. Even one rank joins a process group of one, so that DDP wraps and
 fully_shard really shards (the trainer alone trains one rank without a group, and without FSDP). Each run
-reports tokens/s (steady: from the end of the first log interval, as bench/gpu_train.py), every rank's
-torch.cuda.max_memory_allocated, and the memory preflight's estimate (train/memory.py) of the same run.
+reports tokens/s over the timed steps (the warm-up holds the first compilation and the recompilation that
+torch's automatic dynamic shapes make at the second batch shape: on the H200 a warm-up of 4 left it in the
+timed steps), every rank's torch.cuda.max_memory_allocated over the warm-up, the timed steps and the final
+validation and save, and the memory preflight's estimate (train/memory.py) of the same run.
 
 From the measured peaks, the per-rank peak at 2, 4 and 8 ranks (METHOD below), and FSDP's tokens/s over
 DDP's per head. The data: a random-weight Llama target (hidden 7168, 8 layers, 56 heads of 128, 8 KV heads,
@@ -32,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -76,8 +78,9 @@ SIZES = {  # --tiny: a CPU smoke test of the script itself
         "max_len": 2048,
         "batch_tokens": 16384,
         "ttt": 7,
-        "warmup": 4,
-        "steps": 8,
+        "warmup": 8,
+        "steps": 12,
+        "log_every": 4,
     },
     "tiny": {
         "hidden": 64,
@@ -92,8 +95,9 @@ SIZES = {  # --tiny: a CPU smoke test of the script itself
         "max_len": 96,
         "batch_tokens": 384,
         "ttt": 7,
-        "warmup": 1,
+        "warmup": 2,
         "steps": 2,
+        "log_every": 1,
     },
 }
 METHOD = (
@@ -104,7 +108,9 @@ METHOD = (
     "under DDP nothing (every rank holds it all; a run of one rank still has DDP's gradient buckets, as it "
     "runs in a process group of one). Each rank keeps the tokens a rank held in the measured run (the global "
     "batch grows with W), so activations stay as measured. estimate_gib is the memory preflight's figure "
-    "(train/memory.py); at 1 rank it counts FSDP as unsharded, as the trainer runs one rank without FSDP."
+    "(train/memory.py); at 1 rank it counts neither DDP's buckets nor FSDP, as the trainer runs one rank "
+    "unwrapped. estimate_as_run_gib is the estimate of the run as measured (at 1 rank: the 2-rank fixed bytes "
+    "plus D/2, with one rank's tokens), and measured_over_estimate divides the measured peak by it."
 )
 
 
@@ -134,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in SIZES["tiny" if args.tiny else "full"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.warmup % args.log_every or args.steps % args.log_every:
+        sys.exit(
+            f"--warmup {args.warmup} and --steps {args.steps} must be multiples of --log-every {args.log_every}"
+        )
     args.heads, args.sharding = _choices(args.heads, HEADS), _choices(args.sharding, SHARDINGS)
     return args
 
@@ -180,8 +190,8 @@ def mapping_dir(ts: TrainingSet, args: argparse.Namespace, head: str) -> Path:
 
 # ---- one run -------------------------------------------------------------------------------------------------
 def train_config(args: argparse.Namespace, head: str, sharding: str) -> TrainConfig:
-    """A short run: the defaults but TTT --ttt and the fixed global batch; logged every --warmup steps (the
-    first interval, where flex and the layer compile, is left out of the rate), validated once at the end."""
+    """A short run: the defaults but TTT --ttt and the fixed global batch; logged every --log-every steps (a
+    multiple of which --warmup must be, as the rate is timed from a log row), validated once at the end."""
     return TrainConfig(
         draft_vocab_size=draft_vocab(args, head),
         ttt_steps=args.ttt,
@@ -191,7 +201,7 @@ def train_config(args: argparse.Namespace, head: str, sharding: str) -> TrainCon
         max_len=args.max_len,
         max_steps=args.warmup + args.steps,
         epochs=1000,  # a ceiling: max_steps ends the run
-        log_every=args.warmup,
+        log_every=args.log_every,
         eval_every=10**6,
         checkpoint_every=10**6,
         keep_checkpoints=1,
@@ -242,6 +252,44 @@ def observe_setup() -> dict[str, Any]:
     return seen
 
 
+@dataclass
+class PhasePeaks:
+    """This rank's peak allocated memory per phase of a run: the warm-up's steps (compilation included), the
+    timed steps, then the final validation and save, so that what sets the run's peak is known; and the
+    most reserved in any phase. The peak statistics are reset where a phase ends."""
+
+    allocated: dict[str, int] = field(default_factory=dict)
+    reserved: int = 0
+
+    def end(self, phase: str) -> None:
+        self.allocated[phase] = torch.cuda.max_memory_allocated()
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+
+
+def observe_peaks(warmup: int) -> PhasePeaks:
+    """PhasePeaks filled in as train_drafter runs: the warm-up ends at step `warmup`, the timed steps at the
+    final validation; the caller ends the last phase."""
+    peaks = PhasePeaks()
+    train_step, validate = trainer.train_step, trainer.validate
+    calls = 0
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        if calls == warmup:
+            peaks.end("warmup")
+        calls += 1
+        return train_step(*args, **kwargs)
+
+    def validated(*args: Any, **kwargs: Any) -> Any:
+        if "timed_steps" not in peaks.allocated:
+            peaks.end("timed_steps")
+        return validate(*args, **kwargs)
+
+    trainer.train_step, trainer.validate = step, validated
+    return peaks
+
+
 def rank_file(args: argparse.Namespace, name: str, rank: int) -> Path:
     return args.workdir / "ranks" / f"{name}-rank{rank}.json"
 
@@ -254,6 +302,8 @@ def worker(args: argparse.Namespace) -> None:
     ts = training_set(args.workdir, data_spec(args), lambda _: None)  # the launching process built it
     trainer.init_world = join_group  # see join_group
     setup = observe_setup()
+    cuda = torch.cuda.is_available() and args.device == "cuda"
+    peaks = observe_peaks(args.warmup) if cuda else None
     name = f"{head}-{sharding}"
     result = train_drafter(
         ts.shard_paths,
@@ -264,11 +314,13 @@ def worker(args: argparse.Namespace) -> None:
         log=log,
     )
     record: dict[str, Any] = {"rank": rank, "setup": setup}
-    if torch.cuda.is_available() and args.device == "cuda":
-        record["peak_allocated"] = torch.cuda.max_memory_allocated()
-        record["peak_reserved"] = torch.cuda.max_memory_reserved()
+    if peaks is not None:
+        peaks.end("validation_and_save")
+        record["peak_allocated_by_phase"] = peaks.allocated
+        record["peak_allocated"] = max(peaks.allocated.values())
+        record["peak_reserved"] = peaks.reserved
     if rank == 0:
-        record |= run_record(result, world)
+        record |= run_record(result, world, from_step=args.warmup)
     rank_file(args, name, rank).write_text(json.dumps(record, default=str) + "\n")
 
 
@@ -324,6 +376,13 @@ def divided_bytes(est: dict[int, MemoryEstimate]) -> float:
     return 4 * (est[2].fixed - est[4].fixed)
 
 
+def in_group_of_one(est: dict[int, MemoryEstimate], divided: float) -> MemoryEstimate:
+    """The estimate of a run of one rank in a process group of one, which the trainer never makes (it trains
+    one rank unwrapped) but this bench does: DDP's gradient buckets, or FSDP's whole share of what it divides,
+    on top of the 2-rank run's fixed bytes (fixed(W) = D / W + the rest), with one rank's tokens."""
+    return MemoryEstimate(est[2].fixed + divided / 2, est[1].per_token, est[1].per_run, 1)
+
+
 def memory(
     args: argparse.Namespace, ranks: list[dict[str, Any]], est: dict[int, MemoryEstimate]
 ) -> dict[str, Any]:
@@ -338,11 +397,17 @@ def memory(
     if "peak_allocated" not in ranks[0]:  # CPU: no device memory to measure
         return out
     peak = max(r["peak_allocated"] for r in ranks)
+    as_run = est[n] if n > 1 else in_group_of_one(est, d)
     return out | {
         "peak_allocated_gib": gib(peak),
         "peak_allocated_gib_per_rank": [gib(r["peak_allocated"]) for r in ranks],
+        "peak_allocated_gib_by_phase": {
+            phase: gib(max(r["peak_allocated_by_phase"][phase] for r in ranks))
+            for phase in ranks[0]["peak_allocated_by_phase"]
+        },
         "peak_reserved_gib_per_rank": [gib(r["peak_reserved"]) for r in ranks],
-        "measured_over_estimate": round(peak / est[n].peak(args.batch_tokens), 3),
+        "estimate_as_run_gib": gib(as_run.peak(args.batch_tokens)),
+        "measured_over_estimate": round(peak / as_run.peak(args.batch_tokens), 3),
         "per_rank_peak_gib": {str(w): gib(peak - d / n + d / w) for w in worlds},
     }
 
