@@ -432,11 +432,15 @@ class HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _entry: Any, _top: Any) -> tuple[Any, ...]:
+        # scaled in place: a copy would add lm_head's float32 size and every step's state gradient to the
+        # peak, at the start of backward, when all activations are still alive. A second backward through
+        # the same graph is refused by autograd (the saved tensors' versions changed), never silently wrong.
         grad_head, *grad_states = ctx.saved_tensors
+        head = grad_head.to(ctx.head_dtype)  # no copy when lm_head is float32, as the trainer keeps it
         return (
             None,
-            grad_head.to(ctx.head_dtype) * grad_total.to(ctx.head_dtype),
-            *(g * grad_total.to(g.dtype) for g in grad_states),
+            head.mul_(grad_total.to(head.dtype)),
+            *(g.mul_(grad_total.to(g.dtype)) for g in grad_states),
         )
 
 

@@ -116,6 +116,28 @@ def test_the_lean_loss_equals_the_plain_one_with_its_gradients(
     assert float(plain_dw.abs().sum()) > 0
 
 
+def test_the_lean_loss_scales_its_gradients_by_the_incoming_one_and_refuses_a_second_backward() -> None:
+    # its backward scales the saved gradients in place (no copy at the peak): a scaled loss must still get
+    # scaled gradients, and a second backward through the same graph must fail rather than scale twice
+    t2d, target_logits, loss_mask, states, lm_head = _lean_case(5, 3, 10)
+    targets = ttt_targets(target_logits, loss_mask, t2d, steps=3)
+
+    def backward(scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, w = states.clone().requires_grad_(), lm_head.clone().requires_grad_()
+        loss, _ = lean_ttt_loss(list(x), w, targets, chunk_tokens=8)
+        (scale * loss).backward(retain_graph=True)
+        assert x.grad is not None and w.grad is not None
+        return x.grad, w.grad, loss
+
+    dx, dw, _ = backward(1.0)
+    scaled_dx, scaled_dw, loss = backward(2.5)
+    torch.testing.assert_close(scaled_dx, 2.5 * dx)
+    torch.testing.assert_close(scaled_dw, 2.5 * dw)
+    assert float(dw.abs().sum()) > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_the_lean_loss_in_bf16_matches_the_plain_one_under_autocast() -> None:
     t2d, target_logits, loss_mask, states, lm_head = _lean_case(4, 4, 20)
     targets = ttt_targets(target_logits.bfloat16(), loss_mask, t2d, steps=3)
