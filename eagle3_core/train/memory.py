@@ -16,9 +16,10 @@ linear in the tokens a rank holds per step:
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
   reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md);
 - teacher: the target's logits over the draft vocabulary in the compute dtype, their log-sum-exp and top id;
-- transient: the loss's float32 lm_head gradient (summed over the steps), one step's logit gradients
-  [tokens, V_draft] in the compute dtype (train/loss.py, HeadLoss), and the float32 [chunk, V_draft]
-  temporaries of one loss chunk.
+- transient: the loss's float32 lm_head gradient (summed over the steps), lm_head's copy in the compute dtype
+  that the steps' logits are made with, one block of that gradient's rows as a product and its float32
+  copy, one step's logit gradients [tokens, V_draft] in the compute dtype (train/loss.py, HeadLoss), and
+  the float32 [chunk, V_draft] temporaries of one loss chunk.
 CALIBRATION was fitted on H200 runs that drafted from every entry (bf16, flex attention, 16,384 tokens a
 step, draft vocabulary 32,000, hidden 4096 and 7168, TTT 3 and 7), where the estimate read 3-12% above the
 peaks. The estimate assumes every entry is drafted; chat data, whose prompts are loss-masked, drafts from
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from eagle3_core.draft.model import DrafterConfig
 from eagle3_core.errors import ConfigError
-from eagle3_core.train.loss import default_chunk_tokens
+from eagle3_core.train.loss import default_chunk_tokens, head_gradient_rows
 
 GIB = 2**30
 CALIBRATION = (
@@ -124,7 +125,16 @@ def estimate_training_memory(
         ttt_steps * (CALIBRATION * counted_step_bytes(d, compute_bytes) + sdpa) + teacher + logit_grads
     )
     chunk = default_chunk_tokens(d.draft_vocab_size)
-    per_run = 4 * d.draft_vocab_size * d.hidden_size + LOSS_TEMPORARIES * 4 * chunk * d.draft_vocab_size
+    head_copy = compute_bytes * d.draft_vocab_size * d.hidden_size if compute_bytes != 4 else 0
+    head_block = (
+        (compute_bytes + 4) * min(head_gradient_rows(d.hidden_size), d.draft_vocab_size) * d.hidden_size
+    )
+    per_run = (
+        4 * d.draft_vocab_size * d.hidden_size
+        + head_copy
+        + head_block
+        + LOSS_TEMPORARIES * 4 * chunk * d.draft_vocab_size
+    )
     return MemoryEstimate(fixed, per_token, per_run, world_size)
 
 

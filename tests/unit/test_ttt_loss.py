@@ -6,6 +6,7 @@ import torch
 from eagle3_core.train.loss import (
     LossKind,
     TTTStats,
+    add_head_gradient,
     chunked_ttt_targets,
     lean_ttt_loss,
     ttt_loss,
@@ -136,6 +137,17 @@ def test_the_lean_loss_scales_its_gradients_by_the_incoming_one_and_refuses_a_se
     assert float(dw.abs().sum()) > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7, 64])
+def test_lm_heads_gradient_made_a_block_of_rows_at_a_time_is_the_whole_product(rows: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    grad_logits = torch.randn(50, 23, generator=g).bfloat16()  # [entries, V_draft], the compute dtype
+    x = torch.randn(50, 16, generator=g).bfloat16()  # [entries, H]
+    start = torch.randn(23, 16, generator=g)  # what earlier steps summed
+    got = start.clone()
+    add_head_gradient(got, grad_logits, x, rows)
+    torch.testing.assert_close(got, start + (grad_logits.T @ x).float(), rtol=0, atol=0)
 
 
 def test_the_lean_loss_in_bf16_matches_the_plain_one_under_autocast() -> None:
