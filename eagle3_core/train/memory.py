@@ -24,6 +24,8 @@ CALIBRATION was fitted on H200 runs that drafted from every entry (bf16, flex at
 step, draft vocabulary 32,000, hidden 4096 and 7168, TTT 3 and 7), where the estimate read 3-12% above the
 peaks. The estimate assumes every entry is drafted; chat data, whose prompts are loss-masked, drafts from
 fewer, and on the current trainer's runs with 30% prompt it reads 12-32% above (docs/training-memory.md).
+At Kimi-K2.5's widths it read 7-10% below the H200 peaks of bench/sharding.py, before the loss stopped
+making lm_head's whole gradient product at once; that is not yet measured again.
 """
 
 from __future__ import annotations
