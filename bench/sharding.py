@@ -55,7 +55,7 @@ from eagle3_core.draft.vocab import (
     save_vocab_mapping,
 )
 from eagle3_core.train import trainer
-from eagle3_core.train.distributed import World, init_world, pick_device
+from eagle3_core.train.distributed import World, exit_worker, init_world, pick_device
 from eagle3_core.train.memory import MemoryEstimate, estimate_training_memory
 from eagle3_core.train.trainer import build_setup, drafter_config_for, numerics, train_drafter
 
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.worker:
         worker(args)
-        return 0
+        exit_worker(0)  # its record is written: no finalization to abort it (see exit_worker)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     spec = data_spec(args)
     ts = training_set(args.workdir, spec, log)

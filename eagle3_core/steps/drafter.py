@@ -39,6 +39,7 @@ from eagle3_core.store.records import DrafterLatest, RunSummary
 from eagle3_core.store.shards import read_shard_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
+from eagle3_core.train.distributed import exit_worker
 from eagle3_core.train.run_dir import FINAL, SUMMARY
 from eagle3_core.train.trainer import train_drafter
 
@@ -465,4 +466,5 @@ if __name__ == "__main__":  # one torchrun worker of `launch_training`
     except Eagle3Error as err:  # one line, as the CLI prints it: rank 0's (the other ranks stop with it)
         if lead_process():
             print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_worker(2)
+    exit_worker(0)
