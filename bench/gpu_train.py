@@ -50,7 +50,7 @@ from eagle3_core.draft.model import AttentionBackend
 from eagle3_core.store.records import TrainRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
-from eagle3_core.train.distributed import World, pick_device
+from eagle3_core.train.distributed import World, exit_worker, pick_device
 from eagle3_core.train.run_dir import read_metrics
 from eagle3_core.train.schedule import schedule
 from eagle3_core.train.trainer import build_setup, drafter_config_for, new_drafter, train_drafter
@@ -490,7 +490,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.ddp and "WORLD_SIZE" in os.environ:
         ddp_worker(args, device)
-        return
+        exit_worker(0)  # its record is written: no finalization to abort it (see exit_worker)
     ts = training_set(args.workdir, data_spec(args, device), log)
     update: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
