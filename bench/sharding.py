@@ -464,7 +464,7 @@ def line(r: dict[str, Any]) -> str:
         return f"FAILED: {r['error'][:200]}"
     m = r["memory"]
     peak = (
-        f"peak {m['peak_allocated_gib']} GiB (estimate {m['estimate_gib'][str(r['world_size'])]}), "
+        f"peak {m['peak_allocated_gib']} GiB (estimate of the run as it ran {m['estimate_as_run_gib']}), "
         if "peak_allocated_gib" in m
         else ""
     )
