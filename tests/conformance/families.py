@@ -1,9 +1,9 @@
 """Tiny random targets of each model family eagle3 extracts from through SGLang, saved as Hugging Face
 directories with the tiny chat tokenizer: the architecture's own transformers class, 8 layers, hidden 256, a
 MoE block where the family has one. Not here: GPT-OSS (SGLang 0.5.23 refuses the torch_native attention for it:
-`GptOssForCausalLM requires one of ['triton', 'trtllm_mha', 'fa3', ...]`), and GLM-4-MoE-Lite, which runs but
-whose tiny random target's rows differed from transformers' by about 13% (not yet understood). `kimi_k25` is DeepSeek-V3's weights under `language_model.*` with
-Kimi-K2.5's wrapper config (transformers has no Kimi-K2.5 class: its reference is the DeepSeek-V3 directory)."""
+`GptOssForCausalLM requires one of ['triton', 'trtllm_mha', 'fa3', ...]`). `kimi_k25` is DeepSeek-V3's weights
+under `language_model.*` with Kimi-K2.5's wrapper config (transformers has no Kimi-K2.5 class: its reference is
+the DeepSeek-V3 directory)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.helpers import CORPUS
 H = 256
 LAYERS = 8
 FP32_REL = 1e-5  # relative L2 difference between two float32 computations of the same 8-layer model
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite")
 COMMON: dict[str, Any] = {
     "hidden_size": H,
     "num_hidden_layers": LAYERS,
@@ -75,6 +75,21 @@ def family_config(family: str, vocab: int) -> PretrainedConfig:
             **common, head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
             partial_rotary_factor=0.5, norm_topk_prob=True,
+        )  # fmt: skip
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash's shape: MLA with a q LoRA, layer 0 dense, 1-7 MoE
+        from transformers import Glm4MoeLiteConfig
+
+        # SGLang 0.5.23's GLM-4-MoE-Lite reads q only through q_a_proj/q_b_proj: a target without a q LoRA
+        # loads with its q_proj left at zero, silently (rows ~13% off). Its q_a/kv_a norms take
+        # rms_norm_eps, transformers' a fixed 1e-6: at GLM-4.7-Flash's 1e-5 the tiny target's rows differ
+        # by 6e-5, so the config here says 1e-6. first_k_dense_replace and moe_layer_freq: the fields
+        # GLM-4.7-Flash's config.json carries and SGLang reads (transformers writes mlp_layer_types).
+        return Glm4MoeLiteConfig(
+            **{**common, "num_key_value_heads": 4}, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            norm_topk_prob=True, rope_parameters=DEEPSEEK_YARN, rope_interleave=True, rms_norm_eps=1e-6,
+            mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1), first_k_dense_replace=1, moe_layer_freq=1,
         )  # fmt: skip
     raise ValueError(f"unknown family {family!r}")
 

@@ -1,9 +1,9 @@
 """SGLang 0.5.23 itself, live on a CPU: eagle3's engine backend extracts hidden states through the real
 `sglang.Engine` (torch_native attention, float32) from a tiny random target of each family eagle3 supports
 there (families.py: Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 with MoE layers, Kimi-K2.5's wrapper,
-GLM-4-MoE), and every
-row equals what transformers computes on the same ids: each aux block the input of its own layer k, not of its
-neighbours (docs/design.md, section 2), and the final state the post-norm one.
+GLM-4-MoE, GLM-4-MoE-Lite), and every row equals what transformers computes on the same ids: each aux block
+the input of its own layer k, not of its neighbours (docs/design.md, section 2), and the final state the
+post-norm one.
 
 The engines run in one child process beside SGLang's code (conftest.py's sglang_env, live_extract.py), one
 after another, so this process never imports SGLang and SGLang is imported once."""
