@@ -4,7 +4,7 @@ A run whose settings cannot fit is refused before anything is allocated, with th
 and the largest `batch_tokens` that fits, instead of an out-of-memory error some steps in. The estimate is
 linear in the tokens a rank holds per step:
 
-    peak = fixed + tokens * (ttt_steps * per_step_token + teacher_token) + ttt_steps * per_step + transient
+    peak = fixed + tokens * (ttt_steps * per_step_token + chain_token + teacher_token) + transient
 
 - fixed: fp32 weights and AdamW's two moments (12 bytes per trainable parameter; DDP adds its fp32 gradient
   buckets), the frozen embedding (fp32) and the target's head (in the compute dtype). Under FSDP
@@ -14,7 +14,8 @@ linear in the tokens a rank holds per step:
   whole (8 bytes a parameter of theirs);
 - per step and token: the activations one TTT step keeps for backward. Counted from the tensors the layer
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
-  reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md);
+  reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md), plus the earlier
+  steps' keys and values each step stacks for its chain (quadratic in TTT steps, counted as they are);
 - teacher: the target's logits over the draft vocabulary in the compute dtype, their log-sum-exp and top id;
 - transient: the loss's float32 lm_head gradient (summed over the steps), lm_head's copy in the compute dtype
   that the steps' logits are made with, one block of that gradient's rows as a product and its float32
@@ -95,6 +96,15 @@ def counted_step_bytes(d: DrafterConfig, compute_bytes: int) -> float:
     return products + norms + head
 
 
+def stacked_chain_bytes(d: DrafterConfig, ttt_steps: int, compute_bytes: int, flex: bool = True) -> float:
+    """Bytes per token of the chains the TTT steps stack for attention and keep for backward: step s (of
+    1..ttt_steps-1) stacks its s earlier keys and values ([B, kv_heads, M, s, d] for flex, expanded to every
+    head for SDPA; draft/model.py). Not in CALIBRATION, whose runs predate the stacking: at Kimi's widths
+    and TTT 7, 21 entries of 2 x 1,024 bf16 values a token, 1.3 GiB at 16,384 tokens."""
+    width = (d.num_kv_heads if flex else d.num_heads) * d.dim
+    return compute_bytes * 2 * width * ttt_steps * (ttt_steps - 1) / 2
+
+
 def estimate_training_memory(
     d: DrafterConfig,
     ttt_steps: int,
@@ -124,7 +134,10 @@ def estimate_training_memory(
     logit_grads = compute_bytes * d.draft_vocab_size
     sdpa = 2 * 4 * d.num_heads * sdpa_keys  # scores and softmax weights, per query
     per_token = (
-        ttt_steps * (CALIBRATION * counted_step_bytes(d, compute_bytes) + sdpa) + teacher + logit_grads
+        ttt_steps * (CALIBRATION * counted_step_bytes(d, compute_bytes) + sdpa)
+        + stacked_chain_bytes(d, ttt_steps, compute_bytes, flex=sdpa_keys == 0)
+        + teacher
+        + logit_grads
     )
     chunk = default_chunk_tokens(d.draft_vocab_size)
     head_copy = compute_bytes * d.draft_vocab_size * d.hidden_size if compute_bytes != 4 else 0
