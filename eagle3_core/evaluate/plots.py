@@ -10,7 +10,9 @@ import base64
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from eagle3_core.store.atomic import atomic_write_bytes
@@ -22,6 +24,14 @@ def _save(fig: Figure, out: Path) -> Path:
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     atomic_write_bytes(out, buffer.getvalue())
     return out
+
+
+def _legend_or_note(ax: Axes, note: str, **legend: Any) -> None:
+    """The axes' legend, or `note` across them when nothing was drawn (a run with no rows yet)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+    else:
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
 def acceptance_bars(
@@ -40,7 +50,7 @@ def acceptance_bars(
     ax.set_ylim(0, 1)
     ax.set_xticks(range(1, max((len(v) for v in per_position.values()), default=0) + 1))
     ax.set_title(title)
-    ax.legend()
+    _legend_or_note(ax, "no acceptance measured")
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, out)
 
@@ -59,7 +69,7 @@ def training_curves(records: Sequence[MetricsRow], steps: int, out: Path, title:
             )
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("soft cross-entropy (nats)")
-    loss_ax.legend()
+    _legend_or_note(loss_ax, "no training or validation rows")
     loss_ax.grid(alpha=0.3)
     for k in range(steps):  # train as thin lines, validation as dots, one colour per TTT position
         if train:
@@ -77,7 +87,7 @@ def training_curves(records: Sequence[MetricsRow], steps: int, out: Path, title:
     acc_ax.set_xlabel("step")
     acc_ax.set_ylabel("top-1 accuracy (conditional; dots: val)")
     acc_ax.set_ylim(0, 1)
-    acc_ax.legend(fontsize=7, ncol=2)
+    _legend_or_note(acc_ax, "no training or validation rows", fontsize=7, ncol=2)
     acc_ax.grid(alpha=0.3)
     fig.suptitle(title)
     return _save(fig, out)

@@ -41,7 +41,7 @@ class ScriptedProbe:
         return _runs(per_prompt)
 
     def confirm(self, drafter: Eagle3Drafter) -> list[PromptRun]:
-        fill = round(float(drafter.fc.weight.flatten()[0]), 4)  # which step's weights it was given
+        fill = round(drafter.fc.weight.flatten()[0].item(), 4)  # which step's weights it was given
         self.confirmed.append(fill)
         return _runs(self.further[fill])
 

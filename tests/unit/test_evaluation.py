@@ -4,6 +4,7 @@ import codecs
 import math
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,17 @@ def test_the_pictures_are_png_files_that_markdown_can_inline(tmp_path: Path) -> 
     for path in (bars, curves):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert markdown_image(path, "x").startswith("![x](data:image/png;base64,iVBOR")
+
+
+def test_a_run_without_rows_draws_a_note_instead_of_an_empty_legend(tmp_path: Path) -> None:
+    """A run killed before its first metric row still gets its pictures, saying there is nothing to draw,
+    without matplotlib's warning about a legend of nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        curves = training_curves([], 3, tmp_path / "c.png", "t")
+        bars = acceptance_bars({}, {}, tmp_path / "a.png", "t")
+    for path in (curves, bars):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Path) -> None:
