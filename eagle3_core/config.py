@@ -570,6 +570,13 @@ class EvaluateConfig(_Model):
     export_format: Literal["sglang", "speculators"] = Field(
         default="sglang", description="Which exported directory is loaded and measured."
     )
+    target_step: Literal["auto", "eager", "graphed"] = Field(
+        default="auto",
+        description="The target's decoding step: graphed computes it as an engine does (one preallocated KV "
+        "cache, CUDA graphs on a GPU; Llama, Mistral, Qwen2 and Qwen3 layouts), so the speedup is an "
+        "engine's kind; eager is transformers' forward, whose host overhead on a GPU inflates the speedup. "
+        "auto: graphed on a GPU for a target it computes, else eager. The report records which ran.",
+    )
 
     @model_validator(mode="after")
     def _gate_k_measured(self) -> EvaluateConfig:

@@ -93,7 +93,8 @@ def set_dict() -> dict[str, Any]:
 
 
 def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: Any) -> dict[str, Any]:
-    """export/<run>/eval/report-<format>.json as the evaluation step wrote it before records."""
+    """export/<run>/eval/report-<format>.json as the evaluation step writes it (first written as a dict before
+    records; target_step since evaluate.target_step)."""
     return {
         "run": run,
         "export_dir": export_dir,
@@ -101,6 +102,7 @@ def report_dict(run: str = "r1", export_dir: str = "drafter/export/r1", **gate: 
         "device": "cpu",
         "dtype": "float32",
         "settings": {"ks": (3,), "max_new_tokens": 64, "temperature": 0.0, "seed": 0, "batch_size": 1},
+        "target_step": "eager",
         "tau": {"3": 2.75},
         "primary": "heldout",
         "sets": {"heldout": set_dict()},

@@ -20,12 +20,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from eagle3_core.errors import Eagle3Error
+from eagle3_core.errors import ConfigError, Eagle3Error
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the families whose forward is exactly embedding, (norm, attention, norm, MLP) per layer, norm, head: others
@@ -37,8 +37,34 @@ PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 PROBE_TOLERANCE_LOW_PRECISION = 5e-2  # bf16, fp16: rounding through 30 layers moves logits by a few %
 
 
+TargetStep = Literal["auto", "eager", "graphed"]
+
+
 class UnsupportedTargetError(Eagle3Error):
     """The target's architecture is not one the graphed step computes."""
+
+
+def choose_target_step(step: TargetStep, model: Any, device_type: str) -> tuple[bool, str]:
+    """(whether evaluate.target_step `step` decodes `model` on a `device_type` device with the graphed step,
+    why): eager never; graphed always, and a model it cannot compute is refused (ConfigError); auto on a GPU
+    for a model it computes (on a CPU there are no CUDA graphs, and eager is what the CPU figures were made
+    with)."""
+    if step == "eager":
+        return False, "evaluate.target_step eager"
+    try:
+        check_supported(model)
+    except UnsupportedTargetError as err:
+        if step == "graphed":
+            raise ConfigError(f"evaluate.target_step graphed: {err}; use eager (or auto)") from None
+        return False, f"evaluate.target_step auto: {err}"
+    if step == "graphed" or device_type == "cuda":
+        return True, f"evaluate.target_step {step}"
+    return False, f"evaluate.target_step auto: graphed only on a GPU, this is {device_type}"
+
+
+def runs_graphed(step: TargetStep, model: Any, device_type: str) -> bool:
+    """Whether `choose_target_step` takes the graphed step."""
+    return choose_target_step(step, model, device_type)[0]
 
 
 def check_supported(model: Any) -> None:

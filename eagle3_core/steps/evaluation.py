@@ -19,7 +19,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +29,7 @@ import torch
 from eagle3_core.config import DrafterVariant, Eagle3Config, without_url_passwords
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.errors import Eagle3Error, ExportError
+from eagle3_core.evaluate.graphed_target import choose_target_step, runs_graphed
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
     Measurement,
@@ -170,8 +171,7 @@ def _measure_set(
     ks: tuple[int, ...],
     log: Log,
 ) -> Measurement:
-    ev = cfg.evaluate
-    settings = DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)
+    settings = _decode_settings(cfg, ks, target)
     every = max(1, len(ids) // 4)
 
     def progress(done: int, total: int) -> None:
@@ -192,6 +192,8 @@ def _measure_sets(
 ) -> tuple[dict[str, list[tuple[EvalPrompt, list[int]]]], dict[str, Measurement]]:
     """Each set's prompts that fit beside a reply, and the drafter measured on them."""
     room = cfg.tokenize.max_seq_len - cfg.evaluate.max_new_tokens
+    graphed, why = choose_target_step(cfg.evaluate.target_step, target.model, target.device.type)
+    log(f"the target's step: {'graphed' if graphed else 'eager'} ({why})")
     fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
     measured = {
         name: _measure_set(cfg, target, drafter, d2t, name, [ids for _, ids in kept], ks, log)
@@ -230,7 +232,7 @@ class TrainingProbe:
         self.confirm_prompts = len(self.further)
         self.export_dtype = export_dtype(cfg, model_dir)
         self.settings = DecodeSettings((ev.gate_k,), tr.al_max_new_tokens, ev.temperature, ev.seed)
-        described = json.dumps([asdict(self.settings), prompts, str(self.export_dtype)])
+        described = json.dumps([asdict(self.settings), ev.target_step, prompts, str(self.export_dtype)])
         self.fingerprint = hashlib.sha256(described.encode()).hexdigest()[:16]
         self.target: Target | None = None
 
@@ -244,7 +246,10 @@ class TrainingProbe:
         t = self._target()
         exported = self._as_exported(drafter, t)
         d2t = self.d2t.to(t.device)
-        measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, self.settings,
+        # the target's step as drafter_eval takes it, so the AL here is the one drafter_eval measures
+        graphed = runs_graphed(self.cfg.evaluate.target_step, t.model, t.device.type)
+        settings = replace(self.settings, graphed_target=graphed)
+        measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, settings,
                            target_alone=False)  # fmt: skip
         return measured.runs[self.k]
 
@@ -453,7 +458,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         format=ev.export_format,
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks),
+        settings=_settings(cfg, ks, target),
+        target_step=_target_step(cfg, target),
         tau={str(k): summary.tau(k) for k in ks},
         primary=primary,
         sets=set_reports(sets, fitting, measured),
@@ -489,7 +495,8 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
         aux_layer_ids=list(target.aux_layer_ids),
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks),
+        settings=_settings(cfg, ks, target),
+        target_step=_target_step(cfg, target),
         tau={str(k): summary.tau(k) for k in ks},
         primary=sets[0].name,
         sets=set_reports(sets, fitting, measured),
@@ -498,9 +505,18 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
     return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
 
 
-def _settings(cfg: Eagle3Config, ks: tuple[int, ...]) -> dict[str, Any]:
+def _decode_settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> DecodeSettings:
     ev = cfg.evaluate
-    return {**asdict(DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed)), "batch_size": 1}
+    graphed = runs_graphed(ev.target_step, target.model, target.device.type)
+    return DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed, graphed_target=graphed)
+
+
+def _settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> dict[str, Any]:
+    return {**asdict(_decode_settings(cfg, ks, target)), "batch_size": 1}
+
+
+def _target_step(cfg: Eagle3Config, target: Target) -> Literal["eager", "graphed"]:
+    return "graphed" if runs_graphed(cfg.evaluate.target_step, target.model, target.device.type) else "eager"
 
 
 def report_file(eval_dir: Path, fmt: str, prompts_file: Path | None = None) -> Path:
@@ -611,7 +627,8 @@ def eval_drafter_dir_step(
         aux_layer_ids=list(aux),
         device=str(target.device),
         dtype=str(dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks),
+        settings=_settings(cfg, ks, target),
+        target_step=_target_step(cfg, target),
         tau={str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
         primary=primary,
         sets=set_reports(sets, fitting, measured),
@@ -649,6 +666,7 @@ def _metadata(report: EvalReport | DrafterDirReport, gate_passed: bool | None, g
         "prompt_set": report.primary,
         "prompts": heldout.prompts,
         "device": report.device,
+        "target_step": report.target_step,
         "target_tokens_per_s": heldout.target_tokens_per_s,
     }
     for k, r in heldout.by_k.items():

@@ -413,6 +413,8 @@ class EvalReport(Record):
     device: str
     dtype: str
     settings: dict[str, Any]
+    # the target's step its speedups were timed with (evaluate.target_step); reports before it: eager
+    target_step: Literal["eager", "graphed"] = "eager"
     tau: dict[str, float | None]  # the training estimate per K, None where validation did not measure it
     primary: str  # the set the gate compares and the page leads with
     sets: dict[str, SetMeasurement]
@@ -432,6 +434,8 @@ class DrafterDirReport(Record):
     device: str
     dtype: str
     settings: dict[str, Any]
+    # the target's step its speedups were timed with (evaluate.target_step); reports before it: eager
+    target_step: Literal["eager", "graphed"] = "eager"
     tau: dict[str, float | None]
     primary: str
     sets: dict[str, SetMeasurement]

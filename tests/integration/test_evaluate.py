@@ -96,6 +96,7 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
     for picture in report["pictures"].values():
         assert Path(picture).read_bytes()[:4] == b"\x89PNG"
     meta = result.metadata
+    assert meta["target_step"] == "eager"  # auto, on a CPU
     assert meta["al_k3"] == heldout["by_k"]["3"]["acceptance_length"]
     assert meta["greedy_mismatches_k3"] == 0
     assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
@@ -106,14 +107,16 @@ def test_each_export_format_is_measured_into_its_own_report(project: Path, evalu
     first = evaluated
     sglang = report_file(first.path, "sglang")
     before = sglang.read_bytes()
-    other = cfg.model_copy(
-        update={"evaluate": cfg.evaluate.model_copy(update={"export_format": "speculators"})}
-    )
-    eval_step(other)
+    # the second format measured with the target's step as an engine computes it (evaluate.target_step)
+    evaluate = cfg.evaluate.model_copy(update={"export_format": "speculators", "target_step": "graphed"})
+    eval_step(cfg.model_copy(update={"evaluate": evaluate}))
     speculators = json.loads(report_file(first.path, "speculators").read_text())
     assert speculators["format"] == "speculators" and json.loads(before)["format"] == "sglang"
+    assert (speculators["target_step"], json.loads(before)["target_step"]) == ("graphed", "eager")
+    assert speculators["settings"]["graphed_target"] and not json.loads(before)["settings"]["graphed_target"]
     assert sglang.read_bytes() == before  # measuring the second format left the first one's report alone
-    # one drafter in two formats is one network: the same rounds, prompt by prompt
+    # one drafter in two formats is one network, and either target step is the target's own: the same rounds,
+    # prompt by prompt
     a = json.loads(before)["sets"]["heldout"]["by_k"]["3"]["per_prompt"]
     b = speculators["sets"]["heldout"]["by_k"]["3"]["per_prompt"]
     assert [(r["id"], r["accepted"], r["rounds"]) for r in a] == [

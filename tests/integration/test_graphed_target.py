@@ -20,8 +20,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from eagle3_core.errors import ConfigError
 from eagle3_core.evaluate import measure as measure_module
-from eagle3_core.evaluate.graphed_target import GraphedTarget, UnsupportedTargetError
+from eagle3_core.evaluate.graphed_target import (
+    GraphedTarget,
+    UnsupportedTargetError,
+    choose_target_step,
+    runs_graphed,
+)
 from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
 from eagle3_core.evaluate.specdec import speculative_generate, target_generate
 from tests.integration.test_specdec import _drafter
@@ -167,3 +173,23 @@ def test_a_layout_it_does_not_compute_is_caught_by_the_probe_against_transformer
     layer.forward = lambda *args, **kwargs: plain(*args, **kwargs) * 1.5  # type: ignore[method-assign]
     with pytest.raises(UnsupportedTargetError, match="logits differ from transformers' forward by"):
         GraphedTarget(model, AUX, capacity=32)
+
+
+def test_evaluate_target_step_takes_the_graphed_step_where_it_runs_and_says_why_not() -> None:
+    """auto: graphed on a GPU for a family it computes, eager on a CPU or for another family, with the
+    reason; graphed: on any device, and a family it cannot compute refused naming the setting."""
+    llama = _model("llama")
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).eval()
+    assert runs_graphed("auto", llama, "cuda") and runs_graphed("graphed", llama, "cpu")
+    assert not runs_graphed("eager", llama, "cuda")
+    assert choose_target_step("auto", llama, "cpu") == (
+        False,
+        "evaluate.target_step auto: graphed only on a GPU, this is cpu",
+    )
+    graphed, why = choose_target_step("auto", gemma, "cuda")
+    assert not graphed and "model_type 'gemma' is not one of llama" in why
+    with pytest.raises(
+        ConfigError, match=r"evaluate.target_step graphed: GemmaForCausalLM: model_type 'gemma'"
+    ):
+        runs_graphed("graphed", gemma, "cpu")

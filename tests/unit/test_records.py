@@ -129,6 +129,7 @@ def test_a_drafter_dir_report_writes_todays_bytes(tmp_path: Path) -> None:
         "device": "cpu",
         "dtype": "float32",
         "settings": {"ks": (3,), "max_new_tokens": 64, "temperature": 0.0, "seed": 0, "batch_size": 1},
+        "target_step": "graphed",
         "tau": {"3": None},
         "primary": "prompts",
         "sets": {"prompts": set_dict()},
@@ -136,6 +137,11 @@ def test_a_drafter_dir_report_writes_todays_bytes(tmp_path: Path) -> None:
     _same_bytes(tmp_path, DrafterDirReport(**today), today)
     read = DrafterDirReport.read(tmp_path / "record.json")
     assert read.model_dump(mode="json") == DrafterDirReport(**today).model_dump(mode="json")
+
+
+def test_a_report_from_before_target_step_reads_as_timed_with_the_eager_step() -> None:
+    old = {k: v for k, v in report_dict().items() if k != "target_step"}
+    assert EvalReport(**old).target_step == "eager"
 
 
 def test_a_gate_from_before_the_paired_intervals_still_reads() -> None:
