@@ -77,3 +77,27 @@ def test_the_captured_round_drafts_what_the_eager_round_drafts() -> None:
             )
             assert got.tolist() == want.tolist()
     assert set(graphed._captured) == {(4, 1), (4, 3), (4, 5), (4, 2)}
+
+
+def test_on_a_gpu_auto_takes_the_graphed_target_step_and_decodes_the_eager_rounds() -> None:
+    """evaluate.target_step auto on CUDA: the graphed step (CUDA graphs), whose rounds in float64 (far from any
+    argmax tie) are the eager step's, prompt by prompt, and whose output is the target's own."""
+    from eagle3_core.evaluate.graphed_target import runs_graphed
+    from eagle3_core.evaluate.measure import DecodeSettings, measure
+    from tests.integration.test_graphed_target import AUX, _model
+    from tests.integration.test_specdec import _drafter
+
+    model = _model("llama").cuda()
+    assert runs_graphed("auto", model, "cuda")
+    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    drafter, d2t = drafter.cuda(), d2t.cuda()
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    runs = {
+        graphed: measure(
+            model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16, graphed_target=graphed)
+        )
+        for graphed in (False, True)
+    }
+    for k in (1, 3):
+        assert [r.accepted for r in runs[True].runs[k]] == [r.accepted for r in runs[False].runs[k]]
+    assert runs[True].greedy_mismatches == {1: 0, 3: 0}
