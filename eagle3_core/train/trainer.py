@@ -266,16 +266,30 @@ def train_step(s: Setup, batch: Batch, lr: float) -> TTTStats:
 
 def validate(s: Setup, refs: list[SampleRef], prefetch: Prefetcher) -> TTTStats:
     """TTT statistics over this rank's share of the validation batches, summed over ranks."""
-    batches = validation_plan(refs, s.cfg, s.world.size)[s.world.rank :: s.world.size]
+    plan = validation_plan(refs, s.cfg, s.world.size)
+    batches, measured = rank_validation_batches(plan, s.world.rank, s.world.size, s.sharded)
     total = TTTStats.zeros(s.cfg.ttt_steps)
     s.drafter.eval()
     with torch.no_grad():
-        for batch in prefetch(batches):
+        for i, batch in enumerate(prefetch(batches)):
             batch = batch.to(s.world.device)
             _, stats = _loss(s, batch, s.loss, teacher_targets(s, batch), None)
-            total = total + stats
+            if i < measured:
+                total = total + stats
     s.drafter.train()
     return TTTStats(s.world.sum(total.sums.to(s.world.device)).cpu())
+
+
+def rank_validation_batches(plan: list[Rows], rank: int, world: int, sharded: bool) -> tuple[list[Rows], int]:
+    """(the batches `rank` runs, how many of them it measures): whole batches dealt round the ranks. Under
+    FSDP every forward gathers the weights from every rank, so a rank dealt fewer batches than another would
+    wait forever at the other's extra forward: it runs as many as the most dealt, the extra ones batches of
+    the plan whose statistics it drops."""
+    batches = plan[rank::world]
+    measured = len(batches)
+    if sharded:
+        batches = batches + plan[: -(-len(plan) // world) - measured]
+    return batches, measured
 
 
 def validation_plan(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) -> list[Rows]:

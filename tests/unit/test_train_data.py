@@ -143,6 +143,26 @@ def test_validation_batches_cover_the_split_in_a_fixed_order() -> None:
     assert batches == plan_validation(refs, 1000, 256)
 
 
+@pytest.mark.parametrize("batches", [1, 3, 4, 5])
+def test_under_fsdp_every_rank_runs_as_many_validation_forwards_and_each_batch_is_measured_once(
+    batches: int,
+) -> None:
+    """FSDP gathers the weights in every forward: a rank dealt fewer validation batches than another would wait
+    forever at the other's extra forward (seen: 2 ranks, 1 batch). Each rank runs as many as the most dealt,
+    and the extra ones are not measured; DDP's ranks run what they are dealt."""
+    from eagle3_core.train.trainer import rank_validation_batches
+
+    plan = [[[i]] for i in range(batches)]
+    for world in (1, 2, 4):
+        sharded = [rank_validation_batches(plan, r, world, sharded=True) for r in range(world)]
+        assert len({len(run) for run, _ in sharded}) == 1, (batches, world)
+        measured = [b for run, n in sharded for b in run[:n]]
+        assert sorted(measured) == plan  # each batch measured once, by one rank
+        assert [rank_validation_batches(plan, r, world, sharded=False) for r in range(world)] == [
+            (plan[r::world], len(plan[r::world])) for r in range(world)
+        ]
+
+
 def test_the_validation_split_is_fixed_by_sample_id_and_near_its_fraction() -> None:
     ids = [f"{i:064x}" for i in range(20000)]
     chosen = [s for s in ids if is_validation(s, 0.05)]
