@@ -5,6 +5,8 @@
     python -m bench.sharding --heads default             # the 32k head alone (a later run merges its part)
     python -m bench.sharding --heads full --sharding fsdp
     python -m bench.sharding --nproc 2                   # each run on 2 GPUs (a file of its own: ..._x2)
+    python -m bench.sharding --nproc 2 --nodes 2         # as 2 torchrun agents ("nodes") of 1 GPU each
+    python -m bench.sharding --nproc 2 --reference bench/results/sharding_h200.json   # against 1 GPU
     python -m bench.sharding --device cpu --tiny         # smoke test on CPU (gloo), tiny sizes, into --workdir
 
 Each (head, sharding) run is `train_drafter` (TTT 7, otherwise the defaults: Muon, bf16 autocast, flex
@@ -22,6 +24,11 @@ intermediate 18432, vocab 163,840: Kimi-K2.5's widths) and shards extracted from
 built once under --workdir with vocab mappings for both heads. Results go to bench/results/sharding_<gpu>.json
 (`_x<N>` after it for N ranks); a CPU run writes into --workdir. A run of some heads or shardings updates its
 runs in the file and keeps the others'.
+
+--nodes N starts each run as N torchrun agents on this host, meeting at a c10d rendezvous on 127.0.0.1, each
+with --nproc / N ranks (on a GPU, its own slice of the devices), as N nodes of a cluster would (`_<N>nodes`
+after the file's name). --reference FILE compares each run with the run of the same name in FILE, made on the
+same data and global batch: validation and training losses, and the scaling of tokens/s with the ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +89,7 @@ SIZES = {  # --tiny: a CPU smoke test of the script itself
         "warmup": 8,
         "steps": 12,
         "log_every": 4,
+        "val_percent": 5,  # train.val_fraction's default
     },
     "tiny": {
         "hidden": 64,
@@ -98,6 +107,7 @@ SIZES = {  # --tiny: a CPU smoke test of the script itself
         "warmup": 2,
         "steps": 2,
         "log_every": 1,
+        "val_percent": 25,  # a few of the 16 samples, so the runs validate
     },
 }
 METHOD = (
@@ -125,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--sharding", default=",".join(SHARDINGS), help="ddp, fsdp, or both")
     p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) each run trains on")
+    p.add_argument("--nodes", type=int, default=1, help="torchrun agents the ranks are split over (c10d)")
+    p.add_argument("--reference", type=Path, help="a results file of the same runs to compare each run with")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train.compile")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke test)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -144,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         sys.exit(
             f"--warmup {args.warmup} and --steps {args.steps} must be multiples of --log-every {args.log_every}"
         )
+    if args.nodes < 1 or args.nproc % args.nodes:
+        sys.exit(f"--nodes {args.nodes}: the --nproc {args.nproc} ranks must split evenly over the nodes")
     args.heads, args.sharding = _choices(args.heads, HEADS), _choices(args.sharding, SHARDINGS)
     return args
 
@@ -200,6 +214,7 @@ def train_config(args: argparse.Namespace, head: str, sharding: str) -> TrainCon
         batch_tokens=args.batch_tokens,
         max_len=args.max_len,
         max_steps=args.warmup + args.steps,
+        val_fraction=args.val_percent / 100,
         epochs=1000,  # a ceiling: max_steps ends the run
         log_every=args.log_every,
         eval_every=10**6,
@@ -332,20 +347,59 @@ def launch(args: argparse.Namespace, head: str, sharding: str) -> list[dict[str,
     for rank in range(args.nproc):
         rank_file(args, name, rank).unlink(missing_ok=True)
     passed = [f"--{n.replace('_', '-')}={v}" for n, v in sizes(args).items()]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+    worker_args = [
         str(Path(__file__).resolve()), "--worker", f"--heads={head}", f"--sharding={sharding}",
-        f"--compile={args.compile}", f"--device={args.device}",
-        f"--workdir={args.workdir}", *passed,
+        f"--compile={args.compile}", f"--device={args.device}", f"--workdir={args.workdir}", *passed,
     ]  # fmt: skip
-    log(f"run {name}: {' '.join(cmd[3:])}")
     try:
-        code = subprocess.run(cmd).returncode
-        if code != 0:
-            raise RuntimeError(f"torchrun of run {name} exited {code} (its log is above)")
+        codes = wait_for(start_agents(args, name, worker_args))
+        if any(codes):
+            raise RuntimeError(f"torchrun of run {name} exited {codes} (its log is above)")
         return [json.loads(rank_file(args, name, r).read_text()) for r in range(args.nproc)]
     finally:  # a checkpoint of the full head is 20 GB
         shutil.rmtree(args.workdir / "runs" / name, ignore_errors=True)
+
+
+def start_agents(
+    args: argparse.Namespace, name: str, worker_args: list[str]
+) -> list[subprocess.Popen[bytes]]:
+    """The torchrun agents of one run: one standalone agent of --nproc ranks, or --nodes agents of
+    --nproc / --nodes ranks each meeting at a c10d rendezvous on 127.0.0.1, each on its own GPUs."""
+    per_node = args.nproc // args.nodes
+    if args.nodes == 1:
+        launches = [["--standalone"]]
+    else:
+        rendezvous = [f"--nnodes={args.nodes}", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=bench-{name}"]  # fmt: skip
+        launches = [rendezvous] * args.nodes
+    agents = []
+    for node, launch in enumerate(launches):
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={per_node}",
+               *worker_args]  # fmt: skip
+        env = dict(os.environ)
+        if args.device == "cuda" and args.nodes > 1:  # each agent's ranks count their GPUs from 0
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * per_node + g) for g in range(per_node))
+        log(f"run {name}{f', node {node}' if args.nodes > 1 else ''}: {' '.join(cmd[3:])}")
+        agents.append(subprocess.Popen(cmd, env=env))
+    return agents
+
+
+def wait_for(agents: list[subprocess.Popen[bytes]]) -> list[int]:
+    """The agents' exit codes; once one fails, the others are stopped (their ranks would wait for it)."""
+    while any(a.poll() is None for a in agents):
+        if any(a.returncode for a in agents):
+            for a in agents:
+                if a.poll() is None:
+                    a.terminate()
+            return [a.wait() for a in agents]
+        time.sleep(0.5)
+    return [a.returncode for a in agents]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # ---- memory --------------------------------------------------------------------------------------------------
@@ -485,7 +539,9 @@ def results_path(args: argparse.Namespace, device: str) -> Path:
     if args.device == "cpu":
         return args.workdir / "sharding_cpu.json"
     name = "h200" if "H200" in device else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-    return REPO / "bench" / "results" / f"sharding_{name}{f'_x{args.nproc}' if args.nproc > 1 else ''}.json"
+    ranks = f"_x{args.nproc}" if args.nproc > 1 else ""
+    nodes = f"_{args.nodes}nodes" if args.nodes > 1 else ""
+    return REPO / "bench" / "results" / f"sharding_{name}{ranks}{nodes}.json"
 
 
 def earlier(path: Path, facts: dict[str, Any]) -> dict[str, Any]:
@@ -493,14 +549,49 @@ def earlier(path: Path, facts: dict[str, Any]) -> dict[str, Any]:
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
-    same = all(old.get(k) == facts[k] for k in ("sizes", "nproc", "compile"))
+    same = all(
+        old.get(k, 1 if k == "nodes" else None) == facts[k] for k in ("sizes", "nproc", "nodes", "compile")
+    )
     if not same:
         log(f"{path} holds runs of other sizes or ranks: starting afresh")
     return old.get("runs", {}) if same else {}
 
 
-def write(path: Path, results: dict[str, Any]) -> None:
+def against(run: dict[str, Any], ref: dict[str, Any], ranks: int, ref_ranks: int) -> dict[str, Any]:
+    """One run against the run of the same name in a reference file (same data and global batch): how far
+    its losses are from the reference's, and its tokens/s over the reference's scaled by the ranks (1.0: the
+    ranks add up fully)."""
+    losses = zip(run["train_loss"], ref["train_loss"], strict=True)
+    out: dict[str, Any] = {
+        "train_loss_max_rel_diff": max(abs(a - b) / max(abs(b), 1e-9) for a, b in losses),
+        "tokens_per_s_over_reference": round(run["tokens_per_s"] / ref["tokens_per_s"], 3),
+        "scaling_efficiency": round(run["tokens_per_s"] / ref["tokens_per_s"] * ref_ranks / ranks, 3),
+    }
+    if run["val"] and ref["val"]:
+        out["val_loss_0_rel_diff"] = abs(run["val"]["loss_0"] - ref["val"]["loss_0"]) / max(
+            abs(ref["val"]["loss_0"]), 1e-9
+        )
+    return out
+
+
+def against_reference(results: dict[str, Any], path: Path) -> dict[str, Any]:
+    """against() for every run whole in both this invocation's results and the reference file at `path`."""
+    ref = json.loads(path.read_text())
+    if ref.get("sizes") != results["sizes"]:
+        sys.exit(f"--reference {path}: its runs have other sizes than these ({ref.get('sizes')})")
+    whole = {n: r for n, r in results["runs"].items() if "error" not in r}
+    runs = {
+        n: against(r, ref["runs"][n], results["nproc"], ref["nproc"])
+        for n, r in whole.items()
+        if "error" not in ref["runs"].get(n, {"error": "absent"})
+    }
+    return {"file": str(path), "nproc": ref["nproc"], "nodes": ref.get("nodes", 1), "runs": runs}
+
+
+def write(path: Path, results: dict[str, Any], reference: Path | None = None) -> None:
     results["comparison"] = comparisons(results["runs"])
+    if reference is not None:
+        results["against_reference"] = against_reference(results, reference)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
@@ -527,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": torch.cuda.device_count(),
         "torch": torch.__version__,
         "nproc": args.nproc,
+        "nodes": args.nodes,
         "compile": args.compile,
         "sizes": sizes(args),
         "data": {"tokens": ts.tokens, "samples": ts.samples, "spec": asdict(spec)},
@@ -538,10 +630,12 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{head}-{sharding}"
             results["runs"][name] = guarded(name, partial(run, args, ts, head, sharding), log)
             log(f"  {name}: {line(results['runs'][name])}")
-            write(path, results)  # now: a later failure keeps these numbers
+            write(path, results, args.reference)  # now: a later failure keeps these numbers
     results["wall_s"] = round(time.perf_counter() - STARTED, 1)
-    write(path, results)
+    write(path, results, args.reference)
     report(results["comparison"])
+    for name, c in results.get("against_reference", {}).get("runs", {}).items():
+        log(f"{name} against {args.reference}: {c}")
     log(f"results in {path} (this invocation: {results['wall_s']} s)")
     failed = errors(results["runs"])
     if failed:
