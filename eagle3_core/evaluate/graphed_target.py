@@ -44,27 +44,30 @@ class UnsupportedTargetError(Eagle3Error):
     """The target's architecture is not one the graphed step computes."""
 
 
-def choose_target_step(step: TargetStep, model: Any, device_type: str) -> tuple[bool, str]:
+def choose_target_step(
+    step: TargetStep, model: Any, aux_layer_ids: tuple[int, ...], device_type: str
+) -> tuple[bool, str]:
     """(whether evaluate.target_step `step` decodes `model` on a `device_type` device with the graphed step,
-    why): eager never; graphed always, and a model it cannot compute is refused (ConfigError); auto on a GPU
-    for a model it computes (on a CPU there are no CUDA graphs, and eager is what the CPU figures were made
-    with)."""
+    why): eager never; auto only on a GPU (a CPU has no CUDA graphs, and eager is what the CPU figures were
+    made with); otherwise the graphed step where it computes `model`, found as a run would find it (the
+    family, the aux layers, and the probe against transformers' forward, on 12 tokens): graphed refuses a
+    model it cannot compute (ConfigError), auto takes eager instead and says why."""
     if step == "eager":
         return False, "evaluate.target_step eager"
+    if step == "auto" and device_type != "cuda":
+        return False, f"evaluate.target_step auto: graphed only on a GPU, this is {device_type}"
     try:
-        check_supported(model)
+        GraphedTarget(model, aux_layer_ids, capacity=PROBE_TOKENS, graphs=False)
     except UnsupportedTargetError as err:
         if step == "graphed":
             raise ConfigError(f"evaluate.target_step graphed: {err}; use eager (or auto)") from None
         return False, f"evaluate.target_step auto: {err}"
-    if step == "graphed" or device_type == "cuda":
-        return True, f"evaluate.target_step {step}"
-    return False, f"evaluate.target_step auto: graphed only on a GPU, this is {device_type}"
+    return True, f"evaluate.target_step {step}"
 
 
-def runs_graphed(step: TargetStep, model: Any, device_type: str) -> bool:
+def runs_graphed(step: TargetStep, model: Any, aux_layer_ids: tuple[int, ...], device_type: str) -> bool:
     """Whether `choose_target_step` takes the graphed step."""
-    return choose_target_step(step, model, device_type)[0]
+    return choose_target_step(step, model, aux_layer_ids, device_type)[0]
 
 
 def check_supported(model: Any) -> None:

@@ -192,7 +192,9 @@ def _measure_sets(
 ) -> tuple[dict[str, list[tuple[EvalPrompt, list[int]]]], dict[str, Measurement]]:
     """Each set's prompts that fit beside a reply, and the drafter measured on them."""
     room = cfg.tokenize.max_seq_len - cfg.evaluate.max_new_tokens
-    graphed, why = choose_target_step(cfg.evaluate.target_step, target.model, target.device.type)
+    graphed, why = choose_target_step(
+        cfg.evaluate.target_step, target.model, target.aux_layer_ids, target.device.type
+    )
     log(f"the target's step: {'graphed' if graphed else 'eager'} ({why})")
     fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
     measured = {
@@ -247,7 +249,7 @@ class TrainingProbe:
         exported = self._as_exported(drafter, t)
         d2t = self.d2t.to(t.device)
         # the target's step as drafter_eval takes it, so the AL here is the one drafter_eval measures
-        graphed = runs_graphed(self.cfg.evaluate.target_step, t.model, t.device.type)
+        graphed = runs_graphed(self.cfg.evaluate.target_step, t.model, t.aux_layer_ids, t.device.type)
         settings = replace(self.settings, graphed_target=graphed)
         measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, settings,
                            target_alone=False)  # fmt: skip
@@ -507,7 +509,7 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
 
 def _decode_settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> DecodeSettings:
     ev = cfg.evaluate
-    graphed = runs_graphed(ev.target_step, target.model, target.device.type)
+    graphed = runs_graphed(ev.target_step, target.model, target.aux_layer_ids, target.device.type)
     return DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed, graphed_target=graphed)
 
 
@@ -516,7 +518,8 @@ def _settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> dict[st
 
 
 def _target_step(cfg: Eagle3Config, target: Target) -> Literal["eager", "graphed"]:
-    return "graphed" if runs_graphed(cfg.evaluate.target_step, target.model, target.device.type) else "eager"
+    graphed = runs_graphed(cfg.evaluate.target_step, target.model, target.aux_layer_ids, target.device.type)
+    return "graphed" if graphed else "eager"
 
 
 def report_file(eval_dir: Path, fmt: str, prompts_file: Path | None = None) -> Path:
@@ -627,8 +630,8 @@ def eval_drafter_dir_step(
         aux_layer_ids=list(aux),
         device=str(target.device),
         dtype=str(dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks, target),
-        target_step=_target_step(cfg, target),
+        settings=_settings(cfg, ks, served),
+        target_step=_target_step(cfg, served),
         tau={str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
         primary=primary,
         sets=set_reports(sets, fitting, measured),

@@ -88,7 +88,7 @@ def test_on_a_gpu_auto_takes_the_graphed_target_step_and_decodes_the_eager_round
     from tests.integration.test_specdec import _drafter
 
     model = _model("llama").cuda()
-    assert runs_graphed("auto", model, "cuda")
+    assert runs_graphed("auto", model, AUX, "cuda")
     drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
     drafter, d2t = drafter.cuda(), d2t.cuda()
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]

@@ -5,6 +5,7 @@ argmax tie, whatever kernels the CPU runs."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -176,20 +177,28 @@ def test_a_layout_it_does_not_compute_is_caught_by_the_probe_against_transformer
 
 
 def test_evaluate_target_step_takes_the_graphed_step_where_it_runs_and_says_why_not() -> None:
-    """auto: graphed on a GPU for a family it computes, eager on a CPU or for another family, with the
-    reason; graphed: on any device, and a family it cannot compute refused naming the setting."""
+    """auto: graphed on a GPU where it computes the target, found as a run finds it (family, aux layers, the
+    probe against transformers' forward), else eager with the reason; graphed: on any device, and a target it
+    cannot compute refused naming the setting."""
     llama = _model("llama")
     torch.manual_seed(0)
-    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).eval()
-    assert runs_graphed("auto", llama, "cuda") and runs_graphed("graphed", llama, "cpu")
-    assert not runs_graphed("eager", llama, "cuda")
-    assert choose_target_step("auto", llama, "cpu") == (
+    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).double().eval()
+    scaled = _model("llama")  # a listed family whose layer does more than the step computes
+    plain = scaled.model.layers[2].forward
+    scaled.model.layers[2].forward = lambda *a, **kw: plain(*a, **kw) * 1.5  # type: ignore[method-assign]
+    assert runs_graphed("auto", llama, AUX, "cuda") and runs_graphed("graphed", llama, AUX, "cpu")
+    assert not runs_graphed("eager", llama, AUX, "cuda")
+    assert choose_target_step("auto", llama, AUX, "cpu") == (
         False,
         "evaluate.target_step auto: graphed only on a GPU, this is cpu",
     )
-    graphed, why = choose_target_step("auto", gemma, "cuda")
-    assert not graphed and "model_type 'gemma' is not one of llama" in why
-    with pytest.raises(
-        ConfigError, match=r"evaluate.target_step graphed: GemmaForCausalLM: model_type 'gemma'"
+    for model, why in (
+        (gemma, "model_type 'gemma' is not one of llama"),
+        (scaled, "logits differ from transformers' forward"),
+        (llama, r"aux layers \(1, 3, 6\) must be inputs of the 6 layers"),
     ):
-        runs_graphed("graphed", gemma, "cpu")
+        aux = (1, 3, 6) if model is llama else AUX
+        graphed, reason = choose_target_step("auto", model, aux, "cuda")
+        assert not graphed and re.search(why, reason), reason
+        with pytest.raises(ConfigError, match=f"evaluate.target_step graphed: .*{why}"):
+            runs_graphed("graphed", model, aux, "cpu")
