@@ -574,11 +574,19 @@ def against(run: dict[str, Any], ref: dict[str, Any], ranks: int, ref_ranks: int
     return out
 
 
+def check_reference(path: Path, sizes_here: dict[str, int]) -> dict[str, Any]:
+    """The reference file's results; it must exist and hold runs of these sizes (checked before any run)."""
+    if not path.is_file():
+        sys.exit(f"--reference {path}: no such results file")
+    ref: dict[str, Any] = json.loads(path.read_text())
+    if ref.get("sizes") != sizes_here:
+        sys.exit(f"--reference {path}: its runs have other sizes than these ({ref.get('sizes')})")
+    return ref
+
+
 def against_reference(results: dict[str, Any], path: Path) -> dict[str, Any]:
     """against() for every run whole in both this invocation's results and the reference file at `path`."""
-    ref = json.loads(path.read_text())
-    if ref.get("sizes") != results["sizes"]:
-        sys.exit(f"--reference {path}: its runs have other sizes than these ({ref.get('sizes')})")
+    ref = check_reference(path, results["sizes"])
     whole = {n: r for n, r in results["runs"].items() if "error" not in r}
     runs = {
         n: against(r, ref["runs"][n], results["nproc"], ref["nproc"])
@@ -602,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench/sharding.py needs a CUDA device (a smoke test of the script: --device cpu --tiny)")
     if args.device == "cpu":
         torch.set_num_threads(1)  # a small shared CPU box
+    if args.reference is not None and not args.worker:
+        check_reference(args.reference, sizes(args))
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.worker:
         worker(args)
