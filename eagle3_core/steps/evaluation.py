@@ -162,21 +162,19 @@ def encode_fitting(tokenizer: Any, prompts: PromptSet, room: int) -> list[tuple[
 
 
 def _measure_set(
-    cfg: Eagle3Config,
     target: Target,
     drafter: Any,
     d2t: torch.Tensor,
     name: str,
     ids: list[list[int]],
-    ks: tuple[int, ...],
+    settings: DecodeSettings,
     log: Log,
 ) -> Measurement:
-    settings = _decode_settings(cfg, ks, target)
     every = max(1, len(ids) // 4)
 
     def progress(done: int, total: int) -> None:
         if done % every == 0 or done == total:
-            log(f"{name}: {done}/{total} prompts decoded (K={list(ks)})")
+            log(f"{name}: {done}/{total} prompts decoded (K={list(settings.ks)})")
 
     return measure(target.model, drafter, d2t, target.aux_layer_ids, ids, target.eos_ids, settings, progress)
 
@@ -187,18 +185,14 @@ def _measure_sets(
     drafter: Any,
     d2t: torch.Tensor,
     sets: list[PromptSet],
-    ks: tuple[int, ...],
+    settings: DecodeSettings,
     log: Log,
 ) -> tuple[dict[str, list[tuple[EvalPrompt, list[int]]]], dict[str, Measurement]]:
     """Each set's prompts that fit beside a reply, and the drafter measured on them."""
     room = cfg.tokenize.max_seq_len - cfg.evaluate.max_new_tokens
-    graphed, why = choose_target_step(
-        cfg.evaluate.target_step, target.model, target.aux_layer_ids, target.device.type
-    )
-    log(f"the target's step: {'graphed' if graphed else 'eager'} ({why})")
     fitting = {s.name: encode_fitting(target.tokenizer, s, room) for s in sets}
     measured = {
-        name: _measure_set(cfg, target, drafter, d2t, name, [ids for _, ids in kept], ks, log)
+        name: _measure_set(target, drafter, d2t, name, [ids for _, ids in kept], settings, log)
         for name, kept in fitting.items()
     }
     return fitting, measured
@@ -248,16 +242,16 @@ class TrainingProbe:
         t = self._target()
         exported = self._as_exported(drafter, t)
         d2t = self.d2t.to(t.device)
-        # the target's step as drafter_eval takes it, so the AL here is the one drafter_eval measures
-        graphed = runs_graphed(self.cfg.evaluate.target_step, t.model, t.aux_layer_ids, t.device.type)
-        settings = replace(self.settings, graphed_target=graphed)
-        measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, settings,
+        measured = measure(t.model, exported, d2t, t.aux_layer_ids, ids, t.eos_ids, self.settings,
                            target_alone=False)  # fmt: skip
         return measured.runs[self.k]
 
     def _target(self) -> Target:
         if self.target is None:
-            self.target = load_target(self.cfg, self.log)
+            t = self.target = load_target(self.cfg, self.log)
+            # the target's step as drafter_eval takes it, so the AL here is the one drafter_eval measures
+            graphed = runs_graphed(self.cfg.evaluate.target_step, t.model, t.aux_layer_ids, t.device.type)
+            self.settings = replace(self.settings, graphed_target=graphed)
         return self.target
 
     def _as_exported(self, drafter: Eagle3Drafter, t: Target) -> Eagle3Drafter:
@@ -394,6 +388,7 @@ def _current_on_same_prompts(
     name: str,
     ids: list[list[int]],
     run: str,
+    settings: DecodeSettings,
     log: Log,
 ) -> Incumbent | None:
     """The promoted drafter's rounds at gate_k on these prompts, measured now (None when nothing is promoted)."""
@@ -410,7 +405,8 @@ def _current_on_same_prompts(
         return Incumbent(current.run, None, f"the promoted drafter cannot be measured: {err}")
     log(f"measuring the promoted drafter {current.run} on the same prompts")
     k = cfg.evaluate.gate_k
-    return Incumbent(current.run, _measure_set(cfg, target, drafter, d2t, name, ids, (k,), log).runs[k])
+    at_k = replace(settings, ks=(k,))
+    return Incumbent(current.run, _measure_set(target, drafter, d2t, name, ids, at_k, log).runs[k])
 
 
 def newest_export(layout: StoreLayout) -> tuple[Path, RunSummary, Path]:
@@ -438,11 +434,12 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
-    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, ks, log)
+    settings = _decode_settings(cfg, ks, target, log)
+    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, settings, log)
     encoded = {name: [ids for _, ids in kept] for name, kept in fitting.items()}  # the incumbent's too
     primary = sets[0].name
     heldout = measured[primary]
-    current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, log)
+    current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, settings, log)
     gate = gate_decision(ev.gate_k, run, heldout.runs[ev.gate_k], current, ev.promotion_tolerance)
     out = layout.export_eval(run)
     pictures = _pictures(
@@ -460,8 +457,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         format=ev.export_format,
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks, target),
-        target_step=_target_step(cfg, target),
+        settings={**asdict(settings), "batch_size": 1},
+        target_step="graphed" if settings.graphed_target else "eager",
         tau={str(k): summary.tau(k) for k in ks},
         primary=primary,
         sets=set_reports(sets, fitting, measured),
@@ -487,7 +484,8 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
-    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, ks, log)
+    settings = _decode_settings(cfg, ks, target, log)
+    fitting, measured = _measure_sets(cfg, target, drafter, d2t, sets, settings, log)
     out = layout.export_eval(summary.run)
     report = DrafterDirReport(
         run=summary.run,
@@ -497,8 +495,8 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
         aux_layer_ids=list(target.aux_layer_ids),
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks, target),
-        target_step=_target_step(cfg, target),
+        settings={**asdict(settings), "batch_size": 1},
+        target_step="graphed" if settings.graphed_target else "eager",
         tau={str(k): summary.tau(k) for k in ks},
         primary=sets[0].name,
         sets=set_reports(sets, fitting, measured),
@@ -507,19 +505,12 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
     return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
 
 
-def _decode_settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> DecodeSettings:
+def _decode_settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target, log: Log) -> DecodeSettings:
+    """How an evaluation decodes, with the target's step chosen once (evaluate.target_step) and logged."""
     ev = cfg.evaluate
-    graphed = runs_graphed(ev.target_step, target.model, target.aux_layer_ids, target.device.type)
+    graphed, why = choose_target_step(ev.target_step, target.model, target.aux_layer_ids, target.device.type)
+    log(f"the target's step: {'graphed' if graphed else 'eager'} ({why})")
     return DecodeSettings(ks, ev.max_new_tokens, ev.temperature, ev.seed, graphed_target=graphed)
-
-
-def _settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target) -> dict[str, Any]:
-    return {**asdict(_decode_settings(cfg, ks, target)), "batch_size": 1}
-
-
-def _target_step(cfg: Eagle3Config, target: Target) -> Literal["eager", "graphed"]:
-    graphed = runs_graphed(cfg.evaluate.target_step, target.model, target.aux_layer_ids, target.device.type)
-    return "graphed" if graphed else "eager"
 
 
 def report_file(eval_dir: Path, fmt: str, prompts_file: Path | None = None) -> Path:
@@ -619,7 +610,8 @@ def eval_drafter_dir_step(
         else _prompt_sets(cfg)
     )
     ks = tuple(sorted(set(ev.ks)))
-    fitting, measured = _measure_sets(cfg, served, drafter, d2t, sets, ks, log)
+    settings = _decode_settings(cfg, ks, served, log)
+    fitting, measured = _measure_sets(cfg, served, drafter, d2t, sets, settings, log)
     primary = sets[0].name
     out = StoreLayout(cfg.store_root).drafter_dir_eval(drafter_dir)
     report = DrafterDirReport(
@@ -630,8 +622,8 @@ def eval_drafter_dir_step(
         aux_layer_ids=list(aux),
         device=str(target.device),
         dtype=str(dtype).removeprefix("torch."),
-        settings=_settings(cfg, ks, served),
-        target_step=_target_step(cfg, served),
+        settings={**asdict(settings), "batch_size": 1},
+        target_step="graphed" if settings.graphed_target else "eager",
         tau={str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
         primary=primary,
         sets=set_reports(sets, fitting, measured),
