@@ -419,7 +419,6 @@ def estimates(
             2 if bf16 else 4,
             keys,
             sharded=sharding == "fsdp",
-            muon=cfg.optimizer == "muon",
         )
         for w in sorted({1, args.nproc, *WORLDS})
     }

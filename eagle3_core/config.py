@@ -500,10 +500,10 @@ class TrainConfig(_Model):
     sharding: Literal["ddp", "fsdp"] = Field(
         default="ddp",
         description="How several ranks hold the drafter. ddp: every rank holds the whole drafter and its "
-        "optimizer state. fsdp: torch's fully_shard shards the weights, gradients and AdamW state (the head's, "
-        "the largest at a full vocabulary) over the ranks, gathering the weights for each forward and backward; "
-        "Muon's matrices are updated whole on every rank. Checkpoints are saved whole either way, so a run "
-        "resumes under the other sharding. compile auto stays off under fsdp.",
+        "optimizer state. fsdp: torch's fully_shard shards the weights, gradients and optimizer state (AdamW's "
+        "moments and Muon's momentum) over the ranks, gathering the weights for each forward and backward; "
+        "Muon's step gathers one matrix at a time to orthogonalise its update whole. Checkpoints are saved "
+        "whole either way, so a run resumes under the other sharding. compile auto stays off under fsdp.",
     )
     nodes: Annotated[int, Field(gt=0)] = Field(
         default=1,

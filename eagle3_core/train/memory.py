@@ -10,8 +10,10 @@ linear in the tokens a rank holds per step:
   buckets), the frozen embedding (fp32) and the target's head (in the compute dtype). Under FSDP
   (train.sharding fsdp, train/sharding.py) each rank keeps its shard of the weights, their gradients, AdamW's
   moments and the embedding, holds whole the weights gathered for a forward and backward (the head's
-  gradient before its reduce-scatter is counted with the loss's, below), and Muon's matrices and momentum
-  whole (8 bytes a parameter of theirs);
+  gradient before its reduce-scatter is counted with the loss's, below). Muon's momentum is sharded as
+  AdamW's moments are (train/sharding.py, ShardedMuon), and the one matrix its step gathers whole at a time
+  lives after the backward has freed the activations, so it is not in the peak. Muon keeps one moment where
+  AdamW keeps two; the estimate counts two for every parameter, as it did on the runs it was fitted on;
 - per step and token: the activations one TTT step keeps for backward. Counted from the tensors the layer
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
   reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md), plus the earlier
@@ -77,14 +79,6 @@ def trainable_parameters(d: DrafterConfig) -> int:
     return fc + attention + mlp + d.draft_vocab_size * h + norms
 
 
-def muon_parameters(d: DrafterConfig) -> int:
-    """The matrices Muon updates (fc's and the decoder layer's), as train/optim.py splits them."""
-    h, hq, hkv = d.hidden_size, d.num_heads * d.dim, d.num_kv_heads * d.dim
-    return (
-        d.num_aux * d.target_hidden_size * h + 2 * h * (hq + 2 * hkv) + hq * h + 3 * h * d.intermediate_size
-    )
-
-
 def counted_step_bytes(d: DrafterConfig, compute_bytes: int) -> float:
     """Bytes per token one TTT step saves for backward, counted tensor by tensor (before CALIBRATION)."""
     h, hq, hkv, i = d.hidden_size, d.num_heads * d.dim, d.num_kv_heads * d.dim, d.intermediate_size
@@ -112,21 +106,16 @@ def estimate_training_memory(
     compute_bytes: int = 2,
     sdpa_keys: int = 0,
     sharded: bool = False,
-    muon: bool = True,
 ) -> MemoryEstimate:
     """The estimate for a drafter `d` trained with `ttt_steps`, on `world_size` ranks, computing in
     `compute_bytes`-byte floats (2: bf16 autocast, 4: float32). `sdpa_keys`: with SDPA attention, the
     longest sample (its float32 [heads, T, T] weights are kept per step); 0 for flex attention. `sharded`:
-    FSDP over the ranks (train.sharding fsdp), with Muon (`muon`) holding its matrices whole."""
+    FSDP over the ranks (train.sharding fsdp)."""
     params = trainable_parameters(d)
     embed = 4 * d.target_vocab_size * d.hidden_size
     if sharded and world_size > 1:
-        matrices = muon_parameters(d) if muon else 0  # whole on every rank: weights and momentum
-        adam_moments = 8 * (params - matrices)
-        shards = (8 * params + adam_moments + embed) / world_size  # weights, gradients, moments, embedding
-        fixed = (
-            shards + 4 * params + embed + 8 * matrices
-        )  # and the weights gathered for forward and backward
+        shards = (16 * params + embed) / world_size  # weights, gradients, moments, embedding
+        fixed = shards + 4 * params + embed  # and the weights gathered for forward and backward
     else:
         fixed = 12 * params + (4 * params if world_size > 1 else 0) + embed
     fixed += compute_bytes * d.target_vocab_size * d.target_hidden_size

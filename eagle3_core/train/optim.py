@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from eagle3_core.config import TrainConfig
-from eagle3_core.train.sharding import GatheredMuon
+from eagle3_core.train.sharding import ShardedMuon
 
 ADAMW_BETAS = (0.9, 0.95)
 MUON_WEIGHT_DECAY = 0.1  # torch's and speculators' default for the Muon group
@@ -93,7 +93,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         "adjust_lr_fn": "match_rms_adamw",
     }
     sharded = any(isinstance(p, DTensor) for p in muon)  # FSDP: Muon must see its matrices whole
-    orthogonal = GatheredMuon(muon, **settings) if sharded else torch.optim.Muon(muon, **settings)
+    orthogonal = ShardedMuon(muon, **settings) if sharded else torch.optim.Muon(muon, **settings)
     return Optimizers([orthogonal, adamw(rest, cfg)])
 
 

@@ -7,9 +7,9 @@ its parameters rest sharded, one shard a rank, and are gathered for the forward 
 gradients are reduce-scattered, averaged as DDP averages them; AdamW's moments live on each rank's shard.
 Muon orthogonalises the update of a whole matrix (Newton-Schulz over its singular values), which a row shard
 cannot do: run on the shards it gives another update (15% off on a 96x64 matrix over two ranks, against 1.5%
-for bfloat16's own rounding), so `GatheredMuon` updates whole copies of its matrices and writes each rank's
-rows back. Those matrices (fc and the decoder layer's) are held whole on every rank, as under DDP; the head,
-the largest tensor at a full vocabulary, and the frozen embedding are what sharding saves.
+for bfloat16's own rounding). `ShardedMuon` keeps Muon's momentum on each rank's shard, as AdamW's moments
+are, and gathers one matrix at a time whole (weights, gradient, momentum) for torch's Muon to update, keeping
+this rank's rows; so no rank holds a whole matrix beyond the one being updated.
 
 Every function here that gathers is a collective: each rank calls it, in the same order. What is
 gathered to be saved goes to rank 0's host memory, one tensor at a time.
@@ -17,7 +17,7 @@ gathered to be saved goes to rank 0's host memory, one tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
 from typing import Any
 
 import torch
@@ -104,37 +104,32 @@ def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-class GatheredMuon(torch.optim.Optimizer):
-    """torch.optim.Muon on whole matrices, for matrices FSDP shards: each step gathers a matrix and its
-    gradient whole into a copy every rank holds, lets Muon update the copies, and writes each rank's shard
-    back. Its state_dict is Muon's over the whole matrices, the one DDP saves."""
+# what a Muon param group holds that torch.optim.Muon takes (its defaults gain other keys on a state load)
+MUON_SETTINGS = tuple(inspect.signature(torch.optim.Muon).parameters)[1:]  # all but `params`
 
-    def __init__(self, sharded: Iterable[nn.Parameter], **muon: Any) -> None:
-        self.sharded = list(sharded)
-        self.copies = [nn.Parameter(whole(p.detach()).clone()) for p in self.sharded]
-        self.inner = torch.optim.Muon(self.copies, **muon)
-        # deliberately no super().__init__: the groups and state are the inner Muon's
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
+class ShardedMuon(torch.optim.Muon):
+    """torch.optim.Muon over matrices FSDP shards, its momentum sharded as they are. Each step gathers one
+    matrix whole (its weights, gradient and momentum), lets torch's Muon update that whole copy, exactly as
+    it updates a matrix under DDP, and keeps this rank's rows of the weights and the momentum. Its
+    state_dict holds the momentum shards, gathered whole to be saved as AdamW's moments are
+    (`whole_optimizer_state`)."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for param, copy in zip(self.sharded, self.copies, strict=True):
-            copy.copy_(whole(param.detach()))  # the weights as they rest (a resume may have loaded them)
-            copy.grad = None if param.grad is None else whole(param.grad)
-        self.inner.step()
-        for param, copy in zip(self.sharded, self.copies, strict=True):
-            copy_whole_into(param, copy.detach())
-            copy.grad = None
+        for group in self.param_groups:
+            settings = {name: group[name] for name in MUON_SETTINGS}  # the lr as the schedule set it
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update_whole(param, param.grad, settings)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.sharded:
-            param.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+    def _update_whole(self, param: torch.Tensor, grad: torch.Tensor, settings: dict[str, Any]) -> None:
+        matrix = nn.Parameter(whole(param.detach()))  # [out, in], every rank alike
+        matrix.grad = whole(grad)
+        muon = torch.optim.Muon([matrix], **settings)
+        state = self.state[param]
+        if "momentum_buffer" in state:
+            muon.state[matrix]["momentum_buffer"] = whole(state["momentum_buffer"])
+        muon.step()
+        copy_whole_into(param, matrix.detach())
+        state["momentum_buffer"] = shard_like(param, muon.state[matrix]["momentum_buffer"])

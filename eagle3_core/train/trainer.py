@@ -353,7 +353,7 @@ def device_memory(
         longest = row_width(cfg, world.size)
     estimate = estimate_training_memory(
         dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0,
-        sharded=cfg.sharding == "fsdp", muon=cfg.optimizer == "muon",
+        sharded=cfg.sharding == "fsdp",
     )  # fmt: skip
     free, total = torch.cuda.mem_get_info(world.device)
     return DeviceMemory(free, total, estimate, f"{torch.cuda.get_device_name(world.device)} ({world.device})")
