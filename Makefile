@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.stats_scale
 	$(BIN)/python -m bench.shard_memory
 	$(BIN)/python -m bench.train_throughput
+	$(BIN)/python -m bench.muon_step
 	$(BIN)/python -m bench.vs_speculators
 
 clean:

@@ -2,8 +2,10 @@
 
 Muon (torch.optim.Muon) orthogonalises the update of a weight matrix; it is meant for the hidden layers'
 matrices, not for vectors (the norms) nor for the output head, whose rows are per-token (Jordan et al. 2024,
-and speculators' own split). Both optimizers sit behind one `torch.optim.Optimizer`-shaped object, so the
-trainer sets one learning rate per step, and a checkpoint saves and restores one state_dict.
+and speculators' own split). On several ranks, or under FSDP, Muon is DistributedMuon (train/muon.py), which
+orthogonalises each matrix on one rank instead of on every rank. Both optimizers sit behind one
+`torch.optim.Optimizer`-shaped object, so the trainer sets one learning rate per step, and a checkpoint
+saves and restores one state_dict.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from eagle3_core.config import TrainConfig
-from eagle3_core.train.sharding import ShardedMuon
+from eagle3_core.train.muon import DistributedMuon
 
 ADAMW_BETAS = (0.9, 0.95)
 MUON_WEIGHT_DECAY = 0.1  # torch's and speculators' default for the Muon group
@@ -92,8 +95,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         "weight_decay": MUON_WEIGHT_DECAY,
         "adjust_lr_fn": "match_rms_adamw",
     }
-    sharded = any(isinstance(p, DTensor) for p in muon)  # FSDP: Muon must see its matrices whole
-    orthogonal = ShardedMuon(muon, **settings) if sharded else torch.optim.Muon(muon, **settings)
+    sharded = any(isinstance(p, DTensor) for p in muon)  # FSDP, even on one rank
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    orthogonal = (DistributedMuon if sharded or several else torch.optim.Muon)(muon, **settings)
     return Optimizers([orthogonal, adamw(rest, cfg)])
 
 

@@ -7,9 +7,9 @@ its parameters rest sharded, one shard a rank, and are gathered for the forward 
 gradients are reduce-scattered, averaged as DDP averages them; AdamW's moments live on each rank's shard.
 Muon orthogonalises the update of a whole matrix (Newton-Schulz over its singular values), which a row shard
 cannot do: run on the shards it gives another update (15% off on a 96x64 matrix over two ranks, against 1.5%
-for bfloat16's own rounding). `ShardedMuon` keeps Muon's momentum on each rank's shard, as AdamW's moments
-are, and gathers one matrix at a time whole (weights, gradient, momentum) for torch's Muon to update, keeping
-this rank's rows; so no rank holds a whole matrix beyond the one being updated.
+for bfloat16's own rounding). So Muon (train/muon.py, DistributedMuon) keeps its momentum on each rank's
+shard, as AdamW's moments are, gathers one matrix's update at a time whole for the rank that orthogonalises
+it, and each rank applies its rows of the result.
 
 Every function here that gathers is a collective: each rank calls it, in the same order. What is
 gathered to be saved goes to rank 0's host memory, one tensor at a time.
@@ -17,7 +17,6 @@ gathered to be saved goes to rank 0's host memory, one tensor at a time.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -57,14 +56,11 @@ def whole_state(tensors: dict[str, torch.Tensor], world: World) -> dict[str, tor
 
 
 def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value`, a whole tensor every rank holds alike, as `like` is laid out: this rank's shard of it when
-    `like` is sharded (no communication), else `value` itself."""
+    """`value`, a whole tensor every rank holds alike, as `like` is laid out: this rank's shard of it, on
+    `like`'s device in `value`'s dtype, when `like` is sharded (no communication), else `value` itself."""
     if not isinstance(like, DTensor):
         return value
-    local = like.to_local()
-    return distribute_tensor(
-        value.to(local.device, local.dtype), like.device_mesh, like.placements, src_data_rank=None
-    )
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def copy_whole_into(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -102,34 +98,3 @@ def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str
 
     state = {i: {k: placed(int(i), v) for k, v in s.items()} for i, s in saved["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
-
-
-# what a Muon param group holds that torch.optim.Muon takes (its defaults gain other keys on a state load)
-MUON_SETTINGS = tuple(inspect.signature(torch.optim.Muon).parameters)[1:]  # all but `params`
-
-
-class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon over matrices FSDP shards, its momentum sharded as they are. Each step gathers one
-    matrix whole (its weights, gradient and momentum), lets torch's Muon update that whole copy, exactly as
-    it updates a matrix under DDP, and keeps this rank's rows of the weights and the momentum. Its
-    state_dict holds the momentum shards, gathered whole to be saved as AdamW's moments are
-    (`whole_optimizer_state`)."""
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            settings = {name: group[name] for name in MUON_SETTINGS}  # the lr as the schedule set it
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update_whole(param, param.grad, settings)
-
-    def _update_whole(self, param: torch.Tensor, grad: torch.Tensor, settings: dict[str, Any]) -> None:
-        matrix = nn.Parameter(whole(param.detach()))  # [out, in], every rank alike
-        matrix.grad = whole(grad)
-        muon = torch.optim.Muon([matrix], **settings)
-        state = self.state[param]
-        if "momentum_buffer" in state:
-            muon.state[matrix]["momentum_buffer"] = whole(state["momentum_buffer"])
-        muon.step()
-        copy_whole_into(param, matrix.detach())
-        state["momentum_buffer"] = shard_like(param, muon.state[matrix]["momentum_buffer"])

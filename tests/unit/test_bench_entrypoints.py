@@ -121,3 +121,22 @@ def test_the_extraction_dtype_bench_writes_both_dtypes_side_by_side(tmp_path: Pa
     assert by_dtype["fp8_e4m3"]["shard_sha256"] == by_dtype["fp8_e4m3@writer"]["shard_sha256"]
     ratio = by_dtype["fp8_e4m3"]["shard_bytes_per_token"] / by_dtype["bfloat16"]["shard_bytes_per_token"]
     assert 0.45 < ratio < 0.7 and all(d["extract_tokens_per_s"] > 0 for d in by_dtype.values())
+
+
+def test_the_muon_step_bench_times_both_optimizers_on_two_ranks_and_they_end_on_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    """bench/muon_step.py at a tiny width (the recorded figures are at hidden 1024): two gloo ranks under
+    torchrun, both optimizers timed, the ratio and the weights' equality recorded."""
+    from bench import muon_step
+
+    out = tmp_path / "muon_step.json"
+    assert muon_step.main(["--hidden", "128", "--steps", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["ranks"] == 2 and results["weights_equal"] is True
+    assert len(results["matrices"]) == 8  # fc, q, k, v, o, gate, up, down
+    assert set(results["median_step_seconds"]) == {"torch.optim.Muon", "DistributedMuon"}
+    seconds = results["median_step_seconds"]
+    assert results["torch_over_distributed"] == round(
+        seconds["torch.optim.Muon"] / seconds["DistributedMuon"], 3
+    )

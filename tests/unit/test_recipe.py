@@ -1,6 +1,7 @@
 """The training recipe's knobs: Muon beside AdamW as one optimizer, the schedules, the LK loss, the variants."""
 
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from eagle3_core.config import DrafterVariant, TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.train.checkpoint import load_checkpoint, save_checkpoint
 from eagle3_core.train.loss import entry_loss
+from eagle3_core.train.muon import DistributedMuon, newton_schulz_work, owners
 from eagle3_core.train.optim import Optimizers, build_optimizer, muon_split
 from eagle3_core.train.schedule import learning_rate
 from tests.fakes import tiny_drafter_config
@@ -133,3 +135,44 @@ def test_the_variant_exclusion_is_refused_in_the_config() -> None:
         DrafterVariant(norm_before_fc=True, fc_norm=True)
     with pytest.raises(ValueError, match="exclusive"):
         DrafterConfig(**{**CFG.model_dump(), "norm_before_fc": True, "fc_norm": True})
+
+
+def _kimi_muon_shapes() -> list[torch.Size]:
+    """The matrices Muon updates in the drafter eagle3 makes for Kimi-K2.5 (hidden 7168, 56 heads of 128, 8 key/
+    value heads, intermediate 18,432): fc, q, k, v, o, gate, up, down."""
+    h, i, kv = 7168, 18432, 8 * 128
+    return [
+        torch.Size(s)
+        for s in ((h, 3 * h), (h, 2 * h), (kv, 2 * h), (kv, 2 * h), (h, h), (i, h), (i, h), (h, i))
+    ]
+
+
+def test_each_matrix_has_one_owner_and_the_orthogonalisation_work_is_shared_out() -> None:
+    """At Kimi's widths the largest rank's share of the Newton-Schulz work is as small as any assignment of
+    whole matrices to ranks makes it (found by trying every one)."""
+    shapes = _kimi_muon_shapes()
+    work = [newton_schulz_work(s) for s in shapes]
+
+    def largest_share(owner: Sequence[int], ranks: int) -> int:
+        return max(sum(w for w, o in zip(work, owner, strict=True) if o == r) for r in range(ranks))
+
+    assert owners(shapes, 1) == [0] * len(shapes)
+    assert sorted(owners(shapes, 8)) == list(range(8))  # one matrix each
+    for ranks in (2, 3, 4):
+        best = min(largest_share(a, ranks) for a in itertools.product(range(ranks), repeat=len(shapes)))
+        assert largest_share(owners(shapes, ranks), ranks) == best, ranks
+    assert largest_share(owners(shapes, 2), 2) < 0.52 * sum(work)
+
+
+@pytest.mark.parametrize("settings", [{"adjust_lr_fn": "match_rms_adamw"}, {"nesterov": False}])
+def test_on_one_process_distributed_muon_is_torchs_muon_bit_for_bit(settings: dict[str, object]) -> None:
+    """Its own Newton-Schulz and learning-rate adjustment against torch.optim.Muon's, both branches of each."""
+    ours, torchs = _drafter(), _drafter()
+    ours_opt = DistributedMuon(muon_split(ours)[0], lr=0.02, **settings)  # type: ignore[arg-type]
+    torch_opt = torch.optim.Muon(muon_split(torchs)[0], lr=0.02, **settings)  # type: ignore[arg-type]
+    for i in range(3):
+        _step(ours, ours_opt, i)
+        _step(torchs, torch_opt, i)
+    assert ours_opt.orthogonalised_here == 3 * len(muon_split(ours)[0])
+    for (name, a), b in zip(ours.named_parameters(), torchs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

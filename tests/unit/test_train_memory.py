@@ -118,7 +118,7 @@ def test_auto_batch_tokens_keeps_to_what_fits_the_device() -> None:
 
 def test_fsdp_holds_a_shard_of_the_optimizer_state_and_the_gathered_weights_whole() -> None:
     """At Kimi's width with the full 163,840-token head (some 1.9B trainable parameters): under FSDP a rank
-    keeps 1/N of the weights, gradients and optimizer moments (Muon's momentum included: ShardedMuon) and of
+    keeps 1/N of the weights, gradients and optimizer moments (Muon's momentum included: DistributedMuon) and of
     the frozen embedding, so its fixed memory falls with N toward what a forward gathers whole, and stays
     below DDP's from 2 ranks on."""
     from eagle3_core.train.memory import trainable_parameters
