@@ -101,3 +101,26 @@ def test_on_a_gpu_auto_takes_the_graphed_target_step_and_decodes_the_eager_round
     for k in (1, 3):
         assert [r.accepted for r in runs[True].runs[k]] == [r.accepted for r in runs[False].runs[k]]
     assert runs[True].greedy_mismatches == {1: 0, 3: 0}
+
+
+def test_on_a_gpu_distributed_muon_is_torchs_muon_bit_for_bit() -> None:
+    """DistributedMuon's own Newton-Schulz (bfloat16 matrix products on the GPU's kernels) against
+    torch.optim.Muon's, at a width where the GPU's matmuls split their work (one process: its owner is it)."""
+    from eagle3_core.train.muon import DistributedMuon
+
+    shapes = [(1024, 3072), (3072, 1024), (128, 2048)]
+    ours, torchs = (
+        [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes] for _ in range(2)
+    )
+    for a, b in zip(ours, torchs, strict=True):
+        b.data.copy_(a.data)
+    ours_opt = DistributedMuon(ours, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    torch_opt = torch.optim.Muon(torchs, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        for a, b in zip(ours, torchs, strict=True):
+            a.grad = torch.randn(a.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            b.grad = a.grad.clone()
+        ours_opt.step()
+        torch_opt.step()
+    for a, b in zip(ours, torchs, strict=True):
+        assert torch.equal(a, b)
