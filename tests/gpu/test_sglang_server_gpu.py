@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from eagle3_core.engines.sglang_server import (
     proc_stat,
 )
 from eagle3_core.store.layout import StoreLayout
+from tests.fakes import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -56,12 +56,6 @@ HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("ignores_sigterm", [False, True])
 def test_stop_waits_until_the_driver_reports_the_servers_memory_free(
     tmp_path: Path, ignores_sigterm: bool
@@ -77,7 +71,7 @@ def test_stop_waits_until_the_driver_reports_the_servers_memory_free(
     ]
     settings = {
         "launcher": launcher,
-        "port": _free_port(),
+        "port": free_port(),
         "startup_timeout_s": 180,
         "shutdown_grace_s": 2,
         "gpu_release_timeout_s": 60,

@@ -28,6 +28,7 @@ from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.checkpoint import WEIGHTS, list_checkpoints, load_checkpoint
 from eagle3_core.train.run_dir import TIMING_FIELDS, read_metrics
 from tests.conftest import write_config
+from tests.fakes import free_port
 
 TRAIN = (
     "train: {draft_vocab_size: 512, batch_tokens: 2048, max_len: 256, epochs: 4, lr: 0.003, log_every: 2, "
@@ -272,14 +273,6 @@ def test_fsdp_trains_as_ddp_does_and_their_checkpoints_resume_under_each_other(
             assert a.step_losses == pytest.approx(b.step_losses, rel=1e-4)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_node(rank: int, config: Path) -> subprocess.Popen[str]:
     """`eagle3 train` as node `rank` of the config's nodes. OMP_NUM_THREADS 1 as on one node of two ranks:
     torchrun sets it itself only for several ranks a node, and a second intra-op thread sums in another order."""
@@ -298,7 +291,7 @@ def test_two_nodes_train_the_run_one_node_trains_with_the_same_world_size(
     and the same metric log."""
     one = one_node_of_two_ranks
     two = _copy(
-        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{free_port()}'"
     )
     agents = [_start_node(rank, two) for rank in (0, 1)]
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
@@ -333,7 +326,7 @@ def test_a_node_lost_mid_run_ends_the_run_and_the_rerun_resumes_it_exactly(
     end where one node of two ranks ends."""
 
     two = _copy(
-        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        shard_store, tmp_path / "two", train=TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{free_port()}'"
     )
     node0, node1 = _start_node(0, two), _start_node(1, two)
     runs = tmp_path / "two" / "store" / "drafter" / "runs"
@@ -353,7 +346,7 @@ def test_a_node_lost_mid_run_ends_the_run_and_the_rerun_resumes_it_exactly(
 
     # a new rendezvous port for the rerun (the old one may linger): not part of the run's identity
     again = _config(
-        tmp_path / "two", shard_store[1], TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{_free_port()}'"
+        tmp_path / "two", shard_store[1], TWO_RANKS % f"nodes: 2, rendezvous: '127.0.0.1:{free_port()}'"
     )
     node0, node1 = _start_node(0, again), _start_node(1, again)
     outputs = [node.communicate(timeout=600)[0] for node in (node0, node1)]
