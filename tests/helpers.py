@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
+from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.toy.tokenizer import train_tokenizer
+from tests.fakes import tiny_drafter_config
 
 # Each of the engines' drafter switches alone, and speculators' trainer defaults (its three flags); a test adds
 # the sliding window that suits its own sequence length.
@@ -121,3 +132,45 @@ def save_scripted_chat_target(directory: Path, reply: str = SCRIPTED_REPLY, *, s
         eos_token_id=[eot], pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
     ).save_pretrained(directory)
     return directory
+
+
+# a six-layer target small enough for float64 decoding checks (tests of the graphed and batched target steps)
+TINY_TARGET_SIZES = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def tiny_family_model(family: str) -> Any:
+    """A random target of TINY_TARGET_SIZES in float64, eval mode: llama, qwen2 (biases on q, k, v) or qwen3
+    (an RMSNorm on each head's queries and keys)."""
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY_TARGET_SIZES))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY_TARGET_SIZES))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY_TARGET_SIZES, head_dim=8))
+    return model.double().eval()
+
+
+def random_drafter(t2d_ids: torch.Tensor, seed: int) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """(a random float64 drafter over a 64-token target whose draft vocabulary is `t2d_ids`, its d2t offsets)."""
+    torch.manual_seed(seed)
+    cfg = tiny_drafter_config(
+        target_hidden_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        target_vocab_size=64,
+        draft_vocab_size=t2d_ids.numel(),
+    )
+    drafter = Eagle3Drafter(cfg).double().eval()
+    return drafter, t2d_ids - torch.arange(t2d_ids.numel())
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of observed counts against expected probabilities."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor((probs.numel() - 1) / 2), torch.tensor(stat / 2)))

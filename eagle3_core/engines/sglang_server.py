@@ -272,7 +272,7 @@ def nvidia_smi_held(pids: Collection[int], exe: str | None = None) -> int:
     return held
 
 
-def _nvml_held(pids: Collection[int]) -> int | None:
+def nvml_held(pids: Collection[int]) -> int | None:
     """The same through NVML (pynvml), when it is installed; None when it cannot answer."""
     try:
         import pynvml
@@ -298,7 +298,7 @@ def _nvml_held(pids: Collection[int]) -> int | None:
 
 def gpu_memory_held_by(pids: frozenset[int]) -> int:
     """The default probe: NVML if pynvml is importable, else nvidia-smi, else nothing to wait for."""
-    held = _nvml_held(pids)
+    held = nvml_held(pids)
     return nvidia_smi_held(pids) if held is None else held
 
 

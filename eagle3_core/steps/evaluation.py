@@ -115,7 +115,7 @@ def load_exported(export_dir: Path, fmt: str, target: Target) -> tuple[Any, torc
     return loaded.drafter.to(target.device, dtype).eval(), loaded.d2t.to(target.device)
 
 
-def _prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
+def configured_prompt_sets(cfg: Eagle3Config) -> list[PromptSet]:
     """The held-out set, then each prompt file. The first set is the one the gate compares and the page leads
     with; without held-out conversations (data.holdout_fraction 0, or a store too small to hold any out at
     it) that is the first prompt file."""
@@ -275,7 +275,7 @@ def training_probe(cfg: Eagle3Config, d2t: torch.Tensor, log: Log) -> TrainingPr
     if tr.al_every is None:
         return None
     try:
-        primary = _prompt_sets(cfg)[0]
+        primary = configured_prompt_sets(cfg)[0]
     except Eagle3Error as err:
         if "al_every" in tr.model_fields_set:  # asked for: an error; the default says so and measures nothing
             raise Eagle3Error(
@@ -430,7 +430,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     final, summary, export_root = newest_export(layout)
     run = summary.run
     target_dir(cfg, log=log)  # a broken target is named first, as every command that loads it does
-    sets = _prompt_sets(cfg)  # then, before the weights are loaded, a store with no prompt to measure on
+    # then, before the weights are loaded, a store with no prompt to measure on
+    sets = configured_prompt_sets(cfg)
     target = load_target(cfg, log)
     drafter, d2t = load_exported(export_root / ev.export_format, ev.export_format, target)
     ks = tuple(sorted(set(ev.ks)))
@@ -607,7 +608,7 @@ def eval_drafter_dir_step(
     sets = (
         [file_prompts(prompts_file, limit=ev.max_prompts, system_prompt=cfg.data.system_prompt)]
         if prompts_file is not None
-        else _prompt_sets(cfg)
+        else configured_prompt_sets(cfg)
     )
     ks = tuple(sorted(set(ev.ks)))
     settings = _decode_settings(cfg, ks, served, log)
@@ -743,7 +744,7 @@ def sglang_bench_step(cfg: Eagle3Config, url: str, concurrency: int, log: Log = 
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg, log=log, weights=False))
     shown = without_url_passwords(url)  # what is logged and recorded; the requests go to `url`
     meta: dict[str, Any] = {"url": shown, "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
-    for prompts in _prompt_sets(cfg):
+    for prompts in configured_prompt_sets(cfg):
         ids = [encode(tokenizer, p.messages) for p in prompts.prompts]
         log(f"{prompts.name}: {len(ids)} prompts to {shown} ({concurrency} in flight)")
         bench = benchmark_sglang(

@@ -84,17 +84,18 @@ def test_on_a_gpu_auto_takes_the_graphed_target_step_and_decodes_the_eager_round
     argmax tie) are the eager step's, prompt by prompt, and whose output is the target's own."""
     from eagle3_core.evaluate.graphed_target import runs_graphed
     from eagle3_core.evaluate.measure import DecodeSettings, measure
-    from tests.integration.test_graphed_target import AUX, _model
-    from tests.integration.test_specdec import _drafter
+    from tests.helpers import random_drafter, tiny_family_model
 
-    model = _model("llama").cuda()
-    assert runs_graphed("auto", model, AUX, "cuda")
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    aux = (1, 3, 5)
+
+    model = tiny_family_model("llama").cuda()
+    assert runs_graphed("auto", model, aux, "cuda")
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=5)
     drafter, d2t = drafter.cuda(), d2t.cuda()
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
     runs = {
         graphed: measure(
-            model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16, graphed_target=graphed)
+            model, drafter, d2t, aux, prompts, set(), DecodeSettings((1, 3), 16, graphed_target=graphed)
         )
         for graphed in (False, True)
     }

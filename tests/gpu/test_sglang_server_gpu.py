@@ -19,10 +19,10 @@ import pytest
 from eagle3_core.config import config_from_dict
 from eagle3_core.engines.sglang_server import (
     SGLangServer,
-    _nvml_held,
     gpu_memory_held_by,
     launch_command,
     nvidia_smi_held,
+    nvml_held,
     proc_stat,
 )
 from eagle3_core.store.layout import StoreLayout
@@ -88,7 +88,7 @@ def test_stop_waits_until_the_driver_reports_the_servers_memory_free(
     try:
         server.launch(launch_command(cfg, "/models/none", "extract"))
         pid = server.record.pid  # type: ignore[union-attr]
-        nvml, smi = _nvml_held({pid}), nvidia_smi_held({pid})
+        nvml, smi = nvml_held({pid}), nvidia_smi_held({pid})
         print(f"while running: NVML {nvml}, nvidia-smi {smi} bytes for pid {pid}")
         assert max(nvml or 0, smi) >= 4 * 2**30, (
             "the driver does not report the server's memory under its PID"

@@ -17,8 +17,7 @@ from eagle3_core.evaluate.batched import BatchedTarget, speculative_generate_bat
 from eagle3_core.evaluate.specdec import Sampling, speculative_generate, target_generate
 from eagle3_core.targets.hf import load_causal_lm
 from tests.fakes import tiny_drafter_config
-from tests.helpers import save_tiny_llama
-from tests.integration.test_specdec import _chi_square_p
+from tests.helpers import chi_square_p, save_tiny_llama, tiny_family_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUX = (1, 3, 4)
@@ -38,9 +37,7 @@ def _pair(tmp_path: Path, vocab: int, seed: int) -> tuple[torch.nn.Module, Eagle
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_each_row_is_the_whole_forward_at_its_own_positions(family: str) -> None:
-    from tests.integration.test_graphed_target import _model
-
-    model = _model(family)
+    model = tiny_family_model(family)
     rows = [list(range(3, 13)), [7, 1, 9, 4, 4, 2]]
     step = BatchedTarget(model, AUX, batch=2, capacity=32)
     for i, ids in enumerate(rows):  # a prefill a row, as the decoder runs it
@@ -93,7 +90,7 @@ def test_sampled_rows_keep_the_target_distribution(tmp_path: Path) -> None:
     for r in results:
         counts[r.tokens[1]] += 1
     kept = expected > 1e-3
-    assert _chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
+    assert chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
     assert counts[~kept].sum() <= 3
     accepted = sum(r.accepted[0] for r in results)
     assert 0 < accepted < 1500

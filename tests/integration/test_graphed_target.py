@@ -15,10 +15,6 @@ from transformers import (
     GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from eagle3_core.errors import ConfigError
@@ -31,26 +27,11 @@ from eagle3_core.evaluate.graphed_target import (
 )
 from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
 from eagle3_core.evaluate.specdec import speculative_generate, target_generate
-from tests.integration.test_specdec import _drafter
+from tests.helpers import TINY_TARGET_SIZES as SIZES
+from tests.helpers import random_drafter, tiny_family_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUX = (1, 3, 5)
-SIZES = {
-    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}  # fmt: skip
-
-
-def _model(family: str) -> Any:
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SIZES))
-    elif family == "qwen2":  # biases on q, k, v
-        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
-    else:  # qwen3: an RMSNorm on each head's queries and keys
-        model = Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=8))
-    return model.double().eval()
 
 
 def _reference(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +42,7 @@ def _reference(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_appends_and_roll_backs_compute_what_the_whole_forward_does(family: str) -> None:
-    model = _model(family)
+    model = tiny_family_model(family)
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     logits, aux = _reference(model, ids)
     step = GraphedTarget(model, AUX, capacity=32, graph_widths={1, 4})
@@ -81,8 +62,8 @@ def test_appends_and_roll_backs_compute_what_the_whole_forward_does(family: str)
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_decoding_through_it_is_the_target_s_own_output(k: int) -> None:
-    model = _model("llama")
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=k)
+    model = tiny_family_model("llama")
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=k)
     step = GraphedTarget(model, AUX, capacity=64, graph_widths={1, k + 1})
     g = torch.Generator().manual_seed(k)
     for _ in range(3):
@@ -100,8 +81,8 @@ def test_measure_with_the_graphed_target_pools_the_same_rounds(monkeypatch: pyte
     monkeypatch.setattr(
         GraphedTarget, "extend", lambda self, ids: steps.append(ids.numel()) or extend(self, ids)
     )
-    model = _model("llama")
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    model = tiny_family_model("llama")
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=5)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
     eager = measure(model, drafter, d2t, AUX, prompts, set(), DecodeSettings((1, 3), 16))
     graphed = measure(
@@ -114,8 +95,8 @@ def test_measure_with_the_graphed_target_pools_the_same_rounds(monkeypatch: pyte
 
 
 def test_references_decoded_once_stand_for_the_target_alone_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model("llama")
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=5)
+    model = tiny_family_model("llama")
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=5)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
     settings = DecodeSettings((1, 3), 16, graphed_target=True)
     whole = measure(model, drafter, d2t, AUX, prompts, set(), settings)
@@ -155,7 +136,7 @@ def test_what_it_cannot_compute_is_refused_in_one_line() -> None:
     with pytest.raises(
         UnsupportedTargetError, match=r"aux layers \(1, 3, 6\) must be inputs of the 6 layers"
     ):
-        GraphedTarget(_model("llama"), (1, 3, 6), capacity=8)
+        GraphedTarget(tiny_family_model("llama"), (1, 3, 6), capacity=8)
     with pytest.raises(UnsupportedTargetError, match="model_type None is not one of llama"):
         GraphedTarget(torch.nn.Linear(2, 2), AUX, capacity=8)
 
@@ -168,7 +149,7 @@ def test_a_layout_it_does_not_compute_is_caught_by_the_probe_against_transformer
     gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).double().eval()
     with pytest.raises(UnsupportedTargetError, match="model_type 'gemma' is not one of"):
         GraphedTarget(gemma, AUX, capacity=32)
-    model = _model("llama")
+    model = tiny_family_model("llama")
     layer = model.model.layers[2]
     plain = layer.forward
     layer.forward = lambda *args, **kwargs: plain(*args, **kwargs) * 1.5  # type: ignore[method-assign]
@@ -180,10 +161,10 @@ def test_evaluate_target_step_takes_the_graphed_step_where_it_runs_and_says_why_
     """auto: graphed on a GPU where it computes the target, found as a run finds it (family, aux layers, the
     probe against transformers' forward), else eager with the reason; graphed: on any device, and a target it
     cannot compute refused naming the setting."""
-    llama = _model("llama")
+    llama = tiny_family_model("llama")
     torch.manual_seed(0)
     gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=8)).double().eval()
-    scaled = _model("llama")  # a listed family whose layer does more than the step computes
+    scaled = tiny_family_model("llama")  # a listed family whose layer does more than the step computes
     plain = scaled.model.layers[2].forward
     scaled.model.layers[2].forward = lambda *a, **kw: plain(*a, **kw) * 1.5  # type: ignore[method-assign]
     assert runs_graphed("auto", llama, AUX, "cuda") and runs_graphed("graphed", llama, AUX, "cpu")

@@ -14,7 +14,7 @@ from eagle3_core.evaluate.specdec import (
 )
 from eagle3_core.targets.hf import load_causal_lm
 from tests.fakes import tiny_drafter_config
-from tests.helpers import save_tiny_llama
+from tests.helpers import chi_square_p, random_drafter, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,22 +25,9 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> object:
     return load_causal_lm(path, torch.device("cpu"), torch.float64)
 
 
-def _drafter(t2d_ids: torch.Tensor, seed: int) -> tuple[Eagle3Drafter, torch.Tensor]:
-    torch.manual_seed(seed)
-    cfg = tiny_drafter_config(
-        target_hidden_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        target_vocab_size=64,
-        draft_vocab_size=t2d_ids.numel(),
-    )
-    drafter = Eagle3Drafter(cfg).double().eval()
-    return drafter, t2d_ids - torch.arange(t2d_ids.numel())
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_a_random_drafter_changes_nothing_in_the_output(target: object, k: int) -> None:
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=k)
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=k)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         prompt = torch.randint(0, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
@@ -53,7 +40,7 @@ def test_a_random_drafter_changes_nothing_in_the_output(target: object, k: int) 
 
 
 def test_rounds_of_a_full_vocabulary_drafter_account_for_every_token(target: object) -> None:
-    drafter, d2t = _drafter(torch.arange(64), seed=0)
+    drafter, d2t = random_drafter(torch.arange(64), seed=0)
     prompt = [1, 2, 3, 4, 5]
     result = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 30, 4, eos_ids=set())
     report = acceptance(result.accepted, k=4)
@@ -84,7 +71,7 @@ def test_al_counts_the_tokens_each_round_emitted_not_the_drafts_it_accepted(targ
     """An independent count: (tokens generated - the prefill's one) / verification rounds. Rounds of K=5 emit
     6 tokens (1 + 6r after r rounds); the budget of 23 ends the fourth round after 4, and an end-of-turn
     token placed mid-round ends it early."""
-    drafter, d2t = _drafter(torch.arange(64), seed=0)
+    drafter, d2t = random_drafter(torch.arange(64), seed=0)
     prompt = [1, 2, 3, 4, 5]
     continuation = target_generate(target, prompt, 40, eos_ids=set())
     if cut == "budget":
@@ -111,7 +98,7 @@ def test_a_round_after_rejected_drafts_equals_one_over_the_committed_prefix() ->
     The same code runs eagerly here and as a CUDA graph on a GPU (DraftDecoder._round), so this is also what
     the graph replays.
     """
-    drafter, d2t = _drafter(torch.arange(0, 64, 2), seed=7)
+    drafter, d2t = random_drafter(torch.arange(0, 64, 2), seed=7)
     to_target = torch.arange(d2t.numel()) + d2t
     tokens = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(1))
     aux = torch.randn(12, 3 * 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -131,7 +118,7 @@ def test_a_round_after_rejected_drafts_equals_one_over_the_committed_prefix() ->
 
 
 def test_one_decoder_serves_prompts_of_different_lengths(target: object) -> None:
-    drafter, d2t = _drafter(torch.arange(64), seed=3)
+    drafter, d2t = random_drafter(torch.arange(64), seed=3)
     decoder = DraftDecoder(drafter, capacity=12 + 20 + 3 + 1)
     for prompt in ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [3, 4], [9, 1, 2, 8]):
         alone = speculative_generate(target, drafter, d2t, (2, 4, 5), prompt, 20, 3, eos_ids=set())
@@ -141,13 +128,6 @@ def test_one_decoder_serves_prompts_of_different_lengths(target: object) -> None
 
 
 # ---- speculative sampling (temperature > 0) -----------------------------------------------------------
-
-
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test of observed counts against expected probabilities."""
-    expected = probs * counts.sum()
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    return float(torch.special.gammaincc(torch.tensor((probs.numel() - 1) / 2), torch.tensor(stat / 2)))
 
 
 def test_verify_sampled_commits_tokens_distributed_as_the_target() -> None:
@@ -165,10 +145,10 @@ def test_verify_sampled_commits_tokens_distributed_as_the_target() -> None:
         _, committed = verify_sampled(drafts, q, p, g)
         first[committed[0]] += 1
         drafted[drafts[0]] += 1
-    assert _chi_square_p(first, p[0]) > 1e-3
+    assert chi_square_p(first, p[0]) > 1e-3
     assert first[5] > 0  # the residual gave the token the drafter cannot propose
     # the same test rejects the drafter's own distribution: it has the power to catch a wrong sampler
-    assert _chi_square_p(drafted + 0.5, p[0]) < 1e-6
+    assert chi_square_p(drafted + 0.5, p[0]) < 1e-6
 
 
 def _peaked(model: torch.nn.Module, scale: float) -> torch.nn.Module:
@@ -209,6 +189,6 @@ def test_speculative_sampling_matches_the_target_distribution_through_real_model
         counts[result.tokens[1]] += 1
         accepted += result.accepted[0]
     kept = expected > 1e-3  # cells with (almost) no mass would blow up the statistic
-    assert _chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
+    assert chi_square_p(counts[kept], expected[kept] / expected[kept].sum()) > 1e-3
     assert counts[~kept].sum() <= 3
     assert 0 < accepted < 1500  # the drafter is sometimes right and sometimes rejected: both paths ran

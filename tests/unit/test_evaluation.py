@@ -215,21 +215,21 @@ def test_a_run_without_rows_draws_a_note_instead_of_an_empty_legend(tmp_path: Pa
 
 
 def test_without_held_out_conversations_the_first_prompt_file_leads(tmp_path: Path) -> None:
-    from eagle3_core.steps.evaluation import _prompt_sets
+    from eagle3_core.steps.evaluation import configured_prompt_sets
 
     cfg = config_from_dict(
         {"store": "store", "evaluate": {"prompt_files": [str(FIXTURES / "prompts.jsonl")]}}, tmp_path
     )
-    assert [s.name for s in _prompt_sets(cfg)] == ["prompts"]
+    assert [s.name for s in configured_prompt_sets(cfg)] == ["prompts"]
     bare = config_from_dict({"store": "store"}, tmp_path)
     with pytest.raises(Eagle3Error, match="no conversations to hold out prompts from"):
-        _prompt_sets(bare)
+        configured_prompt_sets(bare)
 
 
 def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_kept_aside(
     tmp_path: Path,
 ) -> None:
-    from eagle3_core.steps.evaluation import _prompt_sets, encode_fitting
+    from eagle3_core.steps.evaluation import configured_prompt_sets, encode_fitting
     from eagle3_core.toy.tokenizer import train_tokenizer
     from tests.helpers import CORPUS
 
@@ -237,7 +237,9 @@ def test_prompt_sets_keep_distinct_names_and_prompts_too_long_for_a_reply_are_ke
     copy.parent.mkdir()
     copy.write_bytes((FIXTURES / "prompts.jsonl").read_bytes())
     files = [str(FIXTURES / "prompts.jsonl"), str(copy)]
-    sets = _prompt_sets(config_from_dict({"store": "store", "evaluate": {"prompt_files": files}}, tmp_path))
+    sets = configured_prompt_sets(
+        config_from_dict({"store": "store", "evaluate": {"prompt_files": files}}, tmp_path)
+    )
     assert [s.name for s in sets] == ["prompts", "prompts_2"]
 
     tokenizer = train_tokenizer(CORPUS, vocab_size=320)
