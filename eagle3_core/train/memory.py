@@ -143,9 +143,16 @@ def estimate_training_memory(
 
 
 def check_training_memory(
-    estimate: MemoryEstimate, batch_tokens: int, free_bytes: float, total_bytes: float, where: str
+    estimate: MemoryEstimate,
+    batch_tokens: int,
+    free_bytes: float,
+    total_bytes: float,
+    where: str,
+    sharded: MemoryEstimate | None = None,
 ) -> None:
-    """Refuse a run whose estimated peak exceeds the free memory of its device, with what would fit."""
+    """Refuse a run whose estimated peak exceeds the free memory of its device, with what would fit: a smaller
+    batch, and the same batch under FSDP when `sharded` (the run's estimate under train.sharding fsdp, for a
+    DDP run over several ranks) fits it."""
     need = estimate.peak(batch_tokens)
     if need <= free_bytes:
         return
@@ -155,6 +162,11 @@ def check_training_memory(
         if fits > 0
         else "no batch_tokens fits: lower train.ttt_steps or train.draft_vocab_size, or use more processes"
     )
+    if sharded is not None and sharded.peak(batch_tokens) <= free_bytes:
+        advice += (
+            f"; or train.sharding: fsdp, which shards the weights and optimizer state and needs about "
+            f"{sharded.peak(batch_tokens) / GIB:.1f} GiB per process at this batch"
+        )
     raise ConfigError(
         f"train.batch_tokens={batch_tokens}: the run needs about {need / GIB:.1f} GiB per process on {where}, "
         f"which has {free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f} GiB; {advice}"

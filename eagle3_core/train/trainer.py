@@ -339,6 +339,7 @@ class DeviceMemory:
     total: int
     estimate: MemoryEstimate
     where: str
+    sharded: MemoryEstimate | None = None  # the same run under train.sharding fsdp, when it is DDP over ranks
 
 
 def device_memory(
@@ -351,12 +352,18 @@ def device_memory(
     longest = max((min(r.length, cfg.max_len) for r in refs), default=0)
     if cfg.batching == "pack" and cfg.batch_tokens != "auto":  # an SDPA query sees its whole row
         longest = row_width(cfg, world.size)
-    estimate = estimate_training_memory(
-        dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0,
-        sharded=cfg.sharding == "fsdp",
-    )  # fmt: skip
+    estimates = {
+        sharded: estimate_training_memory(
+            dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0,
+            sharded=sharded,
+        )
+        for sharded in (False, True)
+    }  # fmt: skip
     free, total = torch.cuda.mem_get_info(world.device)
-    return DeviceMemory(free, total, estimate, f"{torch.cuda.get_device_name(world.device)} ({world.device})")
+    where = f"{torch.cuda.get_device_name(world.device)} ({world.device})"
+    if cfg.sharding == "fsdp":
+        return DeviceMemory(free, total, estimates[True], where)
+    return DeviceMemory(free, total, estimates[False], where, estimates[True] if world.distributed else None)
 
 
 def build_setup(
@@ -603,7 +610,9 @@ def _fit_batch_tokens(
     ceiling = memory.estimate.largest_batch_tokens(memory.free) if memory else None
     cfg = resolve_batch_tokens(cfg, train_refs, val_refs, world.size, ceiling)
     if memory is not None:
-        check_training_memory(memory.estimate, batch_budget(cfg), memory.free, memory.total, memory.where)
+        check_training_memory(
+            memory.estimate, batch_budget(cfg), memory.free, memory.total, memory.where, memory.sharded
+        )
     return cfg
 
 

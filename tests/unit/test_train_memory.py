@@ -221,3 +221,48 @@ def test_the_chains_each_ttt_step_stacks_are_what_the_estimate_counts(attention:
         model.ttt_forward(aux, ids, steps, attention=attention)  # type: ignore[arg-type]
     per_token = stacked_chain_bytes(cfg, steps, 4, flex=attention == "flex")
     assert stacked.bytes == per_token * batch * tokens > 0
+
+
+def test_a_ddp_run_that_fsdp_would_fit_is_refused_saying_so() -> None:
+    """Kimi's width with the full head on 8 ranks, 65,536 tokens a step: with free memory between the FSDP
+    and the DDP estimate the refusal offers FSDP, at its own estimate; where FSDP would not fit either, or
+    for one process (nothing to shard), it does not."""
+    full_head = _bench_drafter(7168, 18432, 163840)
+    ddp = estimate_training_memory(full_head, 7, world_size=8)
+    fsdp = estimate_training_memory(full_head, 7, world_size=8, sharded=True)
+    tokens, total = 65536, 141 * GIB
+    assert fsdp.peak(tokens) < ddp.peak(tokens)
+    between = (fsdp.peak(tokens) + ddp.peak(tokens)) / 2
+    with pytest.raises(ConfigError) as refused:
+        check_training_memory(ddp, tokens, between, total, "NVIDIA H200 (cuda:0)", sharded=fsdp)
+    offered = re.search(
+        r"; or train\.sharding: fsdp, .* needs about ([\d.]+) GiB per process", str(refused.value)
+    )
+    assert offered, refused.value
+    assert float(offered[1]) == pytest.approx(fsdp.peak(tokens) / GIB, abs=0.05)
+    for free, sharded in ((between, None), (fsdp.peak(tokens) - GIB, fsdp)):
+        with pytest.raises(ConfigError) as refused:
+            check_training_memory(ddp, tokens, free, total, "NVIDIA H200 (cuda:0)", sharded=sharded)
+        assert "fsdp" not in str(refused.value)
+
+
+def test_the_trainer_estimates_a_ddp_run_over_ranks_under_fsdp_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device_memory (what the preflight checks) on a GPU, faked: a DDP run over 8 ranks carries its FSDP
+    estimate for the refusal to offer; an FSDP run is estimated sharded; one process has nothing to shard."""
+    from eagle3_core.train.distributed import World
+    from eagle3_core.train.trainer import device_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 141 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    full_head, refs = _bench_drafter(7168, 18432, 163840), [SampleRef(0, 0, 2048, "0" * 64)]
+    cuda = torch.device("cuda", 0)
+
+    def facts(sharding: str, ranks: int) -> Any:
+        cfg = TrainConfig(sharding=sharding, ttt_steps=7)  # type: ignore[arg-type]
+        return device_memory(cfg, full_head, World(0, ranks, cuda), refs)
+
+    ddp, fsdp, alone = facts("ddp", 8), facts("fsdp", 8), facts("ddp", 1)
+    assert ddp.free == 100 * GIB and ddp.where == "NVIDIA H200 (cuda:0)"
+    assert ddp.estimate == estimate_training_memory(full_head, 7, world_size=8)
+    assert ddp.sharded == estimate_training_memory(full_head, 7, world_size=8, sharded=True) == fsdp.estimate
+    assert fsdp.sharded is None and alone.sharded is None
