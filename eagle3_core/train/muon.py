@@ -86,32 +86,37 @@ class DistributedMuon(torch.optim.Muon):
         self.orthogonalised_here = 0  # matrices this rank has orthogonalised, over all steps
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:  # as torch's optimizers take one: the loss, computed again
+            with torch.enable_grad():
+                loss = closure()
         # in passes, so that the ranks orthogonalise at once: had each matrix been orthogonalised and
         # broadcast in turn, every rank would wait for each owner in turn, and the work would not be shared
-        steps = [
+        matrices = [
             (param, group)
             for group in self.param_groups
             for param in group["params"]
             if param.grad is not None  # alike on every rank: DDP and FSDP average every gradient
         ]
-        owned = self._owned_updates(steps)
+        owned = self._owned_updates(matrices)
         orthogonal = {
             param: orthogonalised(owned.pop(param), group["ns_coefficients"], group["ns_steps"], group["eps"])
-            for param, group in steps
+            for param, group in matrices
             if param in owned
         }
         self.orthogonalised_here += len(orthogonal)
-        for param, group in steps:
+        for param, group in matrices:
             self._apply(param, self._from_owner(param, orthogonal.pop(param, None)), group)
+        return loss
 
     def _owned_updates(
-        self, steps: list[tuple[torch.Tensor, dict[str, Any]]]
+        self, matrices: list[tuple[torch.Tensor, dict[str, Any]]]
     ) -> dict[torch.Tensor, torch.Tensor]:
         """Every matrix's momentum stepped, and the whole updates of those this rank orthogonalises. Under
         FSDP each update is gathered whole, a collective every rank takes part in, and kept by its owner."""
         owned = {}
-        for param, group in steps:
+        for param, group in matrices:
             assert param.grad is not None
             update = whole(self._momentum(param, param.grad, group))
             if self.owner[param] == self.rank:

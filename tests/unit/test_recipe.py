@@ -174,5 +174,8 @@ def test_on_one_process_distributed_muon_is_torchs_muon_bit_for_bit(settings: di
         _step(ours, ours_opt, i)
         _step(torchs, torch_opt, i)
     assert ours_opt.orthogonalised_here == 3 * len(muon_split(ours)[0])
+    assert (
+        ours_opt.step(lambda: torch.tensor(7.0)) == 7.0
+    )  # a closure's loss, as torch's optimizers return it
     for (name, a), b in zip(ours.named_parameters(), torchs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
