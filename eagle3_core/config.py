@@ -502,8 +502,9 @@ class TrainConfig(_Model):
         description="How several ranks hold the drafter. ddp: every rank holds the whole drafter and its "
         "optimizer state. fsdp: torch's fully_shard shards the weights, gradients and optimizer state (AdamW's "
         "moments and Muon's momentum) over the ranks, gathering the weights for each forward and backward; "
-        "Muon's step gathers each matrix's update whole on the one rank that orthogonalises it. Checkpoints are saved "
-        "whole either way, so a run resumes under the other sharding. compile auto stays off under fsdp.",
+        "Muon's step gathers each matrix's update whole on the one rank that orthogonalises it. Checkpoints "
+        "are saved whole either way, so a run resumes under the other sharding. compile auto stays off under "
+        "fsdp.",
     )
     nodes: Annotated[int, Field(gt=0)] = Field(
         default=1,

@@ -87,7 +87,7 @@ def fsdp(world: Any) -> dict[str, Any]:
         ),
         "orthogonalised": per_rank(ours.orthogonalised_here),
     }
-    # a resume: fresh shards loaded from the whole weights and the whole optimizer state, as a checkpoint has them
+    # a resume: fresh shards loaded from the whole weights and optimizer state, as a checkpoint has them
     resumed = shard_module(model(), world)
     for param, value in zip(resumed.parameters(), weights(reference), strict=True):
         copy_whole_into(param, value)

@@ -156,7 +156,7 @@ def tiny_family_model(family: str) -> Any:
 
 
 def random_drafter(t2d_ids: torch.Tensor, seed: int) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """(a random float64 drafter over a 64-token target whose draft vocabulary is `t2d_ids`, its d2t offsets)."""
+    """(a random float64 drafter over a 64-token target, drafting the tokens `t2d_ids`; its d2t offsets)."""
     torch.manual_seed(seed)
     cfg = tiny_drafter_config(
         target_hidden_size=32,

@@ -12,8 +12,9 @@ linear in the tokens a rank holds per step:
   moments and the embedding, holds whole the weights gathered for a forward and backward (the head's
   gradient before its reduce-scatter is counted with the loss's, below). Muon's momentum is sharded as
   AdamW's moments are (train/muon.py, DistributedMuon); the updates its step gathers whole, each on the rank
-  that orthogonalises it, live after the backward has freed the activations, so they are not in the peak. Muon keeps one moment where
-  AdamW keeps two; the estimate counts two for every parameter, as it did on the runs it was fitted on;
+  that orthogonalises it, live after the backward has freed the activations, so they are not in the peak.
+  Muon keeps one moment where AdamW keeps two; the estimate counts two for every parameter, as it did on
+  the runs it was fitted on;
 - per step and token: the activations one TTT step keeps for backward. Counted from the tensors the layer
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
   reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md), plus the earlier
