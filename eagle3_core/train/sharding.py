@@ -8,8 +8,8 @@ gradients are reduce-scattered, averaged as DDP averages them; AdamW's moments l
 Muon orthogonalises the update of a whole matrix (Newton-Schulz over its singular values), which a row shard
 cannot do: run on the shards it gives another update (15% off on a 96x64 matrix over two ranks, against 1.5%
 for bfloat16's own rounding). So Muon (train/muon.py, DistributedMuon) keeps its momentum on each rank's
-shard, as AdamW's moments are, gathers one matrix's update at a time whole for the rank that orthogonalises
-it, and each rank applies its rows of the result.
+shard, as AdamW's moments are, gathers each matrix's update whole on the one rank that orthogonalises it,
+and each rank applies its rows of the result.
 
 Every function here that gathers is a collective: each rank calls it, in the same order. What is
 gathered to be saved goes to rank 0's host memory, one tensor at a time.
