@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -52,6 +53,11 @@ def save_random_target(
         directory
     )  # ids are fed directly; any tokenizer loads
     return directory
+
+
+def device_label(device: str) -> str:
+    """A device's name as a results file names it: h200 for any H200, else its name in lower-case words."""
+    return "h200" if "H200" in device else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
 
 
 def random_sequences(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:

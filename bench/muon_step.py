@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench._common import device_label
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.train.distributed import init_world
 from eagle3_core.train.muon import DistributedMuon
@@ -126,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
 def results_path(args: argparse.Namespace, device: str) -> Path:
     if args.out is not None:
         return args.out
-    name = "h200" if "H200" in device else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    name = device_label(device)
     return REPO / "bench" / "results" / f"muon_step_{name}_x{args.nproc}.json"
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -53,6 +52,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a file (by torchrun): import `bench` from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import device_label
 from bench._training import DataSpec, TrainingSet, gib, guarded, training_set
 from bench.gpu_train import errors, free_memory, run_record
 from eagle3_core.config import TrainConfig
@@ -537,7 +537,7 @@ def results_path(args: argparse.Namespace, device: str) -> Path:
         return args.out
     if args.device == "cpu":
         return args.workdir / "sharding_cpu.json"
-    name = "h200" if "H200" in device else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    name = device_label(device)
     ranks = f"_x{args.nproc}" if args.nproc > 1 else ""
     nodes = f"_{args.nodes}nodes" if args.nodes > 1 else ""
     return REPO / "bench" / "results" / f"sharding_{name}{ranks}{nodes}.json"

@@ -458,8 +458,7 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         format=ev.export_format,
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings={**asdict(settings), "batch_size": 1},
-        target_step="graphed" if settings.graphed_target else "eager",
+        **_recorded(settings),
         tau={str(k): summary.tau(k) for k in ks},
         primary=primary,
         sets=set_reports(sets, fitting, measured),
@@ -496,14 +495,21 @@ def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quie
         aux_layer_ids=list(target.aux_layer_ids),
         device=str(target.device),
         dtype=str(next(target.model.parameters()).dtype).removeprefix("torch."),
-        settings={**asdict(settings), "batch_size": 1},
-        target_step="graphed" if settings.graphed_target else "eager",
+        **_recorded(settings),
         tau={str(k): summary.tau(k) for k in ks},
         primary=sets[0].name,
         sets=set_reports(sets, fitting, measured),
     )
     report.write(report_file(out, ev.export_format, prompts_file))
     return StepResult("drafter_eval", out, _metadata(report, None, ev.gate_k), record=report)
+
+
+def _recorded(settings: DecodeSettings) -> dict[str, Any]:
+    """How a report records the decoding: its settings (one prompt at a time) and the target's step."""
+    return {
+        "settings": {**asdict(settings), "batch_size": 1},
+        "target_step": "graphed" if settings.graphed_target else "eager",
+    }
 
 
 def _decode_settings(cfg: Eagle3Config, ks: tuple[int, ...], target: Target, log: Log) -> DecodeSettings:
@@ -623,8 +629,7 @@ def eval_drafter_dir_step(
         aux_layer_ids=list(aux),
         device=str(target.device),
         dtype=str(dtype).removeprefix("torch."),
-        settings={**asdict(settings), "batch_size": 1},
-        target_step="graphed" if settings.graphed_target else "eager",
+        **_recorded(settings),
         tau={str(k): None for k in ks},  # another trainer's drafter: no training estimate to set beside it
         primary=primary,
         sets=set_reports(sets, fitting, measured),

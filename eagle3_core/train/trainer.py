@@ -352,18 +352,18 @@ def device_memory(
     longest = max((min(r.length, cfg.max_len) for r in refs), default=0)
     if cfg.batching == "pack" and cfg.batch_tokens != "auto":  # an SDPA query sees its whole row
         longest = row_width(cfg, world.size)
-    estimates = {
-        sharded: estimate_training_memory(
+
+    def estimate(sharded: bool) -> MemoryEstimate:
+        return estimate_training_memory(
             dcfg, cfg.ttt_steps, world.size, 2 if bf16 else 4, longest if attention == "sdpa" else 0,
             sharded=sharded,
-        )
-        for sharded in (False, True)
-    }  # fmt: skip
+        )  # fmt: skip
+
+    fsdp = cfg.sharding == "fsdp"
     free, total = torch.cuda.mem_get_info(world.device)
     where = f"{torch.cuda.get_device_name(world.device)} ({world.device})"
-    if cfg.sharding == "fsdp":
-        return DeviceMemory(free, total, estimates[True], where)
-    return DeviceMemory(free, total, estimates[False], where, estimates[True] if world.distributed else None)
+    offered = estimate(True) if world.distributed and not fsdp else None  # what a refusal may offer instead
+    return DeviceMemory(free, total, estimate(fsdp), where, offered)
 
 
 def build_setup(
