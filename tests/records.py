@@ -35,6 +35,7 @@ def summary_dict(run: str = "r1") -> dict[str, Any]:
         "train_config": TrainConfig().model_dump(),
         "warm_from": None,
         "selection": None,
+        "gpu_memory": None,
     }
 
 

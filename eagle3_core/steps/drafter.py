@@ -313,8 +313,17 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
         "acc_per_position": json.dumps(accuracy_per_position(summary, steps)),
         **{f"val_{name}": value for name, value in (figures | taus).items() if value is not None},
         **_selection_metadata(summary, final.parent),
+        **gpu_memory_metadata(summary),
     }
     return StepResult("drafter_checkpoint", final, meta, record=summary)
+
+
+def gpu_memory_metadata(summary: RunSummary) -> dict[str, Any]:
+    """A GPU run's peak memory beside the preflight's estimate, so a user sees how far to trust the estimate."""
+    gpu = summary.gpu_memory
+    if gpu is None:
+        return {}
+    return {"gpu_peak_gib": gpu.peak_gib, "gpu_estimate_gib": gpu.estimate_gib, "gpu": gpu.device}
 
 
 def accuracy_markdown(summary: RunSummary) -> str:

@@ -182,6 +182,8 @@ class TrainRow(TTTMetrics):
     tokens: int  # logged so far, this interval's included
     tokens_per_s: float
     elapsed_s: float
+    # on a GPU, the most memory any rank has allocated since the run (or its resume) started, in GiB
+    peak_gpu_gib: float | None = None
 
     LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
 
@@ -249,6 +251,15 @@ class ALSelection(Record):
     measured_steps: list[int]
 
 
+class GpuMemory(Record):
+    """What a GPU run held against what its memory preflight estimated (train/memory.py), per rank, in GiB."""
+
+    device: str  # the first rank's GPU, by name
+    free_at_start_gib: float
+    estimate_gib: float  # the preflight's estimate of a rank's peak at the run's batch_tokens
+    peak_gib: float  # the most any rank allocated (torch.cuda.max_memory_allocated), the last session's
+
+
 class RunSummary(Record):
     """runs/<run>/final/summary.json: what a finished run was trained from and with, and its last validation."""
 
@@ -271,6 +282,7 @@ class RunSummary(Record):
     train_config: dict[str, Any]
     warm_from: str | None = None  # absent from summaries written before train.init_from existed
     selection: ALSelection | None = None  # which measured step's weights the run kept (train.keep: best_al)
+    gpu_memory: GpuMemory | None = None  # a GPU run's peak beside the preflight's estimate
 
     @field_validator("val", mode="before")
     @classmethod

@@ -36,6 +36,12 @@ class World:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor's most over ranks (in place), or itself on one process."""
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

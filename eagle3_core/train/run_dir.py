@@ -60,11 +60,8 @@ OPERATIONAL = {
 }
 
 
-TIMING_FIELDS = (
-    "tokens_per_s",
-    "elapsed_s",
-    "seconds",
-)  # the only metric fields a resumed run may not reproduce
+# the only metric fields a resumed run may not reproduce: its speed, and its GPU peak (counted from the resume)
+RUNTIME_FIELDS = ("tokens_per_s", "elapsed_s", "seconds", "peak_gpu_gib")
 
 
 BATCH_PLAN = 2  # 2: batches keep to train.batch_tokens (1 held at least 8 samples whatever their length)

@@ -34,7 +34,7 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter, Packing
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.records import ALRow, RunProgress, RunSummary, TrainRow, ValRow
+from eagle3_core.store.records import ALRow, GpuMemory, RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.targets.model_config import read_text_config
 from eagle3_core.train.checkpoint import (
@@ -497,7 +497,7 @@ def _train(
     _check_inputs(data, mapping, dcfg)
     warm = warm_start(init_from, mapping, dcfg) if init_from is not None else None
     train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
-    cfg = _fit_batch_tokens(cfg, dcfg, world, data.refs, train_refs, val_refs)
+    cfg, memory = _fit_batch_tokens(cfg, dcfg, world, data.refs, train_refs, val_refs)
     run_dir = runs_dir / run_id(
         cfg, mapping, str(data.facts.target_fingerprint), dcfg, warm.run if warm else None
     )
@@ -510,7 +510,7 @@ def _train(
             return _finished(run_dir, log)
         return _run(
             world, data, target_dir, mapping, cfg, dcfg, warm, run_dir, plan, train_refs, val_refs, log,
-            selector,
+            selector, memory,
         )  # fmt: skip
 
 
@@ -533,9 +533,12 @@ def _run(
     val_refs: list[SampleRef],
     log: Log,
     selector: RunSelector | None,
+    memory: DeviceMemory | None,
 ) -> TrainResult:
     """The run in `run_dir`, which this trainer holds: resume, train every step left, write final/ (with the
     weights the selector kept, if it kept other than the last)."""
+    if memory is not None:  # the peak a run reports is its own, whatever this process ran before
+        torch.cuda.reset_peak_memory_stats(world.device)
     s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
@@ -560,7 +563,15 @@ def _run(
     started = time.perf_counter()
     _loop(s, plan, train_refs, val_refs, run_dir, metrics, progress, log, selector)
     seconds = round(time.perf_counter() - started, 2)
-    summary = _summary(s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm, selector)
+    gpu = _gpu_memory(world, memory, batch_budget(cfg))
+    if gpu is not None:
+        log(
+            f"GPU memory: peak {gpu.peak_gib:.1f} GiB (the most of any rank), the preflight's estimate "
+            f"{gpu.estimate_gib:.1f} GiB, {gpu.free_at_start_gib:.1f} GiB free at the start"
+        )
+    summary = _summary(
+        s, run_dir, progress, seconds, dcfg, len(train_refs), len(val_refs), warm, selector, gpu
+    )
     weights = _weights(s)  # every rank gathers, under FSDP; rank 0 alone writes final/
     if selector is not None and (kept := selector.kept_weights()) is not None:
         weights = kept
@@ -602,9 +613,10 @@ def _fit_batch_tokens(
     refs: Sequence[SampleRef],
     train_refs: Sequence[SampleRef],
     val_refs: Sequence[SampleRef],
-) -> TrainConfig:
+) -> tuple[TrainConfig, DeviceMemory | None]:
     """`cfg` with its batching and batch_tokens resolved (auto keeps to what the GPU holds), refused on a GPU
-    whose free memory cannot hold the run (the preflight, before anything is allocated)."""
+    whose free memory cannot hold the run (the preflight, before anything is allocated); and the GPU's memory
+    facts the preflight went by (None on CPU)."""
     cfg = resolve_batching(cfg, numerics(cfg, world.device)[1])
     memory = device_memory(cfg, dcfg, world, refs)
     ceiling = memory.estimate.largest_batch_tokens(memory.free) if memory else None
@@ -613,7 +625,29 @@ def _fit_batch_tokens(
         check_training_memory(
             memory.estimate, batch_budget(cfg), memory.free, memory.total, memory.where, memory.sharded
         )
-    return cfg
+    return cfg, memory
+
+
+def gpu_peak_gib(world: World) -> float | None:
+    """The most GPU memory any rank has allocated since its count was last reset, in GiB; None on CPU. Every
+    rank calls it (a collective)."""
+    if world.device.type != "cuda":
+        return None
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated(world.device))], device=world.device)
+    return round(world.max(peak).item() / 2**30, 2)
+
+
+def _gpu_memory(world: World, memory: DeviceMemory | None, batch_tokens: int) -> GpuMemory | None:
+    """A GPU run's peak beside what the preflight estimated for it at `batch_tokens` (every rank calls it)."""
+    peak = gpu_peak_gib(world)
+    if memory is None or peak is None:
+        return None
+    return GpuMemory(
+        device=memory.where,
+        free_at_start_gib=round(memory.free / 2**30, 2),
+        estimate_gib=round(memory.estimate.peak(batch_tokens) / 2**30, 2),
+        peak_gib=peak,
+    )
 
 
 @dataclass
@@ -794,6 +828,7 @@ def _log_interval(
             tokens=progress.tokens,
             tokens_per_s=round(tokens_per_s, 1),
             elapsed_s=round(now - started, 2),
+            peak_gpu_gib=gpu_peak_gib(s.world),
         )
     )
     log(
@@ -814,6 +849,7 @@ def _summary(
     val_samples: int,
     warm: WarmStart | None,
     selector: RunSelector | None = None,
+    gpu: GpuMemory | None = None,
 ) -> RunSummary:
     """final/summary.json: what the run was trained from and with, its last validation, and which measured
     step's weights it kept."""
@@ -841,6 +877,7 @@ def _summary(
         train_config=s.cfg.model_dump(),
         warm_from=warm.run if warm else None,
         selection=selector.selection(measured) if selector is not None else None,
+        gpu_memory=gpu,
     )
 
 

@@ -125,3 +125,34 @@ def test_on_a_gpu_distributed_muon_is_torchs_muon_bit_for_bit() -> None:
         torch_opt.step()
     for a, b in zip(ours, torchs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_gpu_run_logs_its_peak_and_sets_it_beside_the_preflights_estimate(tmp_path: Path) -> None:
+    """Each log row carries the most memory a rank has allocated so far, and the summary the run's peak,
+    never below a row's, beside the estimate the preflight went by and the GPU it ran on."""
+    from bench._training import DataSpec, training_set
+    from eagle3_core.config import TrainConfig
+    from eagle3_core.draft.vocab import load_vocab_mapping
+    from eagle3_core.store.records import TrainRow
+    from eagle3_core.train.run_dir import read_metrics
+    from eagle3_core.train.trainer import train_drafter
+
+    spec = DataSpec(
+        hidden=256, layers=8, vocab=2048, intermediate=704, draft_vocab=512, shards=1, samples_per_shard=24,
+        min_len=64, max_len=256, device="cuda",
+    )  # fmt: skip
+    ts = training_set(tmp_path, spec, log=lambda _: None)
+    cfg = TrainConfig(
+        draft_vocab_size=512, batch_tokens=1024, max_len=256, max_steps=6, log_every=2, eval_every=6,
+        checkpoint_every=6, device="cuda",
+    )  # fmt: skip
+    result = train_drafter(
+        ts.shard_paths, ts.target_dir, load_vocab_mapping(ts.mapping_dir), tmp_path / "runs", cfg, log=print
+    )
+    peaks = [r.peak_gpu_gib for r in read_metrics(result.run_dir) if isinstance(r, TrainRow)]
+    assert len(peaks) == 3 and all(p is not None and p > 0 for p in peaks)
+    assert peaks == sorted(peaks)  # a running maximum
+    gpu = result.summary.gpu_memory
+    assert gpu is not None and gpu.peak_gib >= max(p for p in peaks if p is not None)
+    assert gpu.estimate_gib > 0 and gpu.free_at_start_gib > gpu.peak_gib
+    assert torch.cuda.get_device_name() in gpu.device

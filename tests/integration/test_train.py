@@ -26,7 +26,7 @@ from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import MetricsRow, TrainRow, ValRow
 from eagle3_core.targets.hf import TransformersTarget
 from eagle3_core.train.checkpoint import WEIGHTS, list_checkpoints, load_checkpoint
-from eagle3_core.train.run_dir import TIMING_FIELDS, read_metrics
+from eagle3_core.train.run_dir import RUNTIME_FIELDS, read_metrics
 from tests.conftest import write_config
 from tests.fakes import free_port
 
@@ -120,7 +120,7 @@ def _run_dir(project: Path) -> Path:
 
 
 def _without_timing(records: list[MetricsRow]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.dump().items() if k not in TIMING_FIELDS} for r in records]
+    return [{k: v for k, v in r.dump().items() if k not in RUNTIME_FIELDS} for r in records]
 
 
 def test_training_learns_and_a_finished_run_is_not_trained_again(

@@ -21,6 +21,7 @@ from eagle3_core.evaluate.measure import (
     pooled_runs_al,
 )
 from eagle3_core.evaluate.prompts import EvalPrompt
+from eagle3_core.steps.drafter import gpu_memory_metadata
 from eagle3_core.store.atomic import atomic_write_json
 from eagle3_core.store.records import (
     DrafterCurrent,
@@ -28,10 +29,12 @@ from eagle3_core.store.records import (
     DrafterLatest,
     EvalReport,
     GateDecision,
+    GpuMemory,
     InboxRecord,
     Record,
     RunSummary,
     SetMeasurement,
+    TrainRow,
     field_path,
 )
 from tests.records import gate_dict, report_dict, set_dict, summary_dict
@@ -365,3 +368,25 @@ def test_a_summary_from_before_acceptance_selection_still_reads(tmp_path: Path) 
     old = {k: v for k, v in summary_dict().items() if k != "selection"}
     (tmp_path / "summary.json").write_text(json.dumps(old))
     assert RunSummary.read(tmp_path / "summary.json").selection is None
+
+
+def test_a_gpu_runs_summary_keeps_its_peak_beside_the_estimate_and_the_page_shows_both(
+    tmp_path: Path,
+) -> None:
+    gpu = GpuMemory(device="NVIDIA H200 (cuda:0)", free_at_start_gib=139.1, estimate_gib=75.7, peak_gib=80.7)
+    RunSummary(**{**summary_dict(), "gpu_memory": gpu.model_dump()}).write(tmp_path / "summary.json")
+    read = RunSummary.read(tmp_path / "summary.json")
+    assert read.gpu_memory == gpu
+    assert gpu_memory_metadata(read) == {
+        "gpu_peak_gib": 80.7, "gpu_estimate_gib": 75.7, "gpu": "NVIDIA H200 (cuda:0)"
+    }  # fmt: skip
+    assert gpu_memory_metadata(RunSummary(**summary_dict())) == {}  # a CPU run estimates nothing
+
+
+def test_a_summary_and_a_log_row_from_before_gpu_peaks_still_read(tmp_path: Path) -> None:
+    old = {k: v for k, v in summary_dict().items() if k != "gpu_memory"}
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    assert RunSummary.read(tmp_path / "summary.json").gpu_memory is None
+    row = {"kind": "train", "step": 2, "epoch": 0, "lr": 0.001, "loss": 1.5, "loss_0": 1.5, "acc_0": 0.5,
+           "full_acc_0": 0.5, "tau_1": 1.5, "counted": 8, "tokens": 64, "tokens_per_s": 10.0, "elapsed_s": 6.4}  # fmt: skip
+    assert TrainRow.model_validate(row).peak_gpu_gib is None
