@@ -152,12 +152,16 @@ class TTTMetrics(Record):
         return TTTMetrics.model_validate({name: getattr(self, name) for name in self.STEP_FIELDS})
 
     LEAD: ClassVar[tuple[str, ...]] = ()  # a row's fields written before the flat figures; the rest follow
+    UNWRITTEN_NONE: ClassVar[tuple[str, ...]] = ()  # fields left out of the row while they are None
 
     @model_serializer(mode="wrap")
     def _written_flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         fields: dict[str, Any] = handler(self)
         for name in self.STEP_FIELDS:
             del fields[name]
+        for name in self.UNWRITTEN_NONE:
+            if fields[name] is None:
+                del fields[name]
         lead = {k: fields.pop(k) for k in self.LEAD}
         return lead | self.flat() | fields
 
@@ -186,6 +190,7 @@ class TrainRow(TTTMetrics):
     peak_gpu_gib: float | None = None
 
     LEAD: ClassVar[tuple[str, ...]] = ("kind", "step", "epoch", "lr", "loss")
+    UNWRITTEN_NONE: ClassVar[tuple[str, ...]] = ("peak_gpu_gib",)  # a CPU run's rows are as before
 
 
 class ALRow(Record):

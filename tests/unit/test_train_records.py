@@ -114,6 +114,9 @@ def test_metric_log_rows_write_the_bytes_the_dict_writer_wrote(tmp_path: Path) -
     assert (tmp_path / METRICS).read_text() == today
     assert read_metrics(tmp_path) == [train, val]
     assert train.acc == [0.5, 0.25] and train.tau_at(2) == 1.625 and train.tau_at(3) is None
+    # a GPU run's row adds its peak at the end; a CPU run's (above) leaves the field out
+    on_gpu = TrainRow.model_validate({**_train_row_dict(), "peak_gpu_gib": 80.7})
+    assert json.dumps(on_gpu.dump()) == json.dumps({**_train_row_dict(), "peak_gpu_gib": 80.7})
     # the summary's `val`: the row's figures alone, flat, as the trainer took them from the dict
     assert val.metrics().flat() == {k: v for k, v in _val_row_dict().items() if k not in ("kind", "step")}
 
