@@ -262,7 +262,7 @@ class GpuMemory(Record):
     device: str  # the first rank's GPU, by name
     free_at_start_gib: float
     estimate_gib: float  # the preflight's estimate of a rank's peak at the run's batch_tokens
-    peak_gib: float  # the most any rank allocated (torch.cuda.max_memory_allocated), the last session's
+    peak_gib: float  # the most any rank allocated (max_memory_allocated) since the trainer started or resumed
 
 
 class RunSummary(Record):
