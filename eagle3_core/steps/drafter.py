@@ -319,7 +319,7 @@ def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -
 
 
 def gpu_memory_metadata(summary: RunSummary) -> dict[str, Any]:
-    """A GPU run's peak memory beside the preflight's estimate, so a user sees how far to trust the estimate."""
+    """A GPU run's peak memory beside the preflight's estimate: how far a user may trust the estimate."""
     gpu = summary.gpu_memory
     if gpu is None:
         return {}

@@ -60,7 +60,7 @@ OPERATIONAL = {
 }
 
 
-# the only metric fields a resumed run may not reproduce: its speed, and its GPU peak (counted from the resume)
+# the only metric fields a resumed run may not reproduce: its speed and its GPU peak (counted from the resume)
 RUNTIME_FIELDS = ("tokens_per_s", "elapsed_s", "seconds", "peak_gpu_gib")
 
 

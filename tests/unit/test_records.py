@@ -387,6 +387,8 @@ def test_a_summary_and_a_log_row_from_before_gpu_peaks_still_read(tmp_path: Path
     old = {k: v for k, v in summary_dict().items() if k != "gpu_memory"}
     (tmp_path / "summary.json").write_text(json.dumps(old))
     assert RunSummary.read(tmp_path / "summary.json").gpu_memory is None
-    row = {"kind": "train", "step": 2, "epoch": 0, "lr": 0.001, "loss": 1.5, "loss_0": 1.5, "acc_0": 0.5,
-           "full_acc_0": 0.5, "tau_1": 1.5, "counted": 8, "tokens": 64, "tokens_per_s": 10.0, "elapsed_s": 6.4}  # fmt: skip
+    row = {
+        "kind": "train", "step": 2, "epoch": 0, "lr": 0.001, "loss": 1.5, "loss_0": 1.5, "acc_0": 0.5,
+        "full_acc_0": 0.5, "tau_1": 1.5, "counted": 8, "tokens": 64, "tokens_per_s": 10.0, "elapsed_s": 6.4,
+    }  # fmt: skip
     assert TrainRow.model_validate(row).peak_gpu_gib is None
