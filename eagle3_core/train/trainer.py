@@ -62,7 +62,7 @@ from eagle3_core.train.loss import (
     default_chunk_tokens,
     lean_ttt_loss,
 )
-from eagle3_core.train.memory import MemoryEstimate, check_training_memory, estimate_training_memory
+from eagle3_core.train.memory import GIB, MemoryEstimate, check_training_memory, estimate_training_memory
 from eagle3_core.train.optim import build_optimizer
 from eagle3_core.train.run_dir import (
     FINAL,
@@ -634,7 +634,11 @@ def gpu_peak_gib(world: World) -> float | None:
     if world.device.type != "cuda":
         return None
     peak = torch.tensor([float(torch.cuda.max_memory_allocated(world.device))], device=world.device)
-    return round(world.max(peak).item() / 2**30, 2)
+    return _gib(world.max(peak).item())
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 2)
 
 
 def _gpu_memory(world: World, memory: DeviceMemory | None, batch_tokens: int) -> GpuMemory | None:
@@ -644,8 +648,8 @@ def _gpu_memory(world: World, memory: DeviceMemory | None, batch_tokens: int) ->
         return None
     return GpuMemory(
         device=memory.where,
-        free_at_start_gib=round(memory.free / 2**30, 2),
-        estimate_gib=round(memory.estimate.peak(batch_tokens) / 2**30, 2),
+        free_at_start_gib=_gib(memory.free),
+        estimate_gib=_gib(memory.estimate.peak(batch_tokens)),
         peak_gib=peak,
     )
 
