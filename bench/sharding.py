@@ -6,7 +6,7 @@
     python -m bench.sharding --heads full --sharding fsdp
     python -m bench.sharding --nproc 2                   # each run on 2 GPUs (a file of its own: ..._x2)
     python -m bench.sharding --nproc 2 --nodes 2         # as 2 torchrun agents ("nodes") of 1 GPU each
-    python -m bench.sharding --nproc 2 --reference bench/results/sharding_h200.json   # against 1 GPU
+    python -m bench.sharding --heads default --batch-tokens 8192 --nproc 2 --reference FILE   # against 1 GPU
     python -m bench.sharding --device cpu --tiny         # smoke test on CPU (gloo), tiny sizes, into --workdir
 
 Each (head, sharding) run is `train_drafter` (TTT 7, otherwise the defaults: Muon, bf16 autocast, flex
@@ -27,7 +27,8 @@ runs in the file and keeps the others'.
 
 --nodes N starts each run as N torchrun agents on this host, meeting at a c10d rendezvous on 127.0.0.1, each
 with --nproc / N ranks (on a GPU, its own slice of the devices), as N nodes of a cluster would (`_<N>nodes`
-after the file's name). --reference FILE compares each run with the run of the same name in FILE, made on the
+after the file's name). --reference FILE compares each run with the run of the same name in FILE (such as
+bench/results/sharding_h100_default.json, one H100's runs at 8,192 tokens a step), made on the
 same data and global batch: validation and training losses, and the scaling of tokens/s with the ranks.
 """
 
