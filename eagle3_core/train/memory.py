@@ -17,19 +17,18 @@ linear in the tokens a rank holds per step:
   the runs it was fitted on;
 - per step and token: the activations one TTT step keeps for backward. Counted from the tensors the layer
   saves (the MLP's three [T, I] products, q/k/v, attention's output, the norms' inputs, the state the head
-  reads and its gradient) times CALIBRATION, fitted on an H200 (docs/training-memory.md), plus the earlier
-  steps' keys and values each step stacks for its chain (quadratic in TTT steps, counted as they are);
+  reads and its gradient) times CALIBRATION (below), plus the earlier steps' keys and values each step
+  stacks for its chain (quadratic in TTT steps, counted as they are);
 - teacher: the target's logits over the draft vocabulary in the compute dtype, their log-sum-exp and top id;
 - transient: the loss's float32 lm_head gradient (summed over the steps), lm_head's copy in the compute dtype
   that the steps' logits are made with, one block of that gradient's rows as a product and its float32
   copy, one step's logit gradients [tokens, V_draft] in the compute dtype (train/loss.py, HeadLoss), and
   the float32 [chunk, V_draft] temporaries of one loss chunk.
-CALIBRATION was fitted on H200 runs that drafted from every entry (bf16, flex attention, 16,384 tokens a
-step, draft vocabulary 32,000, hidden 4096 and 7168, TTT 3 and 7), where the estimate read 3-12% above the
-peaks. The estimate assumes every entry is drafted; chat data, whose prompts are loss-masked, drafts from
-fewer, and on the current trainer's runs with 30% prompt it reads 12-32% above (docs/training-memory.md).
-At Kimi-K2.5's widths it read 7-10% below the H200 peaks of bench/sharding.py, before the loss stopped
-making lm_head's whole gradient product at once; that is not yet measured again.
+CALIBRATION is fitted on the current trainer's every-entry runs at Kimi-K2.5's widths (bench/sharding.py on
+an H100, DDP and FSDP, both heads; docs/training-memory.md): there the estimate reads 1% above the DDP
+peaks (so the allocated peak takes most of MARGIN) and 9-30% above the FSDP ones. The estimate assumes
+every entry is drafted; chat data, whose prompts are loss-masked, drafts from fewer, and on the H200 runs
+with 30% prompt it reads 22-47% above.
 """
 
 from __future__ import annotations
@@ -41,9 +40,9 @@ from eagle3_core.errors import ConfigError
 from eagle3_core.train.loss import default_chunk_tokens, head_gradient_rows
 
 GIB = 2**30
-CALIBRATION = (
-    1.33  # measured per-step activation bytes over the counted ones: 1.23 at hidden 4096, 1.32 at 7168
-)
+# measured per-step activation bytes over the counted ones. 1.33 was fitted on an earlier trainer's H200
+# runs (1.23 at hidden 4096, 1.32 at 7168) and read 2-5% below the current one's peaks at hidden 7168
+CALIBRATION = 1.5
 MARGIN = 1.05  # the estimate's allowance for the allocator's fragmentation
 LOSS_TEMPORARIES = 6  # float32 [chunk, V_draft] tensors alive at once in one loss chunk
 
