@@ -313,10 +313,6 @@ def steady_steps(seconds: list[float]) -> list[int]:
     return [i for i, x in enumerate(seconds) if x <= 3 * median]
 
 
-def gib(n: float) -> float:
-    return round(n / 2**30, 2)
-
-
 def guarded(what: str, fn: Callable[[], dict[str, Any]], log: Log) -> dict[str, Any]:
     """fn's result, or its error: one failing part (an OOM, a compile error) still leaves the others' numbers."""
     try:

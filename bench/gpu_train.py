@@ -37,7 +37,6 @@ if __package__ in (None, ""):  # run as a file (python or torchrun): import `ben
 from bench._training import (
     DataSpec,
     TrainingSet,
-    gib,
     guarded,
     intermediate_for,
     load_batches,
@@ -51,6 +50,7 @@ from eagle3_core.store.records import TrainRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World, exit_worker, pick_device
+from eagle3_core.train.memory import gib
 from eagle3_core.train.run_dir import read_metrics
 from eagle3_core.train.schedule import schedule
 from eagle3_core.train.trainer import build_setup, drafter_config_for, new_drafter, train_drafter

@@ -54,7 +54,7 @@ if __package__ in (None, ""):  # run as a file (by torchrun): import `bench` fro
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import device_label
-from bench._training import DataSpec, TrainingSet, gib, guarded, training_set
+from bench._training import DataSpec, TrainingSet, guarded, training_set
 from bench.gpu_train import errors, free_memory, run_record
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.vocab import (
@@ -65,7 +65,7 @@ from eagle3_core.draft.vocab import (
 )
 from eagle3_core.train import trainer
 from eagle3_core.train.distributed import World, exit_worker, init_world, pick_device
-from eagle3_core.train.memory import MemoryEstimate, estimate_training_memory
+from eagle3_core.train.memory import MemoryEstimate, estimate_training_memory, gib
 from eagle3_core.train.trainer import build_setup, drafter_config_for, numerics, train_drafter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,7 +50,6 @@ from bench._speculators import (
 from bench._training import (
     DataSpec,
     TrainingSet,
-    gib,
     guarded,
     intermediate_for,
     load_batches,
@@ -66,6 +65,7 @@ from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.train.data import Batch, TrainingData
 from eagle3_core.train.distributed import World
 from eagle3_core.train.loss import TTTStats, lean_ttt_loss, ttt_loss
+from eagle3_core.train.memory import gib
 from eagle3_core.train.trainer import (
     Setup,
     build_setup,

@@ -47,6 +47,11 @@ MARGIN = 1.05  # the estimate's allowance for the allocator's fragmentation
 LOSS_TEMPORARIES = 6  # float32 [chunk, V_draft] tensors alive at once in one loss chunk
 
 
+def gib(n_bytes: float) -> float:
+    """Bytes in GiB, to the two decimals the run records and the benches write."""
+    return round(n_bytes / GIB, 2)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes of a run's peak on one rank, split as the module docstring says."""

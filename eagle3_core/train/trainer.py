@@ -62,7 +62,12 @@ from eagle3_core.train.loss import (
     default_chunk_tokens,
     lean_ttt_loss,
 )
-from eagle3_core.train.memory import GIB, MemoryEstimate, check_training_memory, estimate_training_memory
+from eagle3_core.train.memory import (
+    MemoryEstimate,
+    check_training_memory,
+    estimate_training_memory,
+    gib,
+)
 from eagle3_core.train.optim import build_optimizer
 from eagle3_core.train.run_dir import (
     FINAL,
@@ -634,11 +639,7 @@ def gpu_peak_gib(world: World) -> float | None:
     if world.device.type != "cuda":
         return None
     peak = torch.tensor([float(torch.cuda.max_memory_allocated(world.device))], device=world.device)
-    return _gib(world.max(peak).item())
-
-
-def _gib(n: float) -> float:
-    return round(n / GIB, 2)
+    return gib(world.max(peak).item())
 
 
 def _gpu_memory(world: World, memory: DeviceMemory | None, batch_tokens: int) -> GpuMemory | None:
@@ -648,8 +649,8 @@ def _gpu_memory(world: World, memory: DeviceMemory | None, batch_tokens: int) ->
         return None
     return GpuMemory(
         device=memory.where,
-        free_at_start_gib=_gib(memory.free),
-        estimate_gib=_gib(memory.estimate.peak(batch_tokens)),
+        free_at_start_gib=gib(memory.free),
+        estimate_gib=gib(memory.estimate.peak(batch_tokens)),
         peak_gib=peak,
     )
 
