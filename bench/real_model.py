@@ -2,7 +2,8 @@
 
     python -m bench.real_model --stage data    # ingest chitchat, regenerate replies with SmolLM2, extract, vocab
     python -m bench.real_model --stage train   # per seed: eagle3 at its defaults, speculators at its own, timed
-    python -m bench.real_model --stage eval    # AL at K = 1, 3, 5, 7, greedy and sampled, on two prompt sources
+    python -m bench.real_model --stage onpolicy  # per seed: eagle3's drafter refined on its own rollouts, timed
+    python -m bench.real_model --stage eval    # AL at K = 1, 3, 5, 7, greedy and sampled, on three prompt sources
     python -m bench.real_model --stage speedup # batch 1, one process alone: the target eager and graphed
     python -m bench.real_model --stage report  # the report from what an evaluation cut short had decoded
     python -m bench.real_model --stage all
@@ -41,10 +42,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
+from pydantic import BaseModel
 
 if __package__ in (None, ""):  # run as a file: import `bench` from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,18 +59,21 @@ from bench._speculators import (
     write_offline_dataset,
     write_vocab_files,
 )
-from eagle3_core.config import Eagle3Config, TrainConfig, load_config
+from eagle3_core.config import Eagle3Config, OnPolicyConfig, TrainConfig, load_config
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.layout import StoreLayout
 
 Log = Callable[[str], None]
+M = TypeVar("M", bound=BaseModel)
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DEFAULT_WORKDIR = REPO / ".cache" / "real_model"
-CACHE = REPO / ".cache" / "eagle3"
+CACHE = REPO / ".cache" / "eagle3"  # the materialised target, shared with the tests and the demo
+# beside the held-out chitchat: styles no recipe was ever chosen on (bench/data/README.md)
 DEFAULT_PROMPTS = (
-    REPO / "bench" / "data" / "truthfulqa.jsonl"
-)  # another style: short factual questions  # the materialised target, shared with the tests and the demo
+    REPO / "bench" / "data" / "truthfulqa.jsonl",  # short factual questions
+    REPO / "bench" / "data" / "mt_bench.jsonl",  # MT-Bench's first turns, 8 categories of assistant requests
+)
 STATE = "state.json"  # per stage: what it made, and its seconds
 RUNS = "runs"  # under train/: one record per finished run
 PLAN = "plan.json"  # under eval/: how the prompts were split over the workers
@@ -85,13 +90,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.ks = tuple(sorted({int(k) for k in str(args.ks).split(",") if k.strip()}))
     args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
     args.workdir = args.workdir.resolve()
-    args.prompt_file = args.prompt_file or [DEFAULT_PROMPTS]
+    args.prompt_file = args.prompt_file or list(DEFAULT_PROMPTS)
     return args
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--stage", choices=["data", "train", "eval", "speedup", "report", "all"], required=True)
+    p.add_argument(
+        "--stage", choices=["data", "train", "onpolicy", "eval", "speedup", "report", "all"], required=True
+    )
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--cache", type=Path, default=CACHE)
     p.add_argument(
@@ -112,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="regenerate.kv_cache (default: eagle3's)",
     )
     p.add_argument(
+        "--regen-step", choices=["generate", "batched", "auto"], default=None,
+        help="regenerate.step (default: eagle3's): transformers' generate or eagle3's batched target step",
+    )  # fmt: skip
+    p.add_argument(
         "--end-of-turn", default=None, help="tokenize.end_of_turn (default: found from the chat template)"
     )
     p.add_argument("--max-turns", type=int, default=1, help="regenerated assistant turns per conversation")
@@ -131,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="--stage train: eagle3's runs train on a copy of the store re-encoded in this dtype by `eagle3 "
         "convert-shards` (made by --prepare, name the runs with --recipe): FP8 shards against bf16 ones on the "
         "same samples",
+    )  # fmt: skip
+    p.add_argument(
+        "--onpolicy-set", action="append", default=[], metavar="KEY=VALUE",
+        help="--stage onpolicy: an OnPolicyConfig field (YAML value; dotted for nested fields, e.g. "
+        "loss.error_weight=4); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-records", action="store_true",
+        help="--stage onpolicy: the refinement's control, the same continued training from eagle3's run on the "
+        "offline shards alone (what more epochs give without records)",
     )  # fmt: skip
     p.add_argument("--speculators-epochs", type=int, default=SPECULATORS_EPOCHS, help="its default: 20")
     p.add_argument(
@@ -153,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--prompt-file", action="append", default=[], type=Path,
-        help=f"a prompt source beside the held-out chitchat (default {DEFAULT_PROMPTS.relative_to(REPO)})",
+        help="a prompt source beside the held-out chitchat, repeatable; any given replaces the defaults "
+        f"({', '.join(str(p.relative_to(REPO)) for p in DEFAULT_PROMPTS)})",
     )  # fmt: skip
     p.add_argument("--prompts-per-source", type=int, default=100)
     p.add_argument("--per-conversation", type=int, default=2)
@@ -170,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-step", choices=["auto", "eager", "graphed"], default="auto",
         help="the target's step when decoding: transformers' eager forward, or the graphed step an engine "
-        "runs (eagle3_core/evaluate/graphed_target.py: CUDA graphs on a GPU); auto: graphed on a GPU",
+        "runs (eagle3_core/targets/graphed.py: CUDA graphs on a GPU); auto: graphed on a GPU",
     )  # fmt: skip
     p.add_argument("--speedup-prompts", type=int, default=30, help="held-out chitchat prompts timed")
     p.add_argument("--results", type=Path, default=None)
@@ -197,6 +219,7 @@ def config_dict(args: argparse.Namespace, store: str = "store") -> dict[str, Any
             "batch_size": args.regen_batch,
             "max_turns": args.max_turns,
             **({"kv_cache": args.regen_kv_cache} if args.regen_kv_cache else {}),
+            **({"step": args.regen_step} if args.regen_step else {}),
         },
         "tokenize": {
             "max_seq_len": args.max_len,
@@ -323,17 +346,21 @@ def shard_facts(shards: Sequence[str]) -> dict[str, Any]:
 # ---- 2. training -----------------------------------------------------------------------------------------
 def eagle3_config(args: argparse.Namespace, seed: int) -> TrainConfig:
     fields = {**TrainConfig().model_dump(), "max_len": args.max_len, "seed": seed}
-    for pair in args.eagle3_set:
+    return with_settings(TrainConfig, fields, args.eagle3_set, "--eagle3-set")
+
+
+def with_settings(model: type[M], fields: dict[str, Any], pairs: Sequence[str], flag: str) -> M:
+    """`model` of `fields` with each KEY=VALUE of `pairs` (YAML values, dotted keys for nested fields) set,
+    validated; one line naming `flag` when a pair or the result is refused."""
+    for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
-            raise Eagle3Error(f"--eagle3-set {pair!r}: expected KEY=VALUE")
+            raise Eagle3Error(f"{flag} {pair!r}: expected KEY=VALUE")
         fields = _set_dotted(fields, key.strip(), yaml.safe_load(raw))
     try:
-        return TrainConfig.model_validate(fields)
+        return model.model_validate(fields)
     except ValueError as err:
-        raise Eagle3Error(
-            f"--eagle3-set: {err}".splitlines()[0] + f" ({' '.join(args.eagle3_set)})"
-        ) from None
+        raise Eagle3Error(f"{flag}: {err}".splitlines()[0] + f" ({' '.join(pairs)})") from None
 
 
 def _set_dotted(fields: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -457,6 +484,102 @@ def run_train(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     return {"runs": trained_runs(args)}
 
 
+# ---- 2b. on-policy refinement -------------------------------------------------------------------------------
+def onpolicy_config(args: argparse.Namespace) -> OnPolicyConfig:
+    """eagle3's on-policy settings with --onpolicy-set applied (enabled: the stage runs them)."""
+    fields: dict[str, Any] = {**OnPolicyConfig().model_dump(), "enabled": True}
+    return with_settings(OnPolicyConfig, fields, args.onpolicy_set, "--onpolicy-set")
+
+
+def run_onpolicy(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    """Each seed's eagle3 run (at its defaults) refined on-policy as `eagle3 refine` runs a round: the training
+    prompts of every shard rolled out with its drafter through the target (onpolicy_records), then a training
+    run from its weights on the records and the offline shards, AL measured and the best weights kept. With
+    --prepare only the rollouts are made (recipes started at once then share them); --no-records trains the
+    same continued run on the offline shards alone. Each refinement is a run named
+    eagle3-onpolicy[-RECIPE]-SEED, evaluated and paired with eagle3's defaults by --stage eval."""
+    from eagle3_core.steps.evaluation import training_selector
+    from eagle3_core.steps.onpolicy import expected_rollout, recorded, records_step
+    from eagle3_core.store.records import RunSummary
+    from eagle3_core.targets.hf import TransformersTarget
+    from eagle3_core.train.run_dir import SUMMARY
+    from eagle3_core.train.trainer import train_drafter
+
+    data = load_data(args, log)
+    mapping = draft_mapping(data, args, log)
+    onpolicy = onpolicy_config(args)
+    cfg = data.cfg.model_copy(update={"onpolicy": onpolicy})
+    done = trained_runs(args)
+    keys = [p.stem for p in data.shards]
+    target: TransformersTarget | None = None
+    rollouts = stage_state(args, "onpolicy").get("rollouts", {})
+    for seed in args.seeds:
+        base_name = f"eagle3-{seed}"
+        if base_name not in done:
+            raise Eagle3Error(f"no run {base_name} to refine: run --stage train first")
+        base = Path(done[base_name]["final_dir"])
+        records: list[Path] = []
+        if not args.no_records:
+            layout = StoreLayout(data.cfg.store_root)
+            run = RunSummary.read(base / SUMMARY).run
+            records = [layout.onpolicy_records(run, key) for key in keys]
+            # checked without the shard's lock: recipes started at once find them made by --prepare
+            missing = [
+                k
+                for k in keys
+                if not recorded(layout.onpolicy_records(run, k), expected_rollout(cfg, base, k, 1))
+            ]
+            target = target or (TransformersTarget(data.target_dir, cfg.target) if missing else None)
+            started = time.perf_counter()
+            results = [
+                records_step(cfg, key, target, _quiet(log), base) for key in missing if target is not None
+            ]
+            if results:  # the rollouts' own seconds, kept once whichever call made them
+                rollouts[base_name] = {
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "shards": len(results),
+                    "samples": sum(r.metadata["samples"] for r in results),
+                    "new_tokens": sum(r.metadata["new_tokens"] for r in results),
+                    "rollout_al": [r.metadata["rollout_al"] for r in results],
+                    "rejected_drafts": sum(r.metadata["rejected_drafts"] for r in results),
+                    "settings": onpolicy.model_dump(mode="json", exclude={"loss", "epochs", "lr", "offline"}),
+                }
+                save_state(args, "onpolicy", {**stage_state(args, "onpolicy"), "rollouts": rollouts})
+                log(f"   {base_name}: rolled out {rollouts[base_name]['samples']} prompts in "
+                    f"{rollouts[base_name]['seconds']} s")  # fmt: skip
+        if args.prepare:
+            continue
+        recipe = "onpolicy-control" if args.no_records else "-".join(filter(None, ["onpolicy", args.recipe]))
+        name = f"eagle3-{recipe}-{seed}"
+        if name in done:
+            continue
+        train = eagle3_config(args, seed).model_copy(
+            update={"epochs": onpolicy.epochs, "lr": onpolicy.lr or eagle3_config(args, seed).lr}
+        )
+        shards = (data.shards if onpolicy.offline or args.no_records else []) + records
+        log(f"== {name}: from {base_name} on {len(records)} record shards"
+            f"{' and the offline shards' if onpolicy.offline or args.no_records else ''}")  # fmt: skip
+        started = time.perf_counter()
+        selector = training_selector(data.cfg.model_copy(update={"train": train}), mapping.d2t, _quiet(log))
+        result = train_drafter(
+            shards, data.target_dir, mapping, args.workdir / "train" / name, train, log=_quiet(log),
+            init_from=base, selector=selector, records=None if args.no_records else onpolicy.loss,
+        )  # fmt: skip
+        save_run(args, name, {
+            "trainer": "eagle3", "recipe": f"eagle3-{recipe}", "seed": seed, "final_dir": str(result.final_dir),
+            "steps": result.steps, "tokens": result.tokens, "train_loop_s": round(result.seconds, 1),
+            "process_wall_s": round(time.perf_counter() - started, 1), "val": result.val,
+            "config": train.model_dump(mode="json"), "set": args.eagle3_set,
+            "onpolicy": onpolicy.model_dump(mode="json"), "onpolicy_set": args.onpolicy_set,
+            "refined_from": base_name, "rollouts": None if args.no_records else rollouts.get(base_name),
+            "al_during_training": al_during_training(result, selector),
+        })  # fmt: skip
+        log(f"   {name}: {result.steps} steps in {result.seconds:.0f} s; val {result.val}")
+    if target is not None:
+        target.close()
+    return {"runs": trained_runs(args)}
+
+
 def al_during_training(result: Any, selector: Any) -> dict[str, Any] | None:
     """What measuring the acceptance length during training cost and chose: the steps measured, their
     seconds against the training loop's (the share train.al_overhead caps), the kept step, and the prompts
@@ -577,7 +700,6 @@ def load_drafter(run: dict[str, Any], target: Any, embed: torch.Tensor) -> tuple
 
 def eval_worker(job: EvalJob) -> None:
     """Decode this worker's prompts with every drafter at every temperature; write each prompt's rounds."""
-    from eagle3_core.evaluate.batched import target_generate_batch
     from eagle3_core.evaluate.measure import (
         DecodeSettings,
         decode_sampling,
@@ -586,6 +708,7 @@ def eval_worker(job: EvalJob) -> None:
         target_references,
     )
     from eagle3_core.steps.evaluation import load_target
+    from eagle3_core.targets.batched import target_generate_batch
 
     torch.set_num_threads(job.threads)
     cfg = load_config(Path(job.config))
@@ -883,6 +1006,7 @@ def write_report(args: argparse.Namespace, parts: dict[str, Any], log: Log) -> P
         "argv": sys.argv[1:],
         "data": stage_state(args, "data"),
         "train": {**stage_state(args, "train"), "runs": trained_runs(args)},
+        "onpolicy": stage_state(args, "onpolicy") or None,
         "speedup": stage_state(args, "speedup") or None,
         **parts,
     }
@@ -899,6 +1023,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_data(args, _log)
         if args.stage in ("train", "all"):
             run_train(args, _log)
+        if args.stage == "onpolicy":
+            run_onpolicy(args, _log)
         if args.stage in ("speedup", "all"):
             run_speedup(args, _log)
         if args.stage in ("eval", "report", "all"):

@@ -29,7 +29,7 @@ from eagle3_core.evaluate.specdec import (
     target_forward,
     target_generate,
 )
-from eagle3_core.evaluate.specdec import Sampling as SpecSampling
+from eagle3_core.targets.batched import Sampling as SpecSampling
 from eagle3_core.toy.presets import M
 
 

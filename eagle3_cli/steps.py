@@ -381,6 +381,44 @@ def _report_through_pipes(train: Callable[[Callable[[str], None]], StepResult]) 
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from eagle3_core.steps.onpolicy import records_step
+    from eagle3_core.targets.hf import TransformersTarget
+    from eagle3_core.targets.resolve import target_dir
+
+    cfg = _config(args)
+    keys = [p.stem for p in StoreLayout(cfg.store_root).hidden_state_shards()]
+    keys = _keys(cfg, args.shard) if args.shard else keys
+    if not keys:
+        raise Eagle3Error("no hidden-state shards to roll out the prompts of (run `eagle3 extract`)")
+    target = TransformersTarget(target_dir(cfg, log=progress_log), cfg.target)
+    try:
+        for key in keys:
+            result = records_step(cfg, key, target, progress_log)
+            console.print(
+                f"rollout {key}: "
+                + ", ".join(f"{k}={v}" for k, v in result.metadata.items() if isinstance(v, int | float))
+            )
+    finally:
+        target.close()
+    return 0
+
+
+def cmd_refine(args: argparse.Namespace) -> int:
+    from eagle3_core.steps.onpolicy import refine_step
+
+    cfg = _config(args)
+    if not cfg.onpolicy.enabled:
+        raise ConfigError("onpolicy.enabled is false: set it to refine the drafter on its own rollouts")
+    result = refine_step(cfg, progress_log)
+    meta = result.metadata
+    console.print(
+        f"on-policy refinement of {meta['base_run']}: {meta['rounds']} round(s), drafter {meta['run']} "
+        f"({meta['stopped']})"
+    )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_core.steps.drafter import export_step
 
@@ -552,6 +590,19 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Only export the drafter as initialised in both formats and validate them (every run does this "
         "before its first step), then stop.",
+    )
+    p = add(
+        "rollout",
+        cmd_rollout,
+        "On-policy records: each shard's training prompts decoded with the newest offline drafter through the "
+        "target, what the target computed recorded (shards already recorded with these settings are kept).",
+    )
+    p.add_argument("--shard", action="append", help="Only this shard (repeatable); default: every shard.")
+    add(
+        "refine",
+        cmd_refine,
+        "On-policy refinement (onpolicy section): the drafter trained further on its own rollouts, in rounds "
+        "while the measured acceptance length rises; rolls out what a round lacks first.",
     )
     add("export", cmd_export, "Write the newest drafter in SGLang and vLLM/speculators formats, validated.")
     p = add(

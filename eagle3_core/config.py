@@ -315,14 +315,44 @@ class RegenerateConfig(_Model):
             "bench/results/regenerate_speed_h200.json)."
         ),
     )
+    step: Literal["generate", "batched", "auto"] = Field(
+        default="generate",
+        description=(
+            "How the in-process target decodes: generate = transformers' `generate` (with `kv_cache`); batched "
+            "= eagle3's batched target step (targets/batched.py: a preallocated KV cache, every row prefilled "
+            "and stepped at its own positions, no padding), the next token chosen as generate chooses it "
+            "(greedy, or the row-seeded sampler), refused for a target it does not compute (Llama, Mistral, "
+            "Qwen2, Qwen3 layouts, checked against transformers' forward, and no repetition penalty or other "
+            "logits processor in the target's generation config); auto: batched on a GPU for a target it "
+            "computes, else generate (the step chosen is logged and recorded in the regenerated manifest). "
+            "kv_cache applies to generate only. The same replies in float32. generate by default until a GPU "
+            "run measures batched (bench/regenerate_speed.py)."
+        ),
+    )
     max_turns: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Keep at most this many assistant turns of each conversation."
     )
     seed: int = 0
+    samples: Annotated[int, Field(gt=0, le=64)] = Field(
+        default=1,
+        description="Each training conversation is regenerated this many times, each reply a separate sample "
+        "(reply 0 keeps the conversation's sample id, reply r the id `<conversation id>~r`), sampled with its "
+        "own seed; n times the regeneration time and the extracted bytes. More than 1 needs temperature > 0 "
+        "(greedy would give n identical replies).",
+    )
     server: RegenerateServerConfig | None = Field(
         default=None,
         description="Regenerate through this OpenAI-compatible server; None: in process, with the target.",
     )
+
+    @model_validator(mode="after")
+    def _samples_sampled(self) -> RegenerateConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"regenerate.samples ({self.samples}) needs regenerate.temperature > 0: greedy decoding "
+                "would give the same reply every time"
+            )
+        return self
 
 
 class TokenizeConfig(_Model):
@@ -404,6 +434,13 @@ class TrainConfig(_Model):
         default="kl",
         description="kl: forward KL to the target over the draft vocabulary; lk_hybrid: KL blended into "
         "total variation as acceptance grows (Samarin et al. 2026, LK losses).",
+    )
+    teacher_top_k: Annotated[int, Field(gt=0)] | None = Field(
+        default=None,
+        description="Top-K distillation (HASS, Zhang et al. 2024): the loss's teacher is the target's K most "
+        "likely draft ids only, renormalised over them, so the draft puts its mass where acceptance is decided "
+        "(its softmax stays over the whole draft vocabulary). null: the whole draft vocabulary. A lever to be "
+        "measured in docs/recipe.md.",
     )
 
     draft_vocab_size: Annotated[int, Field(gt=0)] = Field(
@@ -792,6 +829,90 @@ class ChecksConfig(_Model):
         return reasons
 
 
+class RecordLoss(_Model):
+    """How the samples of on-policy record shards count in the training loss (offline samples count as ever).
+
+    Each record token carries the draft step of its rollout round that proposed it and whether the target
+    accepted it (eagle3_core/train/rollout_labels.py). TTT step k at entry p predicts token p+2+k: the (entry,
+    step) pairs whose token that step proposed in the rollout are the ones decoding visited."""
+
+    error_weight: Annotated[float, Field(ge=1.0, le=100.0)] = Field(
+        default=1.0,
+        description="The weight of an (entry, step) whose draft the target rejected in the rollout (the drafter's "
+        "own error, where its acceptance ends), against 1 for every other; the loss is normalised by the summed "
+        "weights. 1: no emphasis.",
+    )
+    positions: Literal["all", "visited"] = Field(
+        default="all",
+        description="all: every (entry, step) of a record counts, as offline TTT counts them; visited: only the "
+        "pairs decoding visited in the rollout (a draft made on top of accepted ones).",
+    )
+
+
+class OnPolicyConfig(_Model):
+    """On-policy refinement (eagle3_core/steps/onpolicy.py, docs/onpolicy.md): after the offline drafter, the training
+    conversations' prompts are decoded with it through the target (speculative decoding, many prompts at once),
+    recording what the target computed at every position of each reply and which drafts it rejected; the
+    drafter is then trained further on those records mixed with the offline shards, and the round repeats with
+    the refined drafter while the measured acceptance length rises."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Run the on-policy rounds between drafter_checkpoint and drafter_export (onpolicy_records, "
+        "drafter_refined); false: the offline drafter is exported as it is.",
+    )
+    rounds: Annotated[int, Field(gt=0, le=10)] = Field(
+        default=1,
+        description="Rollout-and-train rounds at most; a round runs only when the one before raised the measured "
+        "acceptance length (its run kept other weights than the ones it started from).",
+    )
+    k: Annotated[int, Field(gt=0, le=16)] = Field(default=3, description="Drafts per round in the rollouts.")
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = Field(
+        default=0.7,
+        description="Of the rollouts: 0 decodes the target's greedy replies (the offline data's own, for "
+        "greedy regeneration), above it speculative sampling gives new replies of the target's distribution.",
+    )
+    samples: Annotated[int, Field(gt=0, le=64)] = Field(
+        default=1, description="Rollouts of each prompt (each its own record sample; more than 1 needs "
+        "temperature > 0)."
+    )  # fmt: skip
+    turns: Annotated[int, Field(gt=0)] = Field(
+        default=1,
+        description="User turns of each training conversation rolled out (each with the conversation's "
+        "regenerated turns before it as history).",
+    )
+    max_new_tokens: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="New tokens a rollout decodes at most; None: regenerate.max_new_tokens."
+    )
+    batch_size: Annotated[int, Field(gt=0)] = Field(
+        default=64,
+        description="Prompts decoded at once: the target's KV cache and the recorded states of that many rows "
+        "(prompt plus max_new_tokens positions each) are held on the device.",
+    )
+    loss: RecordLoss = Field(default_factory=RecordLoss)
+    offline: bool = Field(
+        default=True,
+        description="Train each round on the offline shards too (the mix); false: on the round's records alone.",
+    )
+    epochs: Annotated[int, Field(gt=0)] = Field(
+        default=2, description="Epochs of a round's training over its data (records, and offline shards)."
+    )
+    lr: Annotated[float, Field(gt=0.0)] | None = Field(
+        default=None,
+        description="A round's peak learning rate; None: train.lr. The rest is the train section's.",
+    )
+    seed: int = Field(default=0, description="Of the rollouts' sampling (with the round and the shard).")
+
+    @model_validator(mode="after")
+    def _sampled_when_several(self) -> OnPolicyConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"onpolicy.samples {self.samples} needs onpolicy.temperature > 0: greedy rollouts of one prompt "
+                "are all the same reply"
+            )
+        return self
+
+
 class Eagle3Config(_Model):
     """The whole run. `root` is where the file lives; every relative path is resolved against it."""
 
@@ -811,6 +932,7 @@ class Eagle3Config(_Model):
     checks: ChecksConfig = ChecksConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
     sglang: SGLangServerConfig = SGLangServerConfig()
+    onpolicy: OnPolicyConfig = OnPolicyConfig()
 
     @model_validator(mode="after")
     def _regeneration_fits(self) -> Eagle3Config:

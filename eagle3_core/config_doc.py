@@ -4,6 +4,7 @@ writes it, and tests/unit/test_config_doc.py fails when the file is not what thi
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 import typing
@@ -60,7 +61,7 @@ def _models(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _section(path: str, model: type[BaseModel], seen: set[type[BaseModel]]) -> list[str]:
-    doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = " ".join(inspect.cleandoc(model.__doc__ or "").split("\n\n")[0].split())  # one line, unindented
     lines = [f"## `{path}` ({model.__name__})" if path else "## top level", ""]
     if doc:
         lines += [doc, ""]

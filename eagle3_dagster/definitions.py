@@ -11,6 +11,7 @@ from eagle3_dagster.defs.data.store import store_sensor
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.drafter.checks import vocab_coverage
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
+from eagle3_dagster.defs.onpolicy.assets import drafter_refined, onpolicy_records
 from eagle3_dagster.defs.resources import default_resources
 from eagle3_dagster.defs.schedules import nightly_schedule
 
@@ -21,6 +22,8 @@ defs = dg.Definitions(
         hidden_states,
         vocab_mapping,
         drafter_checkpoint,
+        onpolicy_records,
+        drafter_refined,
         drafter_export,
         drafter_eval,
         drafter_current,

@@ -81,20 +81,20 @@ def materialize_shard(key: str, instance: dg.DagsterInstance) -> None:
 
 
 def materialize_drafter(instance: dg.DagsterInstance | None = None) -> dict[str, dict[str, Any]]:
-    """One run: vocab_mapping -> drafter_checkpoint -> drafter_export -> drafter_eval -> drafter_current.
+    """One run: vocab_mapping -> drafter_checkpoint -> drafter_refined -> drafter_export -> drafter_eval ->
+    drafter_current.
 
     Returns each asset's metadata values, and the promotion check's under "not_worse_than_current". A drafter
     the gate refuses fails the run at the check (drafter_current is not materialized) and raises here.
     """
-    from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
     from eagle3_dagster.defs.drafter.checks import vocab_coverage
-    from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
+    from eagle3_dagster.defs.evaluation.assets import not_worse_than_current
+    from eagle3_dagster.defs.schedules import DRAFTER_HALF
 
     instance = instance or open_instance()
-    drafter_half = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
     result = dg.materialize(
-        [*SHARD_ASSETS, *drafter_half, vocab_coverage, not_worse_than_current],
-        selection=drafter_half,
+        [*SHARD_ASSETS, *DRAFTER_HALF, vocab_coverage, not_worse_than_current],
+        selection=DRAFTER_HALF,
         instance=instance,
         resources=default_resources(),
         run_config=QUIET,

@@ -174,3 +174,21 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     stat = float(((counts - expected) ** 2 / expected).sum())
     return float(torch.special.gammaincc(torch.tensor((probs.numel() - 1) / 2), torch.tensor(stat / 2)))
+
+
+def float64_target_and_drafter(
+    directory: Path, vocab: int, seed: int
+) -> tuple[torch.nn.Module, Eagle3Drafter, torch.Tensor]:
+    """A tiny float64 Llama target of `vocab` tokens (6 layers, hidden 16) and a random full-vocabulary drafter
+    of it with its d2t (zeros): decoding far from an argmax tie, and a vocabulary small enough that a random
+    drafter is right often enough for rounds to accept 0, 1 and more drafts."""
+    from eagle3_core.targets.hf import load_causal_lm
+
+    path = save_tiny_llama(directory / "t", layers=6, hidden=16, vocab=vocab, seed=seed)
+    model = load_causal_lm(path, torch.device("cpu"), torch.float64)
+    torch.manual_seed(seed)
+    cfg = tiny_drafter_config(
+        target_hidden_size=16, hidden_size=16, intermediate_size=32, target_vocab_size=vocab,
+        draft_vocab_size=vocab,
+    )  # fmt: skip
+    return model, Eagle3Drafter(cfg).double().eval(), torch.zeros(vocab, dtype=torch.long)

@@ -18,9 +18,16 @@ The API key (`api_key_env`) goes out as `http.ApiKey`, and every answer is read 
 reason, error row, journal line or reply is built from it: a server that quotes the key back in a 401 puts
 `[redacted api key]` in what eagle3 prints and stores, never the key.
 
-Resume: every finished sample is appended to the shard's journal (eagle3_core/store/journal.py, the one the
-in-process path keeps too). A run that dies or fails mid-shard leaves the journal; the next run takes the
-samples in it and requests only the others, and the shard is written whole, in input order, each sample once.
+With `regenerate.samples` n > 1 each conversation is regenerated n times, each reply a sample of its own
+(reply r >= 1 under the id `<id>~r`, store/records.py `reply_id`): its own conversation of requests, each
+request carrying the seed `request_seed(seed, reply id, turn)`, so the replies differ and a resumed run sends
+the seeds an uninterrupted one would (a server that honours `seed`, as vLLM and SGLang do, then samples the
+same reply; one that ignores it still gives n samples, not reproducible ones).
+
+Resume: every finished sample (every reply) is appended to the shard's journal (eagle3_core/store/journal.py,
+the one the in-process path keeps too). A run that dies or fails mid-shard leaves the journal; the next run
+takes the samples in it and requests only the others, and the shard is written whole, in input order (by
+conversation, then reply), each sample once.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from eagle3_core.data.tokenize import generation_prompt_ids
 from eagle3_core.engines import http
 from eagle3_core.errors import ConfigError, Eagle3Error
 from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path
-from eagle3_core.store.records import ConversationRow, JournalEntry, RegenerationError
+from eagle3_core.store.records import ConversationRow, JournalEntry, RegenerationError, reply_id
 from eagle3_core.targets.regenerate import (
     Dialogue,
     RegenerationProgress,
@@ -53,6 +60,7 @@ from eagle3_core.targets.regenerate import (
     append_reply,
     dialogue_of,
     finish_row,
+    reply_units,
     request_seed,
 )
 
@@ -209,9 +217,9 @@ def _parse(text: str, attempts: int) -> ChatReply:
 # ---- regeneration ------------------------------------------------------------------------------------------
 @dataclass
 class ServerRegenerationResult(RegenerationResult):
-    requested: int = 0  # samples whose turns were requested in this run
+    requested: int = 0  # samples (replies) whose turns were requested in this run
     retries: int = 0
-    failures: dict[str, str] = field(default_factory=dict)  # sample id -> reason
+    failures: dict[str, str] = field(default_factory=dict)  # sample (reply) id -> reason
 
 
 class _Aborted(Exception):
@@ -238,7 +246,8 @@ class ServerRegenerator:
         progress: Callable[[RegenerationProgress], None] = lambda _p: None,
         log: Callable[[str], None] = lambda _m: None,
     ) -> ServerRegenerationResult:
-        """Rows in the order of `samples`; raises ServerRegenerationFailed (journal kept) past the threshold."""
+        """Rows in the order of `samples`, `regenerate.samples` replies each (by reply); raises
+        ServerRegenerationFailed (journal kept) past the threshold."""
         try:
             return asyncio.run(self._regenerate(samples, journal, progress, log))
         finally:
@@ -253,13 +262,18 @@ class ServerRegenerator:
         log: Callable[[str], None],
     ) -> ServerRegenerationResult:
         started = time.perf_counter()
-        entries = journal.open([s.id for s in samples]) if journal is not None else {}
+        units = reply_units(samples, self.cfg.samples)
+        ids = [reply_id(s.id, r) for s, r in units]
+        entries = journal.open(ids) if journal is not None else {}
         if journal is not None and journal.discarded:
             log(f"{journal.path.name}: discarded ({journal.discarded})")
         result = ServerRegenerationResult(rows=[], resumed=len(entries))
-        todo = [s for s in samples if s.id not in entries]
-        dialogues = [dialogue_of(s, self.cfg.max_turns) for s in todo]
-        allowed = math.floor(self.server.max_failed_fraction * len(samples))
+        dialogues = [
+            dialogue_of(s, self.cfg.max_turns, r)
+            for (s, r), i in zip(units, ids, strict=True)
+            if i not in entries
+        ]
+        allowed = math.floor(self.server.max_failed_fraction * len(ids))
         queue: asyncio.Queue[Dialogue] = asyncio.Queue()
         for d in dialogues:
             queue.put_nowait(d)
@@ -268,11 +282,9 @@ class ServerRegenerator:
         def sample_done() -> None:
             done = len(entries) + len(result.failures)
             # As often as the in-process path reports (once per batch), not once per request.
-            if (done - result.resumed) % self.cfg.batch_size == 0 or done == len(samples):
+            if (done - result.resumed) % self.cfg.batch_size == 0 or done == len(ids):
                 seconds = time.perf_counter() - started
-                progress(
-                    RegenerationProgress(done, len(samples), result.resumed, result.fresh_tokens, seconds)
-                )
+                progress(RegenerationProgress(done, len(ids), result.resumed, result.fresh_tokens, seconds))
 
         async with ChatClient(self.server) as client:
 
@@ -283,28 +295,28 @@ class ServerRegenerator:
                     try:
                         entry = await self._conversation(client, d, aborted)
                     except RequestFailed as err:
-                        result.failures[d.sample.id] = err.reason
+                        result.failures[d.id] = err.reason
                         if len(result.failures) > allowed:
                             aborted.set()  # the shard fails anyway: stop spending requests on it
                         sample_done()
                         continue
                     except _Aborted:
                         continue
-                    entries[d.sample.id] = entry
+                    entries[d.id] = entry
                     result.fresh_tokens += entry.new_tokens
                     if journal is not None:
                         journal.append(entry)
                     sample_done()
 
-            await asyncio.gather(*(worker() for _ in range(min(self.server.concurrency, len(todo)))))
+            await asyncio.gather(*(worker() for _ in range(min(self.server.concurrency, len(dialogues)))))
             result.retries = client.retried
 
         if aborted.is_set():
-            raise ServerRegenerationFailed(self._failure_message(samples, entries, result, allowed, journal))
-        for s in samples:
-            entry = entries.get(s.id)
+            raise ServerRegenerationFailed(self._failure_message(len(ids), entries, result, allowed, journal))
+        for (s, _), i in zip(units, ids, strict=True):
+            entry = entries.get(i)
             if entry is None:  # its request failed, within what max_failed_fraction allows
-                entry = _failed_entry(s, result.failures[s.id])
+                entry = _failed_entry(s, i, result.failures[i])
             result.add(entry)
         return result
 
@@ -319,14 +331,14 @@ class ServerRegenerator:
                 break
             if aborted.is_set():
                 raise _Aborted
-            reply = await client.complete(self._body(messages, d.sample.id, turn))
+            reply = await client.complete(self._body(messages, d.id, turn))
             text = normalise_content(reply.content)
             new_tokens += self._new_tokens(reply)
             hit_limit = reply.finish_reason == "length"
             append_reply(d, text, hit_limit, counts, self.tokenizer, self.max_seq_len)
             turn += 1
         row = finish_row(d, counts)
-        return JournalEntry(id=d.sample.id, row=row, counts=dict(counts), new_tokens=new_tokens)
+        return JournalEntry(id=d.id, row=row, counts=dict(counts), new_tokens=new_tokens)
 
     def _body(self, messages: list[dict[str, str]], sample_id: str, turn: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -351,7 +363,7 @@ class ServerRegenerator:
 
     def _failure_message(
         self,
-        samples: Sequence[ConversationRow],
+        samples: int,
         entries: dict[str, JournalEntry],
         result: ServerRegenerationResult,
         allowed: int,
@@ -361,10 +373,10 @@ class ServerRegenerator:
         listed = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
         kept = f"kept in {journal.path}" if journal is not None else "not kept (no journal)"
         return (
-            f"{len(result.failures)} of {len(samples)} samples failed their requests to {without_url_passwords(self.server.url)} "
+            f"{len(result.failures)} of {samples} samples failed their requests to {without_url_passwords(self.server.url)} "
             f"({listed}), more than max_failed_fraction {self.server.max_failed_fraction:g} allows "
             f"({allowed}); no new request was started. {len(entries)} finished samples are {kept}; "
-            f"run again to request the other {len(samples) - len(entries)}."
+            f"run again to request the other {samples - len(entries)}."
         )
 
 
@@ -372,16 +384,17 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
-def _failed_entry(sample: ConversationRow, reason: str) -> JournalEntry:
-    """An error row of the in-process shape: no conversation kept, the reason named, counted as an error."""
+def _failed_entry(sample: ConversationRow, sample_id: str, reason: str) -> JournalEntry:
+    """An error row of the in-process shape for the reply `sample_id` to `sample`: no conversation kept, the
+    reason named, counted as an error."""
     row = RegenerationError(
-        id=sample.id,
+        id=sample_id,
         source=sample.source,
         turns_regenerated=0,
         error=f"request_failed: {reason}",
         messages=[],
     )
-    return JournalEntry(id=sample.id, row=row, counts={"errors": 1, "request_errors": 1}, new_tokens=0)
+    return JournalEntry(id=sample_id, row=row, counts={"errors": 1, "request_errors": 1}, new_tokens=0)
 
 
 def regenerate_through_server(

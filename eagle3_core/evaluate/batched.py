@@ -4,14 +4,14 @@ At batch 1 a decode round is a few small kernels, so one sequence leaves a GPU m
 sharing it are time-sliced rather than run side by side. Here B sequences advance together: each round the
 drafter drafts K tokens for every row, the target verifies every row in one forward, and each row accepts its
 own prefix. Rows sit at different positions, so the target and the drafter keep a KV cache per row and
-attend by position (slot j is seen by the query at position p iff j <= p): the layers `GraphedTarget` runs
-(`TargetLayers`) and `DraftDecoder`, with a cache row per sequence: slots past a row's committed length hold entries of rejected drafts (or of a
+attend by position (slot j is seen by the query at position p iff j <= p): `BatchedTarget` (targets/batched.py,
+the layers `GraphedTarget` runs) and `DraftDecoder`, with a cache row per sequence: slots past a row's committed length hold entries of rejected drafts (or of a
 shorter row's padding) and are written again before any query at their position reads them. A finished row
 (end of turn, or its token budget) is carried along and ignored.
 
 The rules of a round are `speculative_generate`'s (specdec.py): greedy rounds accept while a draft equals the
 target's argmax, so every row's output is the target's own greedy output; sampled rounds are speculative
-sampling row by row. Sampled draws come from one generator in another order than one row at a time, so a
+sampling, every row's verification at once (`verify_sampled_rows`). Sampled draws come from one generator in another order than one row at a time, so a
 sampled AL is the same in distribution, not draw for draw.
 """
 
@@ -22,24 +22,13 @@ from typing import Any
 import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
-from eagle3_core.evaluate.graphed_target import TargetLayers
-from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, SpecResult, until_stop, verify_sampled
+from eagle3_core.evaluate.specdec import DraftDecoder, SpecResult, until_stop
+from eagle3_core.targets.batched import BatchedTarget, Sampling
 
 
-class BatchedTarget(TargetLayers):
-    """The target's forward for `batch` rows, each appending tokens at its own positions (eager: the layers
-    `GraphedTarget` runs, `TargetLayers`)."""
-
-    def __init__(self, model: Any, aux_layer_ids: tuple[int, ...], batch: int, capacity: int) -> None:
-        super().__init__(model, aux_layer_ids)
-        self.keys, self.values = self.cache(batch, capacity)
-
-    @torch.no_grad()
-    def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, rows: slice = slice(None)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, positions [b, n] for the cache rows `rows` -> logits [b, n, V], aux states [b, n, A*H]."""
-        return self.rows_forward(self.keys[:, rows], self.values[:, rows], ids, positions)
+def batch_capacity(prompts: list[list[int]], max_new_tokens: int, k: int) -> int:
+    """Cache slots a batch decoded at K needs: its longest prompt, the budget, and a round's overshoot."""
+    return max(len(p) for p in prompts) + max_new_tokens + 2 * k + 2
 
 
 def _padded(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
@@ -57,14 +46,20 @@ def speculative_generate_batch(
     k: int,
     eos_ids: set[int],
     sampling: Sampling | None = None,
+    target: BatchedTarget | None = None,
 ) -> list[SpecResult]:
     """`speculative_generate` for every prompt at once: each prompt's SpecResult (its tokens and accepted
-    drafts per round), in order."""
+    drafts per round), in order. `target`: the batch's target to decode with (one of len(prompts) rows and
+    `batch_capacity` slots), to read its state record afterwards; the last committed token of each row is
+    then run through it too, so that the record holds the states of every token."""
     sampling = sampling or Sampling()
     device = next(model.parameters()).device
     b = len(prompts)
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 2
-    target = BatchedTarget(model, aux_layer_ids, b, capacity)
+    capacity = batch_capacity(prompts, max_new_tokens, k)
+    target = target or BatchedTarget(model, aux_layer_ids, b, capacity)
+    if target.keys.shape[1] != b or target.keys.shape[3] < capacity:
+        raise ValueError(f"the target holds {target.keys.shape[1]} rows of {target.keys.shape[3]} slots, "
+                         f"this batch needs {b} of {capacity}")  # fmt: skip
     decoder = DraftDecoder(drafter, capacity, rows=b)
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)
     results = [SpecResult([]) for _ in prompts]
@@ -90,6 +85,9 @@ def speculative_generate_batch(
             i for i, r in enumerate(results) if len(r.tokens) < max_new_tokens and r.tokens[-1] not in eos_ids
         ]
         if not live:
+            if target.record is not None:  # the states of each row's last token, which no round verified
+                last_tokens = torch.tensor([[r.tokens[-1]] for r in results], device=device)
+                target.forward(last_tokens, newest[:, None])
             return results
         drafts, qs = decoder.draft_rows(draft_logits, state, newest - 1, k, to_target, sampling)
         last_tokens = torch.tensor([r.tokens[-1] for r in results], device=device)
@@ -100,18 +98,19 @@ def speculative_generate_batch(
             if i not in live:
                 accepted[i] = [results[i].tokens[-1]]
         counts = torch.tensor([len(a) for a in accepted], device=device)  # a + 1 committed tokens a row
+        advance = [0] * b  # tokens each row kept: a + 1, or fewer where its reply ended inside the round
         for i in live:
             emitted = until_stop(accepted[i], eos_ids, max_new_tokens - len(results[i].tokens))
             results[i].accepted.append(len(emitted) - 1)
+            results[i].verified.append(len(accepted[i]) - 1)
             results[i].tokens.extend(emitted)
+            advance[i] = len(emitted)
         # the drafter's extend over each row's committed tokens, paired with the target's aux states there
         committed = _padded(accepted, k + 1, device)
         width = vaux.shape[-1]
         aux = torch.where((offsets[None, :] < counts[:, None])[..., None], vaux, vaux.new_zeros(width))
         draft_logits, state = decoder.extend_rows(committed, aux, positions, counts - 1)
-        newest = torch.where(
-            torch.tensor([i in live for i in range(b)], device=device), newest + counts, newest
-        )
+        newest = newest + torch.tensor(advance, device=device)
 
 
 def _verify(
@@ -131,38 +130,30 @@ def _verify(
     assert qs is not None
     vocab = vlogits.shape[-1]
     on_target = qs.new_zeros(*qs.shape[:2], vocab).index_copy_(2, to_target, qs)
-    probs = sampling.probs(vlogits)
-    return [
-        verify_sampled(drafts[i], on_target[i], probs[i], sampling.generator)[1]
-        for i in range(drafts.shape[0])
-    ]
+    return verify_sampled_rows(drafts, on_target, sampling.probs(vlogits), sampling.generator)
 
 
-@torch.no_grad()
-def target_generate_batch(
-    model: Any,
-    aux_layer_ids: tuple[int, ...],
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_ids: set[int],
-    sampling: Sampling | None = None,
+def verify_sampled_rows(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
 ) -> list[list[int]]:
-    """`target_generate` for every prompt at once: the target alone, each row's reply (greedy: its own)."""
-    sampling = sampling or Sampling()
-    device = next(model.parameters()).device
-    b = len(prompts)
-    target = BatchedTarget(model, aux_layer_ids, b, max(len(p) for p in prompts) + max_new_tokens + 1)
-    replies: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        positions = torch.arange(len(prompt), device=device)[None]
-        logits, _ = target.forward(torch.tensor([prompt], device=device), positions, slice(i, i + 1))
-        replies.append([int(sampling.choose(logits[0, -1]))])
-    newest = torch.tensor([len(p) for p in prompts], device=device)
-    while live := [i for i, r in enumerate(replies) if len(r) < max_new_tokens and r[-1] not in eos_ids]:
-        ids = torch.tensor([[r[-1]] for r in replies], device=device)
-        logits, _ = target.forward(ids, newest[:, None])
-        chosen = sampling.choose(logits[:, 0]).tolist()
-        for i in live:
-            replies[i].append(chosen[i])
-        newest = newest + torch.tensor([int(i in live) for i in range(b)], device=device)
-    return replies
+    """`verify_sampled` (specdec.py) for every row at once, with one host synchronisation: drafts [B, K] drawn
+    from draft_probs [B, K, V] (on target ids), target_probs [B, K+1, V]; each row's committed tokens. Row by
+    row the draws would cost a handful of synchronisations a row and round (at batch 256, most of a round)."""
+    b, k = drafts.shape
+    rows = torch.arange(b, device=drafts.device)
+    p = target_probs[rows[:, None], torch.arange(k, device=drafts.device), drafts]  # [B, K]
+    q = draft_probs[rows[:, None], torch.arange(k, device=drafts.device), drafts]
+    u = torch.rand(b, k, generator=generator, device=drafts.device)
+    accepted = (u * q <= p).int().cumprod(1).sum(1)  # [B]: accept while u <= p/q
+    at = target_probs[rows, accepted]  # [B, V]: the target's distribution where the row's drafts stop
+    # where a draft was rejected, the residual max(0, p - q); after all K, p itself (the bonus token)
+    drafted_at = draft_probs[rows, accepted.clamp(max=k - 1)] * (accepted < k)[:, None]
+    residual = (at - drafted_at).clamp_min(0)
+    # p == q leaves no residual mass, and then the draft cannot have been rejected except by rounding
+    last = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)
+    token = torch.multinomial(last / last.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+    counts, drafted, tokens = accepted.tolist(), drafts.tolist(), token.tolist()  # the round's one sync
+    return [[*drafted[i][:a], tokens[i]] for i, a in enumerate(counts)]

@@ -36,10 +36,11 @@ import torch
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.acceptance import Acceptance, acceptance
 from eagle3_core.evaluate.batched import speculative_generate_batch
-from eagle3_core.evaluate.graphed_target import GraphedTarget
 from eagle3_core.evaluate.prompts import EvalPrompt
-from eagle3_core.evaluate.specdec import DraftDecoder, Sampling, speculative_generate, target_generate
+from eagle3_core.evaluate.specdec import DraftDecoder, speculative_generate, target_generate
 from eagle3_core.store.records import KMeasurement, PromptResult
+from eagle3_core.targets.batched import Sampling
+from eagle3_core.targets.graphed import GraphedTarget
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class DecodeSettings:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    graphed_target: bool = False  # the target's step as an engine runs it (evaluate/graphed_target.py)
+    graphed_target: bool = False  # the target's step as an engine runs it (targets/graphed.py)
 
 
 @dataclass

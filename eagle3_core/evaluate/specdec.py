@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_core.draft.model import Eagle3Drafter, rope_angles
-from eagle3_core.evaluate.graphed_target import GraphedTarget, write_slots
+from eagle3_core.targets.batched import Sampling
+from eagle3_core.targets.graphed import GraphedTarget, write_slots
 
 
 class DraftDecoder:
@@ -205,30 +206,9 @@ class _CapturedRound:
 class SpecResult:
     tokens: list[int]  # the generated tokens (the prompt excluded)
     accepted: list[int] = field(default_factory=list)  # drafts emitted in each verification round
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: temperature 0 is greedy; above it, softmax(logits / T) drawn with `generator`."""
-
-    temperature: float = 0.0
-    generator: torch.Generator | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float() / self.temperature, dim=-1)
-
-    def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One id per row of probs [..., V]."""
-        return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.generator).reshape(
-            probs.shape[:-1]
-        )
-
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(-1) if self.greedy else self.draw(self.probs(logits))
+    # drafts the verification accepted in each round, before an end of turn or the budget cut what it emitted
+    # (recorded by the batched decoder, where on-policy records need to know which draft was rejected)
+    verified: list[int] = field(default_factory=list)
 
 
 def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:

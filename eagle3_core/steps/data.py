@@ -39,6 +39,7 @@ from eagle3_core.store.records import (
     ShardManifest,
     read_rows,
     regeneration_row,
+    reply_id,
     write_rows,
 )
 from eagle3_core.store.shards import DTYPES, QUANTIZED, ShardWriter
@@ -78,7 +79,8 @@ def regenerate_step(
     cfg: Eagle3Config, key: str, target: TransformersTarget | None, log: Log = quiet
 ) -> StepResult:
     """The shard's training conversations with every assistant turn the target's: in process with `target`,
-    or through `cfg.regenerate.server` (then `target` is not used and may be None).
+    or through `cfg.regenerate.server` (then `target` is not used and may be None); `regenerate.samples`
+    rows per conversation, by conversation then reply (store/records.py `reply_id`).
 
     Under the shard's writer lock: a second regeneration of it is refused (StoreBusyError), not raced.
     """
@@ -111,13 +113,18 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
                 f"{key}: in-process regeneration needs the target (regenerate.server is not set)"
             )
         result = _regenerate_in_process(cfg, key, target, train, progress, log)
-        source = {"target": target.info.fingerprint[:16], "resumed_samples": result.resumed}
+        source = {
+            "target": target.info.fingerprint[:16],
+            "resumed_samples": result.resumed,
+            "step": result.step,
+        }
     fresh_tokens = result.fresh_tokens
     seconds = time.perf_counter() - started
-    if [r.id for r in result.rows] != [s.id for s in train]:
+    replies = cfg.regenerate.samples
+    if [r.id for r in result.rows] != [reply_id(s.id, r) for s in train for r in range(replies)]:
         raise RuntimeError(f"{key}: regeneration returned other sample ids than it was given")
     metadata = {
-        "samples": len(train) - result.counts["errors"],
+        "samples": len(result.rows) - result.counts["errors"],
         "errors": result.counts["errors"],
         "heldout_skipped": len(samples) - len(train),
         "replies": result.counts["replies"],
@@ -134,6 +141,7 @@ def _regenerate(cfg: Eagle3Config, key: str, target: TransformersTarget | None, 
         **source,
         "temperature": cfg.regenerate.temperature,
         "max_new_tokens": cfg.regenerate.max_new_tokens,
+        "replies_per_conversation": replies,
     }
     # The manifest before the shard, the shard's rename last: a regenerated shard is whole with its manifest
     # or absent (what a redo replaces is gone first, so a crash between the two never pairs old and new).

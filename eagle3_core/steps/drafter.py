@@ -35,7 +35,7 @@ from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.promotion import read_current
-from eagle3_core.store.records import DrafterLatest, RunSummary
+from eagle3_core.store.records import DrafterLatest, DrafterRefined, RunSummary
 from eagle3_core.store.shards import read_shard_header
 from eagle3_core.store.stats import require_intact
 from eagle3_core.targets.resolve import target_dir
@@ -134,7 +134,7 @@ def vocab_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     return StepResult("vocab_mapping", layout.vocab_mapping, meta)
 
 
-def _shards_and_mapping(cfg: Eagle3Config, layout: StoreLayout, log: Log) -> tuple[list[Path], VocabMapping]:
+def shards_and_mapping(cfg: Eagle3Config, layout: StoreLayout, log: Log) -> tuple[list[Path], VocabMapping]:
     """The store's shards, checked intact, and the vocab mapping built over exactly them."""
     shards = _intact_shards(layout, log)
     fingerprint = expected_mapping_fingerprint(cfg, shards)
@@ -145,7 +145,7 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """A whole training run of the drafter on every shard with the current vocab mapping (resuming a run that
     was cut short), in this process; under torchrun every rank calls it (see `launch_training`)."""
     layout = StoreLayout(cfg.store_root)
-    shards, mapping = _shards_and_mapping(cfg, layout, log)
+    shards, mapping = shards_and_mapping(cfg, layout, log)
     selector = None
     if lead_process():
         from eagle3_core.steps.evaluation import training_selector  # evaluation reads this module's runs
@@ -171,7 +171,7 @@ def drafter_checkpoint_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
 def dry_run_step(cfg: Eagle3Config, log: Log = print) -> StepResult:
     """`eagle3 train --dry-run`: the run's export checked (`dry_run_export`), and nothing trained."""
     layout = StoreLayout(cfg.store_root)
-    seconds = dry_run_export(cfg, *_shards_and_mapping(cfg, layout, log), log)
+    seconds = dry_run_export(cfg, *shards_and_mapping(cfg, layout, log), log)
     return StepResult("dry_run", layout.run_dir, {"seconds": round(seconds, 2)})
 
 
@@ -292,7 +292,7 @@ def _torchrun_training(config_path: Path, cfg: Eagle3Config, processes: int, log
             + (", started on every node" if cfg.train.nodes > 1 else "")
         )
     cfg = load_config(config_path)
-    return _training_result(cfg, latest_final(StoreLayout(cfg.store_root)), None)
+    return _training_result(cfg, offline_final(StoreLayout(cfg.store_root)), None)
 
 
 def _training_result(cfg: Eagle3Config, final: Path, resumed_from: int | None) -> StepResult:
@@ -384,13 +384,30 @@ def promoted_final(layout: StoreLayout) -> Path:
     return final
 
 
-def latest_final(layout: StoreLayout) -> Path:
+def offline_final(layout: StoreLayout) -> Path:
+    """The newest offline training run's final/ (drafter/latest.json: what drafter_checkpoint trained last)."""
     if not layout.drafter_latest.exists():
         raise Eagle3Error("no trained drafter yet (materialize drafter_checkpoint, or run `eagle3 train`)")
     final = layout.from_pointer(DrafterLatest.read(layout.drafter_latest).final)
     if not (final / SUMMARY).exists():
         raise Eagle3Error(f"{final}: the latest training run has no finished drafter")
     return final
+
+
+def latest_final(layout: StoreLayout) -> Path:
+    """The newest drafter's final/: the on-policy refinement's (drafter/refined.json) while the offline run it
+    started from is still the newest, else the newest offline run's. What export, evaluation and promotion
+    take."""
+    final = offline_final(layout)
+    if not layout.drafter_refined.exists():
+        return final
+    refined = DrafterRefined.read(layout.drafter_refined)
+    if refined.base_run != DrafterLatest.read(layout.drafter_latest).run:
+        return final  # the offline drafter was retrained since: the refinement is of an older one
+    chosen = layout.from_pointer(refined.final)
+    if not (chosen / SUMMARY).exists():
+        raise Eagle3Error(f"{chosen}: drafter/refined.json names a run with no finished drafter")
+    return chosen
 
 
 def latest_summary(layout: StoreLayout) -> RunSummary:

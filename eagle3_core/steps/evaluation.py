@@ -29,7 +29,6 @@ import torch
 from eagle3_core.config import DrafterVariant, Eagle3Config, without_url_passwords
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.errors import Eagle3Error, ExportError
-from eagle3_core.evaluate.graphed_target import choose_target_step, runs_graphed
 from eagle3_core.evaluate.measure import (
     DecodeSettings,
     Measurement,
@@ -58,6 +57,7 @@ from eagle3_core.store.records import (
     RunSummary,
     SetMeasurement,
 )
+from eagle3_core.targets.graphed import choose_target_step, runs_graphed
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import SUMMARY, read_metrics
 

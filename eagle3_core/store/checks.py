@@ -2,7 +2,9 @@
 
 - `shard_complete`: the shard's file and manifest are there, no unfinished write is, and every training
   conversation of the shard is accounted for exactly once (extracted, failed, dropped at tokenisation, or
-  failed at regeneration). From manifests and file sizes: cheap, and what training waits on.
+  failed at regeneration), each of its replies once where it was regenerated `regenerate.samples` times
+  (`replies_per_conversation` in the regenerated manifest). From manifests and file sizes: cheap, and what
+  training waits on.
 - `shard_integrity`: every sample's digest and the whole-shard checksum, by reading the shard's bytes.
 - `reject_rate`: the share of a conversation shard's source rows that ingest rejected.
 - `vocab_coverage`: the share of loss tokens the draft vocabulary covers, as recorded when it was built.
@@ -25,9 +27,11 @@ from eagle3_core.store.records import (
     ConversationManifest,
     ConversationRow,
     Record,
+    RegeneratedManifest,
     ShardManifest,
     VocabInfo,
     read_rows,
+    reply_id,
 )
 from eagle3_core.store.stats import verify_shard
 
@@ -77,12 +81,18 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
         rows = read_rows(layout.conversations(key), ConversationRow.model_validate)
     except RecordError as err:  # a torn row: the check fails naming it, as for a torn manifest
         return CheckVerdict(False, str(err), figures)
-    train_ids = {row.id for row in rows if row.split == "train"}
+    replies = 1
+    if manifest.regenerated:  # replies per conversation as regenerated; 1 for a manifest from before samples
+        regenerated = _read_record(RegeneratedManifest, layout.regenerated_manifest(key))
+        if regenerated is not None and regenerated.replies_per_conversation is not None:
+            replies = regenerated.replies_per_conversation
+    train_ids = {reply_id(row.id, r) for row in rows if row.split == "train" for r in range(replies)}
     written = manifest.sample_ids
     dropped = list(manifest.dropped or {})
     accounted = counts.samples + counts.errors
     figures |= {
         "train_conversations": conversations.train_samples,
+        "replies_per_conversation": replies,
         "samples": counts.samples,
         "failed": counts.failed,
         "dropped": counts.dropped,
@@ -94,10 +104,11 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
     problems = []
     if temps:
         problems.append(f"an unfinished write is in the store ({temps[0]})")
-    if accounted != conversations.train_samples:
+    if accounted != conversations.train_samples * replies:
+        of = f" x {replies} replies each" if replies != 1 else ""
         problems.append(
             f"samples + failed + dropped + regeneration errors = {accounted}, "
-            f"but the conversation shard has {conversations.train_samples} training conversations"
+            f"but the conversation shard has {conversations.train_samples} training conversations{of}"
         )
     if len(written) != counts.samples + counts.failed or len(dropped) != counts.dropped:
         problems.append("the manifest's sample ids do not match its counts")
@@ -105,16 +116,20 @@ def shard_complete(root: Path, key: str) -> CheckVerdict:
     if len(set(ids)) != len(ids):
         problems.append("a sample id appears twice")
     if not set(ids) <= train_ids:
-        problems.append(f"{len(set(ids) - train_ids)} sample ids are not training conversations of the shard")
+        problems.append(
+            f"{len(set(ids) - train_ids)} sample ids are not training conversations of the shard"
+            + (f" (nor their replies 1-{replies - 1})" if replies > 1 else "")
+        )
     if shard.stat().st_size != manifest.bytes:
         problems.append(f"the file has {shard.stat().st_size} bytes, its manifest says {manifest.bytes}")
     if problems:
         return CheckVerdict(False, f"{key}: " + "; ".join(problems), figures)
-    return CheckVerdict(
-        True,
-        f"{key}: all {accounted} training conversations accounted for ({counts.samples} extracted)",
-        figures,
+    what = (
+        f"{accounted} training conversations"
+        if replies == 1
+        else f"{accounted} replies to the {conversations.train_samples} training conversations"
     )
+    return CheckVerdict(True, f"{key}: all {what} accounted for ({counts.samples} extracted)", figures)
 
 
 def shard_integrity(root: Path, key: str) -> CheckVerdict:

@@ -1,7 +1,8 @@
 """The regeneration journal: a shard's finished samples, kept while the shard is regenerated.
 
 Both regeneration paths (in process, and through an OpenAI-compatible server) append every finished sample
-to `regenerated/<key>.journal.jsonl` (one JSON line, fsynced) before counting it as done, keyed by sample id
+(each reply of a conversation regenerated `regenerate.samples` times is one, under its own id) to
+`regenerated/<key>.journal.jsonl` (one JSON line, fsynced) before counting it as done, keyed by sample id
 and bound by a fingerprint to the settings, model, tokenizer and sample ids that produced it. A run that
 dies or fails mid-shard leaves the journal; the next run takes the samples in it and regenerates only the
 others, and the shard is written whole, in input order, each sample once; then the journal is removed.
@@ -106,11 +107,16 @@ def journal_fingerprint(
 ) -> str:
     """What a journaled reply depends on: the settings, the model that replies (through a server, the
     request's `model`; in process, the target's fingerprint and dtype), the tokenizer and the samples.
-    Transport settings (URL, concurrency, timeouts, retries, key), the batch size and the KV cache are left out:
-    the same model behind a restarted server on another port, in batches of another size or with another cache,
-    gives the same replies."""
+    Transport settings (URL, concurrency, timeouts, retries, key), the batch size, the KV cache and the decoding
+    step are left out: the same model behind a restarted server on another port, in batches of another size,
+    with another cache or through eagle3's batched step instead of `generate`, gives the same replies. So is `samples` (the replies per conversation): each reply is journaled under its own
+    id and sampled with its own seed (targets/regenerate.py `request_seed`), whatever the number asked for, so
+    a run asking for more replies keeps the journaled ones; a journal written before the setting existed
+    still fits (`sample_ids` are the conversations' ids)."""
     what = {
-        "regenerate": cfg.model_dump(exclude={"server", "batch_size", "kv_cache", "enabled"}),
+        "regenerate": cfg.model_dump(
+            exclude={"server", "batch_size", "kv_cache", "step", "enabled", "samples"}
+        ),
         "model": model,
         "max_seq_len": max_seq_len,
         "tokenizer": tokenizer_fingerprint,

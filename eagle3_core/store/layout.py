@@ -116,6 +116,27 @@ class StoreLayout:
         return self.root / "drafter" / "latest.json"
 
     @property
+    def drafter_refined(self) -> Path:
+        """JSON pointer to the newest on-policy refinement (DrafterRefined): what is exported while the
+        offline run it started from is still the newest."""
+        return self.root / "drafter" / "refined.json"
+
+    def onpolicy_records_dir(self, drafter_run: str) -> Path:
+        """The on-policy record shards of the rollouts made with run `drafter_run`'s drafter."""
+        return self.root / "onpolicy" / _safe_name(drafter_run)
+
+    def onpolicy_records(self, drafter_run: str, key: str) -> Path:
+        """The record shard of conversation shard `key`'s rollouts with run `drafter_run`'s drafter."""
+        return self.onpolicy_records_dir(drafter_run) / f"{check_shard_key(key)}.safetensors"
+
+    def onpolicy_record_shards(self, drafter_run: str) -> list[Path]:
+        """Every complete record shard of run `drafter_run`'s rollouts, sorted by key."""
+        directory = self.onpolicy_records_dir(drafter_run)
+        if not directory.is_dir():
+            return []
+        return sorted(p for p in directory.glob("*.safetensors") if SHARD_KEY.match(p.stem))
+
+    @property
     def exports(self) -> Path:
         """export/<run>: each a symlink to the run's current export version (`export_versions`)."""
         return self.root / "drafter" / "export"

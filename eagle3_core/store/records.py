@@ -465,6 +465,31 @@ class DrafterLatest(Record):
     final: str  # its final/ directory, relative to the store (StoreLayout.pointer_path; absolute in older stores)
 
 
+class RefinementRound(Record):
+    """One on-policy round: the drafter it rolled out with, the records it trained on, the run it trained and
+    what that run's acceptance-length selection kept."""
+
+    round: int
+    rollout_run: str  # whose drafter decoded the rollouts (the offline run, then each round's)
+    record_shards: int
+    record_samples: int
+    run: str  # the round's training run
+    kept_step: int  # the step whose weights the run kept (0: the weights it started from)
+    al_start: float | None  # measured at the run's step 0 (the rollout drafter), when measured
+    al_kept: float | None
+
+
+class DrafterRefined(Record):
+    """drafter/refined.json: the newest on-policy refinement, the offline run it started from, its rounds
+    and the run whose drafter it ended with (`final`, relative to the store like DrafterLatest's)."""
+
+    base_run: str
+    run: str
+    final: str
+    rounds: list[RefinementRound]
+    stopped: str  # why no further round ran
+
+
 class DrafterCurrent(Record):
     """The promoted drafter, the AL its gate measured, and the run it replaced: `current.json` in the promotion
     directory that the `current` link names, read through the link (store/promotion.py)."""
@@ -556,6 +581,24 @@ class TargetFacts(OptionalFields):
     compute_dtype: str | None = None
 
 
+class RolloutFacts(OptionalFields):
+    """What the rollouts of an on-policy record shard were (eagle3_core/steps/onpolicy.py): the drafter that proposed
+    (its run and the digest of its weights), the round, how it decoded, and per sample, in sample order, the
+    prompt's length and the drafts each verification round accepted (before an end of turn cut the round),
+    from which the draft step that proposed each reply token, and whether it was right, follow
+    (train/rollout_labels.py `draft_steps`)."""
+
+    drafter_run: str
+    drafter_digest: str
+    round: int
+    k: int
+    temperature: float
+    max_new_tokens: int
+    seed: int
+    prompt_lengths: list[int]
+    verified: list[list[int]]
+
+
 class ShardFacts(OptionalFields):
     """What extraction records about a shard's states besides the tensors: the header and manifest carry
     these; a drafter trains only on shards that agree on them (`train.data.TrainingFacts`)."""
@@ -569,6 +612,7 @@ class ShardFacts(OptionalFields):
     final_state_convention: FinalStateConvention | None = None
     max_seq_len: int | None = None
     dropped: dict[str, str] | None = None  # sample id -> why tokenisation dropped it
+    rollout: RolloutFacts | None = None  # an on-policy record shard's rollouts; None: extracted offline
 
     def target_vocab_size(self, path: Path) -> int:
         if self.target is None or self.target.vocab_size is None:
@@ -680,7 +724,8 @@ class ConversationManifest(Record):
 class RegeneratedManifest(OptionalFields):
     """regenerated/<key>.json: how a shard's assistant turns were regenerated, through a server (`server`
     and its request figures) or in process (`target`). `counts` are the regenerator's other counts (stop
-    reasons, cut replies, request errors: names it makes as it meets them), written flat, by name."""
+    reasons, cut replies, request errors: names it makes as it meets them), written flat, by name.
+    `samples` and `errors` count rows: `replies_per_conversation` of them per training conversation."""
 
     key: str
     samples: int
@@ -696,8 +741,11 @@ class RegeneratedManifest(OptionalFields):
     requested_samples: int | None = None
     request_retries: int | None = None
     target: str | None = None  # the target's fingerprint, shortened
+    step: str | None = None  # in process: the decode step regenerate.step took, generate or batched
     temperature: float
     max_new_tokens: int
+    # regenerate.samples: the replies regenerated per training conversation (None: written before it existed, 1)
+    replies_per_conversation: int | None = None
 
     @field_validator("server", mode="before")
     @classmethod
@@ -813,6 +861,22 @@ class RegenerationError(Record):
 
 
 RegenerationRow = RegeneratedRow | RegenerationError
+
+REPLY_MARK = "~"  # in no conversation's sample id (a sha256 in hex): what sets a further reply's id apart
+
+
+def reply_id(conversation_id: str, reply: int) -> str:
+    """The sample id of reply `reply` to a training conversation (regenerate.samples): reply 0 keeps the
+    conversation's own id, as a store regenerated once always had it; reply r >= 1 is `<id>~r`."""
+    if reply < 0:
+        raise ValueError(f"reply {reply}: replies are counted from 0")
+    return conversation_id if reply == 0 else f"{conversation_id}{REPLY_MARK}{reply}"
+
+
+def conversation_id(sample_id: str) -> str:
+    """The conversation a sample was regenerated from (`reply_id` undone): what the training/validation split
+    is drawn on, so that every reply to one prompt falls on the same side of it."""
+    return sample_id.split(REPLY_MARK, 1)[0]
 
 
 def regeneration_row(data: Any) -> RegenerationRow:

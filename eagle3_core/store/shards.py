@@ -609,6 +609,11 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self._index)
 
+    def stored_index(self, i: int) -> int:
+        """Good sample i's index among all the shard's samples, failed ones included: its place in the
+        header's per-sample lists."""
+        return self._index[i]
+
     def _raw(self, name: str, first_row: int, rows: int) -> memoryview:
         """A view of the mapping. Use it in a `with` block: a view left alive (by the traceback of an error
         raised while it was in scope) keeps the mapping exported, and `close` would raise BufferError."""

@@ -29,9 +29,10 @@ from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import FLEX_BLOCK, Packing
 from eagle3_core.errors import Eagle3Error
 from eagle3_core.store.fp8 import FP8, SCALE_DTYPE, dequantize
-from eagle3_core.store.records import ShardHeader
+from eagle3_core.store.records import ShardHeader, conversation_id
 from eagle3_core.store.shards import DTYPES, ShardReader
 from eagle3_core.train.loss import drafted_entries
+from eagle3_core.train.rollout_labels import OFFLINE, draft_steps
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,11 @@ class SampleRef:
 
 
 def is_validation(sample_id: str, fraction: float) -> bool:
-    """A fixed split by sample id, salted so that it is independent of the held-out split's own hash."""
-    digest = hashlib.sha256(f"eagle3-validation:{sample_id}".encode()).digest()
+    """A fixed split by the sample's conversation id (its own id unless it is a further reply to one,
+    regenerate.samples: store/records.py `reply_id`), so that every reply to one prompt falls on one side:
+    validation never measures replies to a prompt the drafter trained on. Salted so that it is independent of
+    the held-out split's own hash."""
+    digest = hashlib.sha256(f"eagle3-validation:{conversation_id(sample_id)}".encode()).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
@@ -136,10 +140,20 @@ class TrainingData:
         return facts
 
     def split(self, val_fraction: float, max_val: int) -> tuple[list[SampleRef], list[SampleRef]]:
-        """(train, validation) by sample id; validation capped at `max_val` samples (the rest train)."""
-        val = [r for r in self.refs if is_validation(r.sample_id, val_fraction)][:max_val]
-        chosen = {r.sample_id for r in val}
-        train = [r for r in self.refs if r.sample_id not in chosen]
+        """(train, validation) by conversation id (`is_validation`); validation capped at `max_val` samples,
+        whole conversations: the first ones whose samples fit (the rest train, every reply of each)."""
+        candidates: dict[str, list[SampleRef]] = {}
+        for r in self.refs:
+            if is_validation(r.sample_id, val_fraction):
+                candidates.setdefault(conversation_id(r.sample_id), []).append(r)
+        val: list[SampleRef] = []
+        chosen: set[str] = set()
+        for conversation, refs in candidates.items():
+            if len(val) + len(refs) > max_val:
+                break
+            val += refs
+            chosen.add(conversation)
+        train = [r for r in self.refs if conversation_id(r.sample_id) not in chosen]
         if not train:
             raise Eagle3Error(f"train.val_fraction={val_fraction} leaves no training samples")
         return train, val
@@ -216,6 +230,7 @@ class TrainingData:
             self.readers[ref.shard].copy_sample_into(ref.index, rows_of)
 
         list(pool.map(fill, places) if pool is not None else map(fill, places))  # list(): raise any error
+        draft_steps = self._draft_steps(places, b, t)
         if packing is not None and ttt_steps is not None:
             drafted = drafted_entries(loss_mask, packing.doc, ttt_steps, FLEX_BLOCK)
             if drafted is not None:
@@ -228,7 +243,25 @@ class TrainingData:
             tokens=sum(map(sum, lengths)),
             packing=packing,
             scales=scales,
+            draft_steps=draft_steps,
         )
+
+    def _draft_steps(
+        self, places: list[tuple[int, int, SampleRef, int]], b: int, t: int
+    ) -> torch.Tensor | None:
+        """int8 [B, T]: each token's rollout label (train/rollout_labels.py `draft_steps`), OFFLINE for the tokens
+        of offline samples and padding; None when no sample of the batch is an on-policy record."""
+        records = [(place, self.readers[place[2].shard].meta.rollout) for place in places]
+        if all(rollout is None for _, rollout in records):
+            return None
+        labels = torch.full((b, t), OFFLINE, dtype=torch.int8)
+        for (i, offset, ref, n), rollout in records:
+            if rollout is not None:
+                j = self.readers[ref.shard].stored_index(ref.index)
+                labels[i, offset : offset + n] = draft_steps(
+                    rollout.prompt_lengths[j], rollout.verified[j], n, rollout.k
+                )
+        return labels
 
     def close(self) -> None:
         """Close every shard; safe on the error path (ShardReader.close leaves a mapping still viewed)."""
@@ -368,6 +401,8 @@ class Batch:
     packing: Packing | None = None  # where each row's samples lie; None: one sample per row
     # FP8 states' scales, aux [B, T, num_aux] and last [B, T, 1] float32; None for states in a float dtype
     scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    # int8 [B, T]: on-policy records' rollout labels (`TrainingData._draft_steps`); None: no record in the batch
+    draft_steps: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         """The batch on `device`, FP8 states dequantised there to bfloat16 (they cross the bus at one byte)."""
@@ -384,6 +419,7 @@ class Batch:
             last,
             self.tokens,
             packing,
+            draft_steps=None if self.draft_steps is None else self.draft_steps.to(device, non_blocking=nb),
         )
 
 

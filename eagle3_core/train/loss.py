@@ -12,15 +12,17 @@ ranks combine exactly by addition; ratios are taken only when a number is report
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from eagle3_core.config import RecordLoss
 from eagle3_core.draft.model import shift_left
 from eagle3_core.store.records import TTTMetrics
+from eagle3_core.train.rollout_labels import OFFLINE, REJECTED
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,15 @@ class TTTTargets:
     masks: torch.Tensor  # [steps, B, T] bool: which entries count at each step
     # int64 [B, N]: the entries the drafter's states are of (`Packing.drafted`), None: all T of them
     entries: torch.Tensor | None = None
+    # float32 [steps, B, T]: what each counted entry weighs (`record_weights`); None: 1 each
+    weights: torch.Tensor | None = None
 
     def counts(self) -> torch.Tensor:
-        """Counted entries per step, [steps] float64 (what a global normaliser sums over ranks)."""
-        return self.masks.sum(dim=(1, 2)).to(torch.float64)
+        """Counted entries per step, each by its weight, [steps] float64 (what a global normaliser sums over
+        ranks)."""
+        if self.weights is None:
+            return self.masks.sum(dim=(1, 2)).to(torch.float64)
+        return (self.masks * self.weights).sum(dim=(1, 2)).to(torch.float64)
 
     def logp(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
         """The teacher's float32 log-probabilities over the draft vocabulary at [rows, cols]."""
@@ -50,16 +57,20 @@ class TTTTargets:
         entries = self.entries if self.entries is not None else torch.arange(t, device=device).expand(b, t)
         rows = torch.arange(b, device=device)[:, None] * t
         # past the row's end there is no teacher: any index will do, as the mask is false there
-        return StepEntries((entries + 1 + k).clamp(max=t - 1) + rows, self.masks[k].gather(1, entries))
+        weight = None if self.weights is None else self.weights[k].gather(1, entries)
+        return StepEntries(
+            (entries + 1 + k).clamp(max=t - 1) + rows, self.masks[k].gather(1, entries), weight
+        )
 
 
 @dataclass(frozen=True)
 class StepEntries:
-    """One TTT step's N entries: the flat index [B, N] of each one's teacher in the [B * T] teacher rows, and
-    bool [B, N] whether it counts."""
+    """One TTT step's N entries: the flat index [B, N] of each one's teacher in the [B * T] teacher rows,
+    bool [B, N] whether it counts, and float32 [B, N] what it weighs (None: 1 each)."""
 
     teacher: torch.Tensor
     mask: torch.Tensor
+    weight: torch.Tensor | None = None
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, ...] -> its rows at the entries' teachers, [B, N, ...]."""
@@ -79,6 +90,24 @@ def step_masks(
             mask &= shift_left(doc, k + 2, fill=-1) == doc
         masks.append(mask)
     return torch.stack(masks)
+
+
+def record_weights(targets: TTTTargets, draft_steps: torch.Tensor, loss: RecordLoss) -> TTTTargets:
+    """`targets` with the on-policy records of the batch counted as `loss` says (config.RecordLoss), from
+    each token's rollout label, draft_steps int8 [B, T] (train/rollout_labels.py; OFFLINE for offline tokens).
+
+    Step k of entry p predicts token p+2+k: decoding visited that (entry, step) when the token's label is
+    step k, and it was the drafter's error when the label also carries REJECTED."""
+    masks, weights = [], []
+    for k, mask in enumerate(targets.masks):
+        label = shift_left(draft_steps, k + 2, fill=OFFLINE).long()
+        visited = (label >= 0) & (label % REJECTED == k)
+        if loss.positions == "visited":
+            mask = mask & (visited | (label == OFFLINE))
+        masks.append(mask)
+        error = visited & (label >= REJECTED)
+        weights.append(torch.where(error, loss.error_weight, 1.0).float())
+    return replace(targets, masks=torch.stack(masks), weights=torch.stack(weights))
 
 
 def drafted_entries(
@@ -214,21 +243,53 @@ LossKind = Literal["kl", "lk_hybrid"]
 LK_ETA = 3.0  # the LK paper's best hybrid setting
 
 
-def entry_loss(teacher_logp: torch.Tensor, draft_logits: torch.Tensor, kind: LossKind) -> torch.Tensor:
+def top_k_teacher(teacher_logp: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """The teacher's log-probabilities [.., V] truncated to its `top_k` most likely ids S and renormalised
+    over them (log p_i - logsumexp_S log p; -inf outside S); unchanged when top_k is None or >= V.
+
+    HASS's top-K distillation (Zhang et al. 2024, "Learning Harmonized Representations for Speculative
+    Sampling"): the draft is taught where acceptance is decided, the target's top tokens. Renormalised here,
+    so that lk_hybrid's KL and TV compare two distributions. HASS itself does not renormalise, and adds its
+    term to the full-vocabulary one: HArmonizedSS/HASS train/main_hass.py, compute_loss, takes
+    -sum(plogp.gather(topk(target_p, k).indices)) with target_p the full softmax (topk_w 1.0 beside p_w 0.1
+    for the full soft CE). For kl, its term is ours times the teacher's mass on S: the same minimiser, with
+    entries weighed by that mass.
+    """
+    if top_k is None or top_k >= teacher_logp.shape[-1]:
+        return teacher_logp  # the truncation is a no-op: the untruncated loss exactly
+    keep = torch.zeros_like(teacher_logp, dtype=torch.bool).scatter_(
+        -1, teacher_logp.topk(top_k).indices, True
+    )
+    kept = teacher_logp.masked_fill(~keep, float("-inf"))
+    return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+
+
+def _p_logp(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """p * logp with 0 where p is 0 (logp -inf: truncated, or a -inf teacher logit), not 0 * -inf = NaN;
+    finite logp is left as it is, so the untruncated loss is unchanged to the bit."""
+    return p * logp.clamp(min=torch.finfo(logp.dtype).min)
+
+
+def entry_loss(
+    teacher_logp: torch.Tensor, draft_logits: torch.Tensor, kind: LossKind, top_k: int | None = None
+) -> torch.Tensor:
     """Per-entry loss [..] of draft logits [.., V] against the teacher's log-probabilities [.., V].
 
     kl: the soft cross-entropy, which is forward KL plus the teacher's entropy (a constant: same gradient).
     lk_hybrid: lam * KL + (1 - lam) * TV with lam = exp(-eta * alpha), alpha = sum min(p, q) the acceptance
     probability, held constant in lam; KL leads while the draft is far off, then TV, which is 1 - alpha
     itself (Samarin et al. 2026, "LK losses: direct acceptance rate optimization for speculative decoding").
+    top_k: p is the teacher truncated to its top_k ids and renormalised (`top_k_teacher`); q stays the draft's
+    softmax over the whole draft vocabulary, so kl is -sum_{i in S} p_i log q_i.
     """
+    teacher_logp = top_k_teacher(teacher_logp, top_k)
     logq = F.log_softmax(draft_logits.float(), dim=-1)
     p = teacher_logp.exp()
     ce = -(p * logq).sum(-1)
     if kind == "kl":
         return ce
     alpha = torch.minimum(p, logq.exp()).sum(-1)
-    kl = ce + (p * teacher_logp).sum(-1)
+    kl = ce + _p_logp(p, teacher_logp).sum(-1)
     lam = torch.exp(-LK_ETA * alpha.detach())
     return lam * kl + (1.0 - lam) * (1.0 - alpha)
 
@@ -239,20 +300,22 @@ def ttt_loss(
     step_weight: float = 0.8,
     normalizer: torch.Tensor | None = None,
     loss: LossKind = "kl",
+    teacher_top_k: int | None = None,
 ) -> tuple[torch.Tensor, TTTStats]:
     """sum_k step_weight**k * loss_k, with loss_k = (summed entry loss at step k) / normalizer[k].
 
     The plain form, from each step's whole logits [B, N, V_draft] (N: the drafter's entries, targets.entries,
     or all T): autograd keeps them all for backward.
     `normalizer` defaults to this batch's counts; under DDP pass the global counts times the world size, so
-    that the averaged gradient equals one process's gradient on the whole global batch.
+    that the averaged gradient equals one process's gradient on the whole global batch. `teacher_top_k`:
+    the teacher truncated to its top ids (`top_k_teacher`; None: the whole draft vocabulary).
     """
     teacher_logp = targets.logp()
     total = torch.zeros((), device=targets.teacher_logits.device)
     entries = []
     for k, logits in enumerate(draft_logits):
         at = targets.step(k)
-        per_entry = entry_loss(at.rows_of(teacher_logp), logits, loss)  # [B, N]
+        per_entry = entry_loss(at.rows_of(teacher_logp), logits, loss, teacher_top_k)  # [B, N]
         total = total + (per_entry * _entry_weights(targets, k, at, step_weight, normalizer)).sum()
         entries.append((at, per_entry, logits.argmax(-1)))
     return total, _step_sums(entries, targets)
@@ -267,6 +330,7 @@ def lean_ttt_loss(
     loss: LossKind = "kl",
     compute_dtype: torch.dtype = torch.float32,
     chunk_tokens: int | None = None,
+    teacher_top_k: int | None = None,
 ) -> tuple[torch.Tensor, TTTStats]:
     """`ttt_loss` of draft logits lm_head(states[k]), never holding a step's float32 [B, N, V_draft] logits.
 
@@ -274,13 +338,13 @@ def lean_ttt_loss(
     step's logits are made `chunk_tokens` entries at a time, and their gradient with them (HeadLoss): the
     loss keeps each step's gradient for its state and one float32 gradient for lm_head for backward, not the
     float32 logits, log-softmax and teacher probabilities the plain form keeps (several GiB a step at 16k
-    tokens and 32k draft ids).
+    tokens and 32k draft ids). `teacher_top_k` as in `ttt_loss`.
     """
     grads = torch.is_grad_enabled() and (lm_head.requires_grad or any(s.requires_grad for s in states))
     at = tuple(targets.step(k) for k in range(len(states)))
     coefs = tuple(_entry_weights(targets, k, a, step_weight, normalizer) for k, a in enumerate(at))
     chunk = chunk_tokens or default_chunk_tokens(lm_head.shape[0])
-    spec = HeadSpec(targets, at, coefs, loss, chunk, grads, compute_dtype)
+    spec = HeadSpec(targets, at, coefs, loss, teacher_top_k, chunk, grads, compute_dtype)
     total, per_entry, top = HeadLoss.apply(spec, lm_head, *[s.to(compute_dtype) for s in states])
     return total, _step_sums(list(zip(at, per_entry, top, strict=True)), targets)
 
@@ -295,7 +359,8 @@ def _entry_weights(
 ) -> torch.Tensor:
     """[B, N] float32: what each of step k's entries weighs in the total (0 where it does not count)."""
     norm = (targets.counts() if normalizer is None else normalizer).clamp(min=1)
-    return at.mask.float() * (step_weight**k / norm[k].to(at.mask.device, torch.float32))
+    counted = at.mask.float() if at.weight is None else at.mask * at.weight
+    return counted * (step_weight**k / norm[k].to(at.mask.device, torch.float32))
 
 
 def _step_sums(
@@ -320,6 +385,7 @@ def entry_loss_and_grad(
     logits: torch.Tensor,
     coef: torch.Tensor,
     kind: LossKind,
+    top_k: int | None,
     grads: bool,
     grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -328,9 +394,10 @@ def entry_loss_and_grad(
     `grad_dtype`: the cast the plain form's autocast makes too), written out:
 
     kl: d/dz = q * sum(p) - p.  lk_hybrid: lam * (q * sum(p) - p) - (1 - lam) * (m*q - q * sum(m*q)), where
-    m = (q < p) is where min(p, q) takes q, and lam is held constant as in `entry_loss`.
+    m = (q < p) is where min(p, q) takes q, and lam is held constant as in `entry_loss`. With `top_k`, p is
+    the truncated teacher (`top_k_teacher`, 0 outside its top ids): the same formulas, NaN-free.
     """
-    teacher_logp = teacher_logits.float() - teacher_lse[..., None]
+    teacher_logp = top_k_teacher(teacher_logits.float() - teacher_lse[..., None], top_k)
     p = teacher_logp.exp()
     logq = F.log_softmax(logits.float(), dim=-1)
     q = logq.exp()
@@ -341,7 +408,7 @@ def entry_loss_and_grad(
         return ce, top, (kl_grad * coef[..., None]).to(grad_dtype) if grads else None
     alpha = torch.minimum(p, q).sum(-1)
     lam = torch.exp(-LK_ETA * alpha)
-    entry = lam * (ce + (p * teacher_logp).sum(-1)) + (1.0 - lam) * (1.0 - alpha)
+    entry = lam * (ce + _p_logp(p, teacher_logp).sum(-1)) + (1.0 - lam) * (1.0 - alpha)
     if not grads:
         return entry, top, None
     mq = q * (q < p)
@@ -360,12 +427,14 @@ def _entry_fn(compiled: bool) -> Callable[..., Any]:
 @dataclass(frozen=True)
 class HeadSpec:
     """What HeadLoss reads besides tensors: the teacher, where each step's entries find theirs and what they
-    weigh, the loss kind, the chunk size, whether gradients are wanted, and the dtype logits are made in."""
+    weigh, the loss kind and the teacher's truncation, the chunk size, whether gradients are wanted, and the
+    dtype logits are made in."""
 
     targets: TTTTargets
     at: tuple[StepEntries, ...]
     coefs: tuple[torch.Tensor, ...]  # steps x [B, N] float32 (`_entry_weights`)
     kind: LossKind
+    top_k: int | None  # `top_k_teacher`'s: None, the whole draft vocabulary
     chunk: int
     grads: bool
     dtype: torch.dtype
@@ -412,6 +481,7 @@ class HeadLoss(torch.autograd.Function):
                         x[rows] @ weight.T,
                         coef[rows],
                         spec.kind,
+                        spec.top_k,
                         spec.grads,
                         spec.dtype,
                     )

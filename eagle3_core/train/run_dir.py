@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_core.config import TrainConfig
+from eagle3_core.config import RecordLoss, TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping, load_vocab_mapping, save_vocab_mapping
 from eagle3_core.errors import Eagle3Error
@@ -73,6 +73,7 @@ def run_id(
     target_fingerprint: str,
     drafter: DrafterConfig,
     warm_from: str | None = None,
+    records: RecordLoss | None = None,
 ) -> str:
     """Same data, mapping, target, settings and starting weights -> same run directory, so running again
     resumes it."""
@@ -91,6 +92,8 @@ def run_id(
         "batch_plan": BATCH_PLAN,
         "warm_from": warm_from,
     }
+    if records is not None:  # an on-policy refinement's; absent from every offline run's identity, as before
+        identity["records"] = records.model_dump()
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from eagle3_core.config import DrafterVariant, TrainConfig
+from eagle3_core.config import DrafterVariant, RecordLoss, TrainConfig
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter, Packing
 from eagle3_core.draft.vocab import VocabMapping
@@ -61,6 +61,7 @@ from eagle3_core.train.loss import (
     chunked_ttt_targets,
     default_chunk_tokens,
     lean_ttt_loss,
+    record_weights,
 )
 from eagle3_core.train.memory import (
     MemoryEstimate,
@@ -194,6 +195,7 @@ class Setup:
     attention: AttentionBackend
     autocast_bf16: bool
     convention: FinalStateConvention
+    records: RecordLoss | None = None  # how on-policy record samples count (None: as offline ones)
 
     def autocast(self) -> Any:
         if not self.autocast_bf16:
@@ -208,9 +210,12 @@ def teacher_targets(s: Setup, batch: Batch) -> TTTTargets:
     chunk = default_chunk_tokens(s.head.lm_head.shape[0])
     doc, drafted = (batch.packing.doc, batch.packing.drafted) if batch.packing is not None else (None, None)
     with torch.no_grad(), s.autocast():
-        return chunked_ttt_targets(
+        targets = chunked_ttt_targets(
             target_logits, batch.last, batch.loss_mask, s.t2d, s.cfg.ttt_steps, chunk, doc, drafted
         )
+        if batch.draft_steps is not None and s.records is not None:
+            targets = record_weights(targets, batch.draft_steps, s.records)
+        return targets
 
 
 class TTTLoss(nn.Module):
@@ -241,6 +246,7 @@ class TTTLoss(nn.Module):
             normalizer,
             self.cfg.loss,
             dtype,
+            teacher_top_k=self.cfg.teacher_top_k,
         )
 
 
@@ -461,12 +467,15 @@ def train_drafter(
     log: Log = print,
     init_from: Path | None = None,
     selector: RunSelector | None = None,
+    records: RecordLoss | None = None,
 ) -> TrainResult:
     """Train (or resume, or return the finished) run for these shards, target, mapping and settings.
 
     `init_from`: a finished run's final/ directory to start from (warm start) instead of fresh weights.
     `selector`: measures the acceptance length during training and keeps the best weights (train.al_every,
     train.keep; evaluate/selection.py), given on rank 0 alone.
+    `records`: how the samples of on-policy record shards count in the loss (onpolicy.loss); part of the
+    run's identity.
     """
     world = init_world(cfg.device)
     data = TrainingData(shard_paths)
@@ -481,6 +490,7 @@ def train_drafter(
             log if world.is_main else (lambda _: None),
             init_from,
             selector if world.is_main else None,
+            records,
         )
     finally:
         data.close()
@@ -497,6 +507,7 @@ def _train(
     log: Log,
     init_from: Path | None,
     selector: RunSelector | None,
+    records: RecordLoss | None = None,
 ) -> TrainResult:
     dcfg = drafter_config_for(target_dir, mapping.draft_vocab_size, cfg.variant)
     _check_inputs(data, mapping, dcfg)
@@ -504,7 +515,7 @@ def _train(
     train_refs, val_refs = data.split(cfg.val_fraction, cfg.max_val_samples)
     cfg, memory = _fit_batch_tokens(cfg, dcfg, world, data.refs, train_refs, val_refs)
     run_dir = runs_dir / run_id(
-        cfg, mapping, str(data.facts.target_fingerprint), dcfg, warm.run if warm else None
+        cfg, mapping, str(data.facts.target_fingerprint), dcfg, warm.run if warm else None, records
     )
     if (run_dir / FINAL / SUMMARY).exists():
         return _finished(run_dir, log)
@@ -515,7 +526,7 @@ def _train(
             return _finished(run_dir, log)
         return _run(
             world, data, target_dir, mapping, cfg, dcfg, warm, run_dir, plan, train_refs, val_refs, log,
-            selector, memory,
+            selector, memory, records,
         )  # fmt: skip
 
 
@@ -539,12 +550,14 @@ def _run(
     log: Log,
     selector: RunSelector | None,
     memory: DeviceMemory | None,
+    records: RecordLoss | None = None,
 ) -> TrainResult:
     """The run in `run_dir`, which this trainer holds: resume, train every step left, write final/ (with the
     weights the selector kept, if it kept other than the last)."""
     if memory is not None:  # the peak a run reports is its own, whatever this process ran before
         torch.cuda.reset_peak_memory_stats(world.device)
     s = build_setup(world, cfg, data, load_target_head(target_dir), mapping, dcfg, warm)
+    s.records = records
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
     metrics = MetricsLog(run_dir / METRICS, world)

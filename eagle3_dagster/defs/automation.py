@@ -31,8 +31,13 @@ def every_blocking_check_passed() -> dg.AutomationCondition:
     return ~AC.any_deps_match(failed).with_label("a dependency's blocking check failed")
 
 
-def after_its_parent() -> dg.AutomationCondition:
-    return (AC.eager() & AC.all_deps_blocking_checks_passed()).with_label("after its parent, checks passed")
+def after_its_parent(ignoring: dg.AssetSelection | None = None) -> dg.AutomationCondition:
+    """Eager on its dependencies, their blocking checks passed; `ignoring`: dependencies that neither request
+    it nor hold it back (missing, in progress or failing a check)."""
+    condition = AC.eager() & AC.all_deps_blocking_checks_passed()
+    if ignoring is not None:
+        condition = condition.ignore(ignoring)
+    return condition.with_label("after its parent, checks passed")
 
 
 automation_sensor = dg.AutomationConditionSensorDefinition(

@@ -15,13 +15,21 @@ from eagle3_core.config import OrchestrationConfig
 from eagle3_dagster.defs.data.assets import CONVERTED_TAG, hidden_states
 from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
 from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval
+from eagle3_dagster.defs.onpolicy.assets import drafter_refined
 from eagle3_dagster.defs.orchestration import orchestration_settings
 
 SCHEDULE_NAME = "eagle3_nightly"
 RETRAIN_JOB = "eagle3_retrain"
 PAGE = 1000  # materializations read at a time when looking for an extraction among conversions
 
-DRAFTER_HALF = [vocab_mapping, drafter_checkpoint, drafter_export, drafter_eval, drafter_current]
+DRAFTER_HALF = [
+    vocab_mapping,
+    drafter_checkpoint,
+    drafter_refined,
+    drafter_export,
+    drafter_eval,
+    drafter_current,
+]
 
 # AssetSelection.assets takes the selected assets' checks with them: not_worse_than_current gates promotion.
 retrain_job = dg.define_asset_job(

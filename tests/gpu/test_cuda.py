@@ -10,7 +10,8 @@ import torch
 
 from eagle3_core.config import TargetConfig
 from eagle3_core.draft.model import Eagle3Drafter
-from eagle3_core.evaluate.specdec import DraftDecoder, Sampling
+from eagle3_core.evaluate.specdec import DraftDecoder
+from eagle3_core.targets.batched import Sampling
 from eagle3_core.targets.gpu_memory import GpuMemoryNotReleased, held_bytes
 from eagle3_core.targets.hf import TransformersTarget
 from tests.fakes import tiny_drafter_config
@@ -82,8 +83,8 @@ def test_the_captured_round_drafts_what_the_eager_round_drafts() -> None:
 def test_on_a_gpu_auto_takes_the_graphed_target_step_and_decodes_the_eager_rounds() -> None:
     """evaluate.target_step auto on CUDA: the graphed step (CUDA graphs), whose rounds in float64 (far from any
     argmax tie) are the eager step's, prompt by prompt, and whose output is the target's own."""
-    from eagle3_core.evaluate.graphed_target import runs_graphed
     from eagle3_core.evaluate.measure import DecodeSettings, measure
+    from eagle3_core.targets.graphed import runs_graphed
     from tests.helpers import random_drafter, tiny_family_model
 
     aux = (1, 3, 5)

@@ -12,27 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_core.draft.model import Eagle3Drafter
-from eagle3_core.evaluate.batched import BatchedTarget, speculative_generate_batch, target_generate_batch
-from eagle3_core.evaluate.specdec import Sampling, speculative_generate, target_generate
-from eagle3_core.targets.hf import load_causal_lm
-from tests.fakes import tiny_drafter_config
-from tests.helpers import chi_square_p, save_tiny_llama, tiny_family_model
+from eagle3_core.evaluate.batched import speculative_generate_batch
+from eagle3_core.evaluate.specdec import speculative_generate, target_generate
+from eagle3_core.targets.batched import BatchedTarget, Sampling, target_generate_batch
+from tests.helpers import chi_square_p, float64_target_and_drafter, tiny_family_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUX = (1, 3, 4)
-
-
-def _pair(tmp_path: Path, vocab: int, seed: int) -> tuple[torch.nn.Module, Eagle3Drafter, torch.Tensor]:
-    """A tiny float64 target of `vocab` tokens and a random full-vocabulary drafter of it."""
-    path = save_tiny_llama(tmp_path / "t", layers=6, hidden=16, vocab=vocab, seed=seed)
-    model = load_causal_lm(path, torch.device("cpu"), torch.float64)
-    torch.manual_seed(seed)
-    cfg = tiny_drafter_config(
-        target_hidden_size=16, hidden_size=16, intermediate_size=32, target_vocab_size=vocab,
-        draft_vocab_size=vocab,
-    )  # fmt: skip
-    return model, Eagle3Drafter(cfg).double().eval(), torch.zeros(vocab, dtype=torch.long)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -54,7 +40,7 @@ def test_each_row_is_the_whole_forward_at_its_own_positions(family: str) -> None
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_rows_decode_as_one_prompt_at_a_time(tmp_path: Path, k: int) -> None:
-    model, drafter, d2t = _pair(tmp_path, 8, seed=3)
+    model, drafter, d2t = float64_target_and_drafter(tmp_path, 8, seed=3)
     generator = torch.Generator().manual_seed(k)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (3, 9, 5, 14, 2, 7)]
     eos = {target_generate(model, prompts[0], 24, set())[6]}  # some rows stop early, at their own rounds
@@ -73,7 +59,7 @@ def test_greedy_rows_decode_as_one_prompt_at_a_time(tmp_path: Path, k: int) -> N
 def test_sampled_rows_keep_the_target_distribution(tmp_path: Path) -> None:
     """1,500 rows of one prompt in one batch: the first token a verification round commits (the second
     generated) follows the target's own two-step marginal, as test_specdec checks one row at a time."""
-    model, drafter, d2t = _pair(tmp_path, 8, seed=3)
+    model, drafter, d2t = float64_target_and_drafter(tmp_path, 8, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)  # peaked, as test_specdec's: the drafter is right often enough
         drafter.lm_head.weight.mul_(30.0)
@@ -101,7 +87,7 @@ def test_measured_in_batches_acceptance_is_measure_s(tmp_path: Path) -> None:
     counts a reply that differs from the reference."""
     from eagle3_core.evaluate.measure import DecodeSettings, measure, measure_acceptance
 
-    model, drafter, d2t = _pair(tmp_path, 8, seed=3)
+    model, drafter, d2t = float64_target_and_drafter(tmp_path, 8, seed=3)
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (3, 9, 5, 14, 2, 7)]
     settings = DecodeSettings((1, 3), 16)
@@ -116,3 +102,28 @@ def test_measured_in_batches_acceptance_is_measure_s(tmp_path: Path) -> None:
     assert measure_acceptance(
         model, drafter, d2t, AUX, prompts, set(), settings, 4, wrong
     ).greedy_mismatches == {1: 6, 3: 6}
+
+
+def test_every_rows_sampled_verification_at_once_is_the_one_row_rule() -> None:
+    """verify_sampled_rows, one row at a time, takes the very draws verify_sampled takes from the same
+    generator: the same accepted drafts and the same corrected token, on random rounds (rejections at every
+    step, all accepted, and a draft equal to the target's distribution)."""
+    from eagle3_core.evaluate.batched import verify_sampled_rows
+    from eagle3_core.evaluate.specdec import verify_sampled
+
+    k, vocab = 3, 6
+    counts: set[int] = set()
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        target = torch.softmax(torch.randn(k + 1, vocab, generator=g, dtype=torch.float64) * 2, -1)
+        draft = torch.softmax(torch.randn(k, vocab, generator=g, dtype=torch.float64) * 2, -1)
+        if seed % 10 == 0:
+            draft = target[:k].clone()  # every draft accepted: the bonus token comes from the last row
+        drafts = torch.multinomial(draft, 1, generator=g)[:, 0]
+        one = verify_sampled(drafts, draft, target, torch.Generator().manual_seed(seed))[1]
+        [rows] = verify_sampled_rows(
+            drafts[None], draft[None], target[None], torch.Generator().manual_seed(seed)
+        )
+        assert rows == one
+        counts.add(len(one) - 1)
+    assert counts == {0, 1, 2, 3}

@@ -199,6 +199,7 @@ def test_a_drafter_that_is_almost_always_rejected_still_gives_the_targets_output
 def _run_gate(config: Path) -> dg.ExecuteInProcessResult:
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
     from eagle3_dagster.defs.evaluation.assets import drafter_current, drafter_eval, not_worse_than_current
+    from eagle3_dagster.defs.onpolicy.assets import drafter_refined
     from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
     from eagle3_dagster.materialize import SHARD_ASSETS
 
@@ -208,6 +209,7 @@ def _run_gate(config: Path) -> dg.ExecuteInProcessResult:
             *SHARD_ASSETS,
             vocab_mapping,
             drafter_checkpoint,
+            drafter_refined,
             drafter_export,
             drafter_eval,
             drafter_current,

@@ -19,14 +19,14 @@ from transformers import (
 
 from eagle3_core.errors import ConfigError
 from eagle3_core.evaluate import measure as measure_module
-from eagle3_core.evaluate.graphed_target import (
+from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
+from eagle3_core.evaluate.specdec import speculative_generate, target_generate
+from eagle3_core.targets.graphed import (
     GraphedTarget,
     UnsupportedTargetError,
     choose_target_step,
     runs_graphed,
 )
-from eagle3_core.evaluate.measure import DecodeSettings, measure, target_references
-from eagle3_core.evaluate.specdec import speculative_generate, target_generate
 from tests.helpers import TINY_TARGET_SIZES as SIZES
 from tests.helpers import random_drafter, tiny_family_model
 

@@ -19,7 +19,9 @@ from eagle3_dagster.defs.orchestration import orchestration_settings
 from eagle3_dagster.defs.schedules import build_nightly_schedule
 from tests.conftest import REPO, write_config
 
-DRAFTER_HALF = {"vocab_mapping", "drafter_checkpoint", "drafter_export", "drafter_eval", "drafter_current"}
+DRAFTER_HALF = {
+    "vocab_mapping", "drafter_checkpoint", "drafter_refined", "drafter_export", "drafter_eval", "drafter_current"
+}  # fmt: skip
 
 
 def test_it_runs_at_0200_utc_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

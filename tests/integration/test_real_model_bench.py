@@ -120,3 +120,21 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert record["store_dtype"] == "fp8_e4m3" and record["steps"] > 0
     with ShardReader(Path(data["shards"][0])) as shard:
         assert shard.meta.store_dtype != "fp8_e4m3"  # the extracted store is left as it was
+
+    # on-policy refinement of eagle3's run: its rollouts once (--prepare), a recipe trained on them with the
+    # offline shards, and the control (the same continued training without records); each is a run the
+    # evaluation decodes and pairs with eagle3's defaults
+    onpolicy = [*argv[:1], "onpolicy", *argv[2:], "--onpolicy-set", "k=2", "--onpolicy-set", "batch_size=4",
+                "--onpolicy-set", "max_new_tokens=8", "--onpolicy-set", "epochs=1"]  # fmt: skip
+    assert main([*onpolicy, "--prepare"]) == 0
+    assert not (tmp_path / "work" / "train" / "runs" / "eagle3-onpolicy-0.json").exists()
+    assert main([*onpolicy, "--recipe", "ew4", "--onpolicy-set", "loss.error_weight=4"]) == 0
+    assert main([*onpolicy, "--no-records"]) == 0
+    runs = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "work" / "train" / "runs").glob("*.json")}
+    refined, control = runs["eagle3-onpolicy-ew4-0"], runs["eagle3-onpolicy-control-0"]
+    assert refined["refined_from"] == control["refined_from"] == "eagle3-0"
+    assert refined["rollouts"]["samples"] > 0 and refined["rollouts"]["seconds"] > 0
+    assert refined["onpolicy"]["loss"]["error_weight"] == 4 and control["rollouts"] is None
+    assert main([*argv[:1], "eval", *argv[2:]]) == 0
+    paired = json.loads(results.read_text())["recipe_minus_eagle3_defaults"]["0.0|heldout"]["1"]
+    assert {"eagle3-onpolicy-ew4 seed 0", "eagle3-onpolicy-control seed 0"} <= set(paired)

@@ -3,21 +3,34 @@
 import json
 import re
 import signal
+from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from transformers import AutoTokenizer, GemmaConfig, GemmaForCausalLM
 
-from eagle3_core.config import Eagle3Config, load_config
+from eagle3_core.config import Eagle3Config, RegenerateConfig, load_config
 from eagle3_core.data.ingest import ingest, load_conversation_shard
+from eagle3_core.data.tokenize import generation_prompt_ids
+from eagle3_core.errors import ConfigError
 from eagle3_core.steps.data import extract_step, regenerate_step
 from eagle3_core.store.atomic import read_jsonl
+from eagle3_core.store.checks import shard_complete
 from eagle3_core.store.journal import journal_path
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.targets.hf import TransformersTarget
-from eagle3_core.targets.regenerate import Regenerator, Reply
+from eagle3_core.store.records import conversation_id, reply_id
+from eagle3_core.targets.hf import TransformersTarget, load_causal_lm
+from eagle3_core.targets.regenerate import Regenerator, Reply, request_seed, step_of
 from tests.conftest import write_config
-from tests.helpers import SCRIPTED_REPLY, save_scripted_chat_target, save_tiny_chat_target
+from tests.helpers import (
+    SCRIPTED_REPLY,
+    TINY_TARGET_SIZES,
+    save_scripted_chat_target,
+    save_tiny_chat_target,
+)
 from tests.kill import eagle3_on_one_thread, run_killed_at_nth_call
 
 # tiny models, generating a few tokens: a second OpenMP thread only waits (tests/conftest.py one_torch_thread)
@@ -146,15 +159,20 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class BatchSpy:
-    """Wraps Regenerator.generate_batch: the prompt lengths of every batch it was given, in call order."""
+    """Wraps Regenerator.generate_batch: the prompt lengths (and the seeds) of every batch it was given, in call
+    order."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.batches: list[list[int]] = []
+        self.seeds: list[list[int]] = []
         real = Regenerator.generate_batch
 
-        def spied(regenerator: Regenerator, prompts: list[list[int]]) -> list[Reply]:
+        def spied(
+            regenerator: Regenerator, prompts: list[list[int]], seeds: Sequence[int] | None = None
+        ) -> list[Reply]:
             self.batches.append([len(p) for p in prompts])
-            return real(regenerator, prompts)
+            self.seeds.append(list(seeds or []))
+            return real(regenerator, prompts, seeds)
 
         monkeypatch.setattr(Regenerator, "generate_batch", spied)
 
@@ -293,3 +311,236 @@ def test_a_reply_cut_at_max_new_tokens_is_marked_counted_and_not_trained_as_an_e
     assert _masked_ends(finished, eot) == (full["replies"], full["replies"], 0)  # trained through end-of-turn
     # a cut reply is trained up to its last token and no further: its end-of-turn follows, untrained
     assert _masked_ends(cut, eot) == (short["replies"], 0, short["replies"])
+
+
+# ---- several replies per conversation (regenerate.samples) ----------------------------------------------
+SAMPLED = "max_new_tokens: 12, batch_size: 3, temperature: 1.0"
+
+
+def test_several_replies_are_rows_of_their_own_seeded_apart_and_extract_to_as_many_samples(
+    scripted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """samples: 2 gives each training conversation two rows, reply 0 under the conversation's id and reply 1
+    under `<id>~1`, each turn of each reply generated with its own seed; extraction takes them as twice the
+    samples, with distinct ids, and the shard's completeness check counts both replies of each."""
+    one = load_config(_scripted_store(tmp_path / "one", scripted, SAMPLED))
+    two = load_config(_scripted_store(tmp_path / "two", scripted, f"{SAMPLED}, samples: 2"))
+    target = TransformersTarget(scripted, two.target)
+    train, _ = load_conversation_shard(two.store_root, SCRIPTED_KEY)
+    spy = BatchSpy(monkeypatch)
+    result = regenerate_step(two, SCRIPTED_KEY, target)
+    expected = [reply_id(s.id, r) for s in train for r in range(2)]
+    assert [r["id"] for r in read_jsonl(result.path)] == expected  # by conversation, then reply
+    m = result.metadata
+    assert m["replies_per_conversation"] == 2 and m["samples"] + m["errors"] == 2 * len(train)
+    manifest = json.loads(StoreLayout(two.store_root).regenerated_manifest(SCRIPTED_KEY).read_text())
+    assert manifest["replies_per_conversation"] == 2 and manifest["samples"] == m["samples"]
+    seeds = [seed for batch in spy.seeds for seed in batch]
+    assert len(seeds) == sum(len(b) for b in spy.batches) and len(set(seeds)) == len(seeds)  # one per request
+    assert {request_seed(0, i, 0) for i in expected} <= set(seeds)  # every reply's first turn, its own seed
+    assert regenerate_step(two, SCRIPTED_KEY, target).path.read_bytes() == result.path.read_bytes()
+    assert regenerate_step(one, SCRIPTED_KEY, target).metadata["replies_per_conversation"] == 1
+
+    single, double = (extract_step(cfg, SCRIPTED_KEY, target).metadata for cfg in (one, two))
+    counted = ("samples", "failed", "dropped", "regeneration_errors")
+    assert sum(double[k] for k in counted) == 2 * sum(single[k] for k in counted) == 2 * len(train)
+    assert double["samples"] == 2 * single["samples"] > 0
+    from eagle3_core.store.shards import ShardReader
+
+    with closing(ShardReader(StoreLayout(two.store_root).hidden_states(SCRIPTED_KEY))) as shard:
+        ids = shard.sample_ids
+    assert len(set(ids)) == len(ids) == double["samples"] and set(ids) <= set(expected)
+    assert {conversation_id(i) for i in ids} == {s.id for s in train}
+    verdict = shard_complete(two.store_root, SCRIPTED_KEY)
+    assert verdict.passed, verdict.reason
+    assert verdict.figures["replies_per_conversation"] == 2 and verdict.figures["accounted"] == 2 * len(train)
+
+
+def test_same_seed_same_replies_on_a_target_whose_replies_vary(
+    setup: tuple[Path, TransformersTarget],
+) -> None:
+    """The random target's replies at temperature 1 depend on every draw: a second run of the same settings
+    samples the same rows, byte for byte (each row's draws come from its own seed, not torch's RNG)."""
+    config, target = setup
+    cfg = load_config(config)
+    sampled = cfg.regenerate.model_copy(update={"samples": 3, "temperature": 1.0})
+    cfg = cfg.model_copy(update={"regenerate": sampled})
+    first = regenerate_step(cfg, "r-00000", target)
+    rows = read_jsonl(first.path)
+    train = [s for s in load_conversation_shard(cfg.store_root, "r-00000")[0] if s.split == "train"]
+    assert [r["id"] for r in rows] == [reply_id(s.id, r) for s in train for r in range(3)]
+    torch.manual_seed(12345)  # torch's RNG is not what samples
+    assert regenerate_step(cfg, "r-00000", target).path.read_bytes() == first.path.read_bytes()
+
+
+def test_a_regenerate_of_two_replies_killed_mid_shard_resumes_each_reply_once(
+    scripted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`eagle3 regenerate` at samples: 2 SIGKILLed in place of its third batch: the replies finished are in the
+    journal under their own ids, the rerun generates only the others, and the shard is an uninterrupted run's,
+    each reply once, by conversation then reply."""
+    settings = f"{SAMPLED}, samples: 2"
+    reference_cfg = load_config(_scripted_store(tmp_path / "reference", scripted, settings))
+    target = TransformersTarget(scripted, reference_cfg.target)
+    reference = regenerate_step(reference_cfg, SCRIPTED_KEY, target).path.read_bytes()
+
+    config = _scripted_store(tmp_path / "killed", scripted, settings)
+    shard = StoreLayout(load_config(config).store_root).regenerated(SCRIPTED_KEY)
+    code = run_killed_at_nth_call(
+        "eagle3_core.targets.regenerate:Regenerator.generate_batch",
+        3,
+        eagle3_on_one_thread,
+        "--config",
+        str(config),
+        "regenerate",
+    )
+    assert code == -signal.SIGKILL
+    assert not shard.exists()
+    journaled = [json.loads(line)["id"] for line in journal_path(shard).read_text().splitlines()[1:]]
+    total = 2 * len(_scripted_rows())
+    assert 0 < len(journaled) < total and len(set(journaled)) == len(journaled)
+
+    from eagle3_cli.main import main
+
+    assert main(["--config", str(config), "regenerate"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed_samples={len(journaled)}" in out and "replies_per_conversation=2" in out
+    progress = [PROGRESS.match(line) for line in out.splitlines() if "samples regenerated" in line]
+    assert progress and all(p is not None and int(p[2]) == total for p in progress)  # counted in replies
+    assert shard.read_bytes() == reference  # each reply once, in order, as if never killed
+    ids = [json.loads(line)["id"] for line in shard.read_bytes().splitlines()]
+    assert len(ids) == len(set(ids)) == total and set(journaled) <= set(ids)
+    assert not journal_path(shard).exists()
+
+
+# ---- the batched target step (regenerate.step: batched): generate's replies, token for token -----------------
+STEP_MAX_NEW_TOKENS = 10
+
+
+def _toy(toy_target_dir: Path) -> tuple[Any, Any, list[list[int]]]:
+    """The toy target in float32 on the CPU, its tokenizer, and prompts of six lengths: two chat prompts and
+    four of random tokens (the toy's greedy replies to chat prompts are much alike)."""
+    tokenizer = AutoTokenizer.from_pretrained(toy_target_dir)
+    model = load_causal_lm(toy_target_dir, torch.device("cpu"), torch.float32)
+    chats = ["hi", "what do you like to eat on a cold winter evening after a long day at work?"]
+    prompts = [generation_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in chats]
+    generator = torch.Generator().manual_seed(1)
+    prompts += [torch.randint(5, len(tokenizer), (n,), generator=generator).tolist() for n in (3, 17, 7, 23)]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    return model, tokenizer, prompts
+
+
+def _step_ids(
+    model: Any,
+    tokenizer: Any,
+    step: str,
+    prompts: list[list[int]],
+    seeds: list[int] | None = None,
+    **settings: Any,
+) -> tuple[list[list[int]], list[int]]:
+    """generate_ids with `regenerate.step` `step` (the batched step never calling `generate`), and the eos ids."""
+    cfg = RegenerateConfig(max_new_tokens=STEP_MAX_NEW_TOKENS, batch_size=8, step=step, **settings)  # type: ignore[arg-type]
+    regenerator = Regenerator(model, tokenizer, cfg, max_seq_len=512)
+    assert regenerator.step == step
+
+    def no_generate(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("the batched step called generate")
+
+    with pytest.MonkeyPatch.context() as patch:
+        if step == "batched":
+            patch.setattr(model, "generate", no_generate)
+        return regenerator.generate_ids(prompts, seeds), regenerator.eos_ids
+
+
+def _reply(row: list[int], eos_ids: list[int]) -> list[int]:
+    return row[: next((i for i, t in enumerate(row) if t in eos_ids), len(row))]
+
+
+def _make_an_eos(model: Any, rows: list[list[int]], eos_ids: list[int]) -> int:
+    """Add to the target's eos ids a token that one row's reply reaches early and some reply cut at
+    max_new_tokens never reaches: then that row (returned) ends early and some are cut, whatever the toy says."""
+    replies = [_reply(row, eos_ids) for row in rows]
+    cut = [r for r in replies if len(r) == STEP_MAX_NEW_TOKENS]
+    row, eos = next((i, t) for i, r in enumerate(replies) for t in r[1:4] if any(t not in c for c in cut))
+    model.generation_config.eos_token_id = [*eos_ids, eos]
+    return row
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"temperature": 0.9}, {"temperature": 0.9, "top_p": 0.9}],
+    ids=["greedy", "sampled", "sampled_top_p"],
+)
+def test_the_batched_step_replies_what_generate_does_token_for_token(
+    toy_target_dir: Path, settings: dict[str, float]
+) -> None:
+    """The toy in float32, prompts of different lengths, greedy or sampled with each row's own seed: the
+    batched step (each row prefilled alone, no padding) gives generate's ids, an eos then padding where a row
+    ended early, and rows cut at max_new_tokens alike."""
+    model, tokenizer, prompts = _toy(toy_target_dir)
+    seeds = [request_seed(3, f"sample-{i}", 0) for i in range(len(prompts))]
+    free, eos_ids = _step_ids(model, tokenizer, "generate", prompts, seeds, **settings)
+    ends = _make_an_eos(model, free, eos_ids)
+    generated, eos_ids = _step_ids(model, tokenizer, "generate", prompts, seeds, **settings)
+    batched, _ = _step_ids(model, tokenizer, "batched", prompts, seeds, **settings)
+    assert batched == generated
+    lengths = [len(_reply(row, eos_ids)) for row in batched]
+    assert lengths[ends] < STEP_MAX_NEW_TOKENS and STEP_MAX_NEW_TOKENS in lengths  # ended early; cut
+    assert {len(row) for row in batched} == {STEP_MAX_NEW_TOKENS}  # padded to the longest, as generate pads
+
+
+def test_a_shard_regenerated_with_the_batched_step_is_generates(toy_target_dir: Path, tmp_path: Path) -> None:
+    """`regenerate_step` on the toy, greedy in float32: step batched writes generate's shard and counts, and
+    the step taken is logged and in the manifest."""
+    configs = {
+        step: load_config(
+            _scripted_store(
+                tmp_path / step, toy_target_dir, f"max_new_tokens: 12, batch_size: 3, step: {step}"
+            )
+        )
+        for step in ("generate", "batched")
+    }
+    target = TransformersTarget(toy_target_dir, configs["batched"].target)
+    assert target.info.dtype == "float32"
+    logged: list[str] = []
+    results = {
+        step: regenerate_step(cfg, SCRIPTED_KEY, target, logged.append) for step, cfg in configs.items()
+    }
+    assert results["batched"].path.read_bytes() == results["generate"].path.read_bytes()
+    timed = {"seconds", "tokens_per_second", "step"}
+    generate, batched = ({k: v for k, v in r.metadata.items() if k not in timed} for r in results.values())
+    assert batched == generate and generate["replies"] > 0
+    assert [r.metadata["step"] for r in results.values()] == ["generate", "batched"]
+    manifest = StoreLayout(configs["batched"].store_root).regenerated_manifest(SCRIPTED_KEY)
+    assert json.loads(manifest.read_text())["step"] == "batched"
+    assert "decoding with batched (regenerate.step batched)" in logged
+
+
+def test_the_batched_step_refuses_a_target_it_does_not_compute_in_one_line(toy_target_dir: Path) -> None:
+    """step batched: a family the step does not compute, or a generation config whose logits processor
+    generate would apply, is refused in one line naming regenerate.step; auto takes generate there, and on a
+    CPU whatever the target."""
+    tokenizer = AutoTokenizer.from_pretrained(toy_target_dir)
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(**TINY_TARGET_SIZES, head_dim=8)).eval()
+    with pytest.raises(ConfigError) as refused:
+        Regenerator(gemma, tokenizer, RegenerateConfig(step="batched"), max_seq_len=512)
+    message = str(refused.value)
+    assert re.fullmatch(
+        r"regenerate\.step: batched: GemmaForCausalLM: model_type 'gemma' is not one of llama, .*; "
+        r"set step: generate \(or auto\)",
+        message,
+    ), message
+    step, why = step_of("auto", gemma, on_gpu=True)
+    assert step == "generate" and "model_type 'gemma'" in why
+    toy = load_causal_lm(toy_target_dir, torch.device("cpu"), torch.float32)
+    assert step_of("auto", toy, on_gpu=True)[0] == "batched"
+    assert step_of("auto", toy, on_gpu=False) == (
+        "generate",
+        "regenerate.step auto: the batched step only on a GPU",
+    )
+    assert Regenerator(toy, tokenizer, RegenerateConfig(step="auto"), max_seq_len=512).step == "generate"
+    toy.generation_config.repetition_penalty = 1.1  # generate would penalise repeated tokens, the step not
+    with pytest.raises(ConfigError, match=r"^regenerate\.step: batched: .*sets repetition_penalty, [^\n]*$"):
+        step_of("batched", toy, on_gpu=False)
+    assert step_of("auto", toy, on_gpu=True)[0] == "generate"

@@ -519,6 +519,7 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
 
     from eagle3_core.export import load_export, validate_export
     from eagle3_dagster.defs.drafter.assets import drafter_checkpoint, drafter_export, vocab_mapping
+    from eagle3_dagster.defs.onpolicy.assets import drafter_refined
     from eagle3_dagster.defs.resources import Eagle3Resource, TargetResource
     from eagle3_dagster.materialize import SHARD_ASSETS
 
@@ -530,8 +531,8 @@ def test_the_drafter_assets_materialize_in_dagster_and_export_both_formats(
     config = _copy(shard_store, tmp_path / "p", train=short)
     eagle3_resource = Eagle3Resource(config_path=str(config))
     result = dg.materialize(
-        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_export],
-        selection=[vocab_mapping, drafter_checkpoint, drafter_export],
+        [*SHARD_ASSETS, vocab_mapping, drafter_checkpoint, drafter_refined, drafter_export],
+        selection=[vocab_mapping, drafter_checkpoint, drafter_refined, drafter_export],
         instance=dg.DagsterInstance.ephemeral(),
         resources={"eagle3": eagle3_resource, "target": TargetResource(eagle3=eagle3_resource)},
     )

@@ -8,7 +8,14 @@ from eagle3_dagster.definitions import defs
 from eagle3_dagster.defs.partitions import shards
 
 SHARDS = ["t-00000", "t-00001", "t-00002"]
-DRAFTER_HALF = ["vocab_mapping", "drafter_checkpoint", "drafter_export", "drafter_eval", "drafter_current"]
+DRAFTER_HALF = [
+    "vocab_mapping",
+    "drafter_checkpoint",
+    "drafter_refined",
+    "drafter_export",
+    "drafter_eval",
+    "drafter_current",
+]
 TRAINING = dg.AssetSelection.all()  # as the sensor targets it: assets and their checks
 pytestmark = pytest.mark.filterwarnings("ignore:Specifying a partitions_def:dagster.PreviewWarning")
 

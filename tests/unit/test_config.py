@@ -22,6 +22,7 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
     assert cfg.tokenize.max_seq_len == 4096
     assert cfg.regenerate.temperature == 0.0
     assert cfg.regenerate.kv_cache == "dynamic"
+    assert cfg.regenerate.step == "generate"
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,9 @@ def test_defaults_and_relative_paths_resolve_against_the_file(tmp_path: Path) ->
         ("target: {aux_layer_ids: [30, 2, 58]}\n", "target.aux_layer_ids", "ascending layer order"),
         ("extract: {store_dtype: int8}\n", "extract.store_dtype", "bfloat16"),
         ("regenerate: {kv_cache: paged}\n", "regenerate.kv_cache", "'static'"),
+        ("regenerate: {step: compiled}\n", "regenerate.step", "'batched'"),
+        ("regenerate: {samples: 0, temperature: 0.7}\n", "regenerate.samples", "greater than 0"),
+        ("regenerate: {samples: 65, temperature: 0.7}\n", "regenerate.samples", "less than or equal to 64"),
         ("data: {shard_sise: 10}\n", "data.shard_sise", "Extra inputs"),
         ("data: {sources: [{kind: file}]}\n", "data.sources.0.path", "Field required"),
         ("data: {dataset: My-Data}\n", "data.dataset", "pattern"),
@@ -59,6 +63,16 @@ def test_cross_field_check_names_both_fields(tmp_path: Path) -> None:
         load_config(
             write_config(tmp_path, "regenerate: {max_new_tokens: 600}\ntokenize: {max_seq_len: 512}\n")
         )
+
+
+def test_several_replies_per_conversation_need_sampling_and_the_refusal_names_both_fields(
+    tmp_path: Path,
+) -> None:
+    assert load_config(write_config(tmp_path, "store: s\n")).regenerate.samples == 1
+    with pytest.raises(ConfigError, match=r"regenerate\.samples \(2\) needs regenerate\.temperature > 0"):
+        load_config(write_config(tmp_path, "regenerate: {samples: 2}\n"))
+    cfg = load_config(write_config(tmp_path, "regenerate: {samples: 2, temperature: 0.7}\n"))
+    assert (cfg.regenerate.samples, cfg.regenerate.temperature) == (2, 0.7)
 
 
 def test_missing_file_and_bad_yaml_are_clear(tmp_path: Path) -> None:

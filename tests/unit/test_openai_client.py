@@ -33,7 +33,14 @@ from eagle3_core.engines.openai_client import (
 )
 from eagle3_core.errors import ConfigError
 from eagle3_core.store.journal import RegenerationJournal, journal_fingerprint, journal_path
-from eagle3_core.store.records import ConversationRow, JournalEntry, RegeneratedRow, RegenerationError
+from eagle3_core.store.records import (
+    ConversationRow,
+    JournalEntry,
+    RegeneratedRow,
+    RegenerationError,
+    reply_id,
+)
+from eagle3_core.targets.regenerate import request_seed
 from tests.fakes import FakeHandler, FakeHTTPServer, free_port
 
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -426,6 +433,72 @@ def test_failures_past_the_threshold_fail_the_shard_and_a_rerun_requests_only_th
     assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)
 
 
+def test_each_reply_is_a_conversation_of_requests_with_seeds_of_its_own(
+    fake: FakeServer, tokenizer: Any
+) -> None:
+    """samples: 3 sends every turn of every reply as its own request, seeded `request_seed(seed, reply id,
+    turn)`: the replies to one prompt are asked with different seeds, reply 0 with the seeds a run of one
+    reply sends, and a second run with the same ones; the rows come by conversation, then reply."""
+    convs = samples(2, users=2)
+    cfg = regen_cfg(fake.url, seed=7, samples=3, temperature=0.7, top_p=0.9)
+    result = ServerRegenerator(tokenizer, cfg, 256).regenerate(convs)
+    ids = [reply_id(c.id, r) for c in convs for r in range(3)]
+    assert (
+        [r.id for r in result.rows] == ids == ["id-00", "id-00~1", "id-00~2", "id-01", "id-01~1", "id-01~2"]
+    )
+    assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)
+    assert (
+        result.counts["replies"] == 12 and len(fake.received) == 12
+    )  # 2 conversations x 3 replies x 2 turns
+    seeds = [b["seed"] for b in fake.received]
+    assert sorted(seeds) == sorted(request_seed(7, i, turn) for i in ids for turn in range(2))
+    assert len(set(seeds)) == 12
+    assert all(b["temperature"] == 0.7 and b["top_p"] == 0.9 for b in fake.received)
+
+    fake.received.clear()
+    ServerRegenerator(tokenizer, cfg, 256).regenerate(convs)
+    assert sorted(b["seed"] for b in fake.received) == sorted(seeds)  # the same seeds again
+    fake.received.clear()
+    ServerRegenerator(tokenizer, cfg.model_copy(update={"samples": 1}), 256).regenerate(convs)
+    assert {b["seed"] for b in fake.received} == {request_seed(7, c.id, t) for c in convs for t in range(2)}
+
+
+def test_a_failed_reply_is_an_error_row_under_its_own_id_and_a_rerun_requests_only_it(
+    fake: FakeServer, tokenizer: Any, tmp_path: Path
+) -> None:
+    """One reply of one conversation fails (the server refuses its seed) past the threshold: the journal keeps
+    every other reply; the rerun asks for that reply alone and writes every reply once, in order."""
+    convs = samples(3, users=2)
+    cfg = regen_cfg(fake.url, seed=3, samples=2, temperature=1.0, server={"max_failed_fraction": 0.0})
+    bad = request_seed(3, reply_id("id-01", 1), 0)
+    healthy = threading.Event()
+
+    def script(body: dict[str, Any], n: int) -> Reply:
+        if body["seed"] == bad and not healthy.is_set():
+            return 400, {"detail": "no"}, 0.5, {}  # refused after the others are done
+        return (*echo(body)[:2], 0.01, {})
+
+    fake.script = script
+    fp = journal_fingerprint(cfg, 256, "tok", [s.id for s in convs], model=None)
+    path = journal_path(tmp_path / "r-00000.jsonl")
+    with pytest.raises(ServerRegenerationFailed, match=r"1 of 6 samples failed"):
+        ServerRegenerator(tokenizer, cfg, 256).regenerate(convs, RegenerationJournal(path, fp))
+    journaled = [json.loads(line)["id"] for line in path.read_text().splitlines()[1:]]
+    assert sorted(journaled) == sorted(["id-00", "id-00~1", "id-01", "id-02", "id-02~1"])
+
+    healthy.set()
+    fake.received.clear()
+    result = ServerRegenerator(tokenizer, cfg, 256).regenerate(convs, RegenerationJournal(path, fp))
+    ids = [reply_id(c.id, r) for c in convs for r in range(2)]
+    missing = [i for i in ids if i not in journaled]
+    assert result.resumed == len(journaled) and result.requested == len(missing)
+    assert sorted(b["seed"] for b in fake.received if len(b["messages"]) == 1) == sorted(
+        request_seed(3, i, 0) for i in missing
+    )  # only the missing replies' first turns
+    assert [r.id for r in result.rows] == ids
+    assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)
+
+
 def test_the_journal_drops_a_torn_line_and_refuses_another_fingerprint(tmp_path: Path) -> None:
     path = tmp_path / "r-00000.journal.jsonl"
     row = {"id": "a", "source": None, "turns_regenerated": 0, "error": "empty_reply", "messages": []}
@@ -487,12 +560,16 @@ regenerator.regenerate(samples, RegenerationJournal(__import__("pathlib").Path(a
 """
 
 
+@pytest.mark.parametrize("replies", [1, 2])
 def test_a_regenerating_process_killed_mid_shard_resumes_each_sample_once(
-    fake: FakeServer, tokenizer: Any, toy_target_dir: Path, tmp_path: Path
+    fake: FakeServer, tokenizer: Any, toy_target_dir: Path, tmp_path: Path, replies: int
 ) -> None:
-    fake.script = lambda body, n: (*echo(body)[:2], 0.2, {})  # 3 s of requests: killed well before the end
+    """replies 2 (regenerate.samples): each reply is journaled under its own id, and the rerun requests only
+    the replies missing, each once (told apart by their first turn's seed)."""
+    fake.script = lambda body, n: (*echo(body)[:2], 0.2 / replies, {})  # killed well before the end
     convs = samples(16, users=2)
-    cfg = regen_cfg(fake.url, server={"concurrency": 2})
+    sampling: dict[str, Any] = {"samples": 2, "temperature": 0.7} if replies == 2 else {}
+    cfg = regen_cfg(fake.url, server={"concurrency": 2}, **sampling)
     path = journal_path(tmp_path / "r-00000.jsonl")
     args = {
         "cfg": cfg.model_dump(),
@@ -521,8 +598,15 @@ def test_a_regenerating_process_killed_mid_shard_resumes_each_sample_once(
 
     fake.received.clear()
     result = ServerRegenerator(tokenizer, cfg, 256).regenerate(convs, RegenerationJournal(path, "fp"))
-    assert result.resumed == len(done_before) >= 4 and result.requested == 16 - len(done_before)
+    ids = [reply_id(c.id, r) for c in convs for r in range(replies)]
+    assert result.resumed == len(done_before) >= 4 and result.requested == len(ids) - len(done_before)
+    first_turns = [b["seed"] for b in fake.received if len(b["messages"]) == 1]
+    assert sorted(first_turns) == sorted(request_seed(0, i, 0) for i in ids if i not in done_before)
     asked = {b["messages"][0]["content"].split(" turn")[0] for b in fake.received}
-    assert asked == {f"user {i}" for i in range(16) if f"id-{i:02d}" not in done_before}  # only the rest
-    assert [r.id for r in result.rows] == [s.id for s in convs]
+    assert asked == {
+        f"user {i}"
+        for i in range(16)
+        if any(reply_id(f"id-{i:02d}", r) not in done_before for r in range(replies))
+    }
+    assert [r.id for r in result.rows] == ids  # each once, by conversation then reply
     assert all(isinstance(r, RegeneratedRow) and r.turns_regenerated == 2 for r in result.rows)

@@ -6,18 +6,28 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from eagle3_core.data.tokenize import TemplateError, TokenizedSample
 from eagle3_core.steps.data import untrained_endings
-from eagle3_core.store.records import ConversationRow, RegeneratedRow, RegenerationError
+from eagle3_core.store.records import (
+    ConversationRow,
+    RegeneratedRow,
+    RegenerationError,
+    conversation_id,
+    reply_id,
+)
 from eagle3_core.targets.regenerate import (
     MAX_LENGTH_RATIO,
+    SeededSampling,
     append_reply,
     conversation_length,
     dialogue_of,
     finish_row,
     prompt_batches,
+    request_seed,
+    sample_tokens,
 )
 from eagle3_core.toy.tokenizer import train_tokenizer
 
@@ -120,3 +130,81 @@ def test_a_cut_reply_keeps_its_tokens_and_loses_only_its_end_of_turn_from_the_lo
     assert untrained_endings(cut_short, [1, 2], [eot]).loss_mask.tolist() == cut_short.loss_mask.tolist()
     with pytest.raises(TemplateError, match="assistant turn 0 was cut at max_new_tokens"):
         untrained_endings(_sample_of([1, 5, 6, 3], [0, 1, 1, 0]), [0], [eot])
+
+
+# ---- several replies per conversation (regenerate.samples) ----------------------------------------------
+def test_a_replys_id_keeps_the_conversation_id_for_reply_0_and_gives_it_back_for_every_reply() -> None:
+    conversation = "0123456789abcdef" * 4  # a sample id as ingest makes it: sha256 in hex
+    ids = [reply_id(conversation, r) for r in range(64)]
+    assert ids[0] == conversation  # a store regenerated once keeps its ids
+    assert len(set(ids)) == 64 and ids == [reply_id(conversation, r) for r in range(64)]  # distinct, fixed
+    assert {conversation_id(i) for i in ids} == {conversation}
+    assert conversation_id(reply_id("id-07", 3)) == "id-07" != reply_id("id-07", 3)
+    with pytest.raises(ValueError):
+        reply_id(conversation, -1)
+    d = dialogue_of(_sample(), None, reply=2)
+    assert d.id == reply_id("s1", 2) and dialogue_of(_sample(), None).id == "s1"
+    append_reply(d, "great thanks", False, Counter(), train_tokenizer(CORPUS, 300), max_seq_len=10_000)
+    assert finish_row(d, Counter()).id == reply_id("s1", 2)  # the row is the reply's
+
+
+def test_every_reply_and_turn_has_a_seed_of_its_own_and_reply_0_keeps_the_conversations() -> None:
+    conversation = "ab" * 32
+    seeds = [request_seed(7, reply_id(conversation, r), turn) for r in range(8) for turn in range(4)]
+    assert len(set(seeds)) == len(seeds)
+    assert seeds == [request_seed(7, reply_id(conversation, r), turn) for r in range(8) for turn in range(4)]
+    assert seeds[0] == request_seed(7, conversation, 0)  # what a run of one reply sends
+    assert request_seed(8, conversation, 0) != seeds[0]  # and regenerate.seed moves them all
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_a_seeded_rows_token_is_its_own_in_any_batch_and_at_any_step_its_own() -> None:
+    """What a row samples depends on its seed, the step and its logits alone: not on the rows beside it, their
+    order or their number, so a reply does not depend on how the work was batched (or resumed)."""
+    logits = _logits(6, 50)
+    seeds = torch.tensor([request_seed(0, reply_id("c", r), 0) for r in range(6)])
+    batched = sample_tokens(logits, seeds, 3, 1.0, 0.9)
+    alone = torch.cat([sample_tokens(logits[i : i + 1], seeds[i : i + 1], 3, 1.0, 0.9) for i in range(6)])
+    order = torch.tensor([4, 1, 5, 0, 3, 2])
+    assert batched.tolist() == alone.tolist() == sample_tokens(logits, seeds, 3, 1.0, 0.9).tolist()
+    assert sample_tokens(logits[order], seeds[order], 3, 1.0, 0.9).tolist() == batched[order].tolist()
+    # uniform logits over 50 tokens, 64 seeds (or steps): about 36 distinct draws are expected
+    flat = torch.zeros(64, 50)
+    assert len(set(sample_tokens(flat, torch.arange(64), 0, 1.0, 1.0).tolist())) > 25
+    steps = [int(sample_tokens(flat[:1], torch.tensor([5]), step, 1.0, 1.0)) for step in range(64)]
+    assert len(set(steps)) > 25
+
+
+def test_seeded_sampling_draws_from_the_tempered_softmax_within_top_p() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 40_000
+    for temperature in (1.0, 0.5):
+        drawn = sample_tokens(logits.expand(n, -1), torch.arange(n), 0, temperature, 1.0)
+        frequencies = torch.bincount(drawn, minlength=6).float() / n
+        expected = torch.softmax(logits[0] / temperature, -1)
+        assert (frequencies - expected).abs().max() < 0.01, (frequencies, expected)
+    # top_p 0.8: the smallest set whose probability reaches 0.8 (the first three here), renormalised
+    probs = torch.softmax(logits[0], -1)
+    assert probs[:2].sum() < 0.8 <= probs[:3].sum()
+    drawn = sample_tokens(logits.expand(n, -1), torch.arange(n), 0, 1.0, 0.8)
+    frequencies = torch.bincount(drawn, minlength=6).float() / n
+    assert frequencies[3:].sum() == 0
+    assert (frequencies[:3] - probs[:3] / probs[:3].sum()).abs().max() < 0.01
+
+
+def test_the_seeded_processor_leaves_one_token_at_the_replys_own_step() -> None:
+    """generate calls it with the prompt (left-padded to `width`) and the tokens so far: the step is the count
+    of tokens past the width, so a row samples alike whatever the width its batch was padded to."""
+    logits = _logits(3, 40)
+    seeds = [11, 12, 13]
+    narrow = SeededSampling(seeds, width=5, temperature=0.8, top_p=1.0)
+    wide = SeededSampling(seeds, width=64, temperature=0.8, top_p=1.0)
+    out = narrow(torch.zeros(3, 5 + 2, dtype=torch.long), logits)
+    assert out.isfinite().sum(-1).tolist() == [1, 1, 1] and out.max(-1).values.eq(0).all()
+    assert out.argmax(-1).tolist() == sample_tokens(logits, torch.tensor(seeds), 2, 0.8, 1.0).tolist()
+    assert (
+        wide(torch.zeros(3, 64 + 2, dtype=torch.long), logits).argmax(-1).tolist() == out.argmax(-1).tolist()
+    )

@@ -14,6 +14,7 @@ import torch
 from eagle3_core.config import TrainConfig
 from eagle3_core.errors import ConfigError, Eagle3Error, ShardCorruptError
 from eagle3_core.store.atomic import TEMP_MARK
+from eagle3_core.store.records import conversation_id, reply_id
 from eagle3_core.store.shards import ShardWriter
 from eagle3_core.train.checkpoint import list_checkpoints, resume_checkpoint, save_checkpoint
 from eagle3_core.train.data import (
@@ -169,6 +170,38 @@ def test_the_validation_split_is_fixed_by_sample_id_and_near_its_fraction() -> N
     assert 0.04 < len(chosen) / len(ids) < 0.06
     assert chosen == [s for s in ids if is_validation(s, 0.05)]
     assert not any(is_validation(s, 0.0) for s in ids[:100])
+
+
+def test_every_reply_to_a_conversation_falls_on_the_side_of_the_split_its_conversation_does(
+    tmp_path: Path,
+) -> None:
+    """regenerate.samples: a conversation's replies are samples of their own (`<id>~r`). Split by sample id,
+    validation would measure replies to prompts the drafter trained on; split by conversation id, and capped in
+    whole conversations, it never does."""
+    conversations = [f"{i:064x}" for i in range(40)]
+    ids = [reply_id(c, r) for c in conversations for r in range(3)]
+    assert [is_validation(i, 0.3) for i in ids] == [is_validation(conversation_id(i), 0.3) for i in ids]
+    held = [c for c in conversations if is_validation(c, 0.3)]
+    assert 2 <= len(held) < len(conversations)  # both sides are there: the test can tell
+
+    path = tmp_path / "train-00000.safetensors"
+    with ShardWriter(path, sample_ids=ids, lengths=[4] * len(ids), hidden_size=4) as w:
+        for i in range(len(ids)):
+            w.write_sample(i, torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.uint8),
+                           torch.zeros(4, 12), torch.zeros(4, 4))  # fmt: skip
+        w.finalize()
+    data = TrainingData([path])
+    try:
+        # uncapped; capped inside the third conversation; one conversation's worth
+        for max_val in (512, 7, 3):
+            train, val = data.split(0.3, max_val)
+            sides = {conversation_id(r.sample_id) for r in val}, {conversation_id(r.sample_id) for r in train}
+            assert not sides[0] & sides[1]  # no conversation on both sides
+            assert sorted(r.sample_id for r in train + val) == sorted(ids)  # every sample on one side
+            assert all(sum(conversation_id(r.sample_id) == c for r in val) == 3 for c in sides[0])  # whole
+            assert len(val) == min(len(held), max_val // 3) * 3 and sides[0] <= set(held)
+    finally:
+        data.close()
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])

@@ -2,12 +2,17 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from eagle3_core.config import TrainConfig
 from eagle3_core.train.loss import (
+    LK_ETA,
     LossKind,
     TTTStats,
     add_head_gradient,
     chunked_ttt_targets,
+    entry_loss,
+    entry_loss_and_grad,
     lean_ttt_loss,
     ttt_loss,
     ttt_targets,
@@ -180,3 +185,115 @@ def test_the_chunked_teacher_equals_the_whole_one() -> None:
     for name in ("teacher_logits", "teacher_lse", "teacher_top", "masks"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name))
     torch.testing.assert_close(whole.logp(), torch.log_softmax((hidden @ head.T)[..., t2d], -1))
+
+
+def _both_forms(
+    kind: LossKind, top_k: int | None, target_logits: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> list[tuple[torch.Tensor, TTTStats, torch.Tensor, torch.Tensor]]:
+    """(loss, stats, d states, d lm_head) of the plain and the lean form on `_lean_case(7, 4, 15)` with these
+    target logits, states and lm_head in `dtype`."""
+    t2d, _, loss_mask, states, lm_head = _lean_case(7, 4, 15)
+    targets = ttt_targets(target_logits, loss_mask, t2d, steps=3)
+    out = []
+    for lean in (False, True):
+        x, w = states.to(dtype).requires_grad_(), lm_head.to(dtype).requires_grad_()
+        if lean:
+            loss, stats = lean_ttt_loss(
+                list(x), w, targets, 0.8, None, kind, dtype, chunk_tokens=13, teacher_top_k=top_k
+            )
+        else:
+            loss, stats = ttt_loss([s @ w.T for s in x], targets, 0.8, None, kind, teacher_top_k=top_k)
+        loss.backward()
+        assert x.grad is not None and w.grad is not None
+        out.append((loss.detach(), stats, x.grad, w.grad))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_hybrid"])
+@pytest.mark.parametrize("top_k", [1, 4, 10])
+def test_top_k_distillation_in_the_lean_form_equals_the_plain_one_with_its_gradients(
+    kind: LossKind, top_k: int
+) -> None:
+    (plain_loss, plain, plain_dx, plain_dw), (lean_loss, lean, lean_dx, lean_dw) = _both_forms(
+        kind, top_k, _lean_case(7, 4, 15)[1]
+    )
+    # the plain form sums its total in float32, the lean one in the compute dtype
+    torch.testing.assert_close(lean_loss, plain_loss.double(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(lean.sums[1:], plain.sums[1:])  # the accuracy statistics do not see the truncation
+    torch.testing.assert_close(lean.sums[0], plain.sums[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lean_dx, plain_dx, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(lean_dw, plain_dw, rtol=1e-5, atol=1e-7)
+    assert float(plain_dw.abs().sum()) > 0
+    # and it is a different loss from the untruncated one, with the same accuracy statistics
+    (whole_loss, whole, _, _), _ = _both_forms(kind, None, _lean_case(7, 4, 15)[1])
+    assert not torch.isclose(plain_loss, whole_loss)
+    assert torch.equal(whole.sums[1:], plain.sums[1:])
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_hybrid"])
+def test_top_k_at_or_past_the_draft_vocabulary_is_the_untruncated_loss_exactly(kind: LossKind) -> None:
+    target_logits = _lean_case(7, 4, 15)[1]
+    vocab = int(_lean_case(7, 4, 15)[0].sum())
+    untruncated = _both_forms(kind, None, target_logits)
+    for top_k in (vocab, vocab + 1, 10 * vocab):
+        for got, want in zip(_both_forms(kind, top_k, target_logits), untruncated, strict=True):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1].sums, want[1].sums)
+            assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_hybrid"])
+def test_top_k_distillation_on_a_hand_example(kind: LossKind) -> None:
+    # vocab 5, K 2: S = {3, 0} (teacher logits 3 and 2); p renormalised over S; q over all 5 ids
+    teacher = [2.0, 1.0, 0.0, 3.0, -1.0]
+    draft = [0.0, 1.0, 2.0, 0.5, -1.0]
+    p = {3: 1 / (1 + math.exp(-1.0)), 0: 1 / (1 + math.exp(1.0))}
+    q = [math.exp(z) / sum(math.exp(d) for d in draft) for z in draft]
+    ce = -sum(p_i * math.log(q[i]) for i, p_i in p.items())
+    alpha = sum(min(p_i, q[i]) for i, p_i in p.items())
+    kl = sum(p_i * math.log(p_i / q[i]) for i, p_i in p.items())
+    lam = math.exp(-LK_ETA * alpha)
+    want = ce if kind == "kl" else lam * kl + (1 - lam) * (1 - alpha)
+
+    logits = torch.tensor([teacher], dtype=torch.float64)
+    lse = torch.logsumexp(logits, -1)
+    z = torch.tensor([draft], dtype=torch.float64, requires_grad=True)
+    plain = entry_loss(logits - lse[:, None], z, kind, top_k=2)
+    lean, _, grad = entry_loss_and_grad(logits, lse, z.detach(), torch.ones(1), kind, 2, True, torch.float64)
+    assert math.isclose(float(plain.detach()), want, rel_tol=1e-6)
+    assert math.isclose(float(lean), want, rel_tol=1e-6)
+    plain.sum().backward()
+    assert z.grad is not None and grad is not None
+    torch.testing.assert_close(grad, z.grad, rtol=1e-6, atol=1e-7)
+    if kind == "kl":  # d/dz = q - p, p zero outside S
+        want_grad = [q[i] - p.get(i, 0.0) for i in range(5)]
+        torch.testing.assert_close(
+            grad[0], torch.tensor(want_grad, dtype=torch.float64), rtol=1e-6, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_hybrid"])
+@pytest.mark.parametrize("top_k", [None, 1, 3, 20])
+def test_no_nan_with_minus_infinite_teacher_logits_or_a_single_top_id(
+    kind: LossKind, top_k: int | None
+) -> None:
+    t2d, target_logits, _, _, _ = _lean_case(7, 4, 15)
+    target_logits = target_logits.clone()
+    # a third of the vocabulary never comes (fewer than 20 draft ids left), and in the first row only one
+    # draft id has any mass (a row with none has no teacher at all: its log-sum-exp is -inf)
+    target_logits[..., ::3] = float("-inf")
+    only = int(t2d.nonzero()[1])
+    target_logits[0, :, torch.arange(target_logits.shape[-1]) != only] = float("-inf")
+    forms = _both_forms(kind, top_k, target_logits, torch.float32)
+    for loss, stats, dx, dw in forms:
+        assert torch.isfinite(loss) and torch.isfinite(stats.sums).all()
+        assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    torch.testing.assert_close(forms[1][0], forms[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(forms[1][3], forms[0][3], rtol=1e-4, atol=1e-6)
+
+
+def test_the_teacher_top_k_setting_validates() -> None:
+    assert TrainConfig().teacher_top_k is None
+    assert TrainConfig(teacher_top_k=10).teacher_top_k == 10
+    for bad in (0, -1):
+        with pytest.raises(ValidationError, match="teacher_top_k"):
+            TrainConfig(teacher_top_k=bad)

@@ -1,4 +1,5 @@
-"""The drafter half: vocab_mapping -> drafter_checkpoint -> drafter_export, over every shard of hidden_states."""
+"""The drafter half: vocab_mapping -> drafter_checkpoint (-> drafter_refined, defs/onpolicy) -> drafter_export,
+over every shard of hidden_states."""
 
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, eagle3: Eagle3Resource
 
 @dg.asset(
     group_name="drafter",
-    deps=[drafter_checkpoint],
+    # the drafter refined on-policy, or the offline one as it is (drafter_refined decides, onpolicy.enabled)
+    deps=[dg.AssetKey("drafter_refined")],
     kinds={"safetensors"},
     automation_condition=after_its_parent(),
 )

@@ -108,7 +108,7 @@ class TargetLayers:
     """The target's forward from its own modules (embedding, norms, projections, MLPs, rotary embedding,
     head) over a KV cache of rows that attend by position: slot j of a row is seen by that row's query at
     position p iff j <= p. What `GraphedTarget` runs for one sequence and `BatchedTarget`
-    (evaluate/batched.py) for many."""
+    (targets/batched.py) for many."""
 
     def __init__(self, model: Any, aux_layer_ids: tuple[int, ...]) -> None:
         check_supported(model)
@@ -140,6 +140,14 @@ class TargetLayers:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, positions [b, n] appended to the cache rows `keys`, `values` [layers, b, kv_heads, slots, d]
         -> logits [b, n, V] and aux states [b, n, A*H] (each layer's input, as output_hidden_states gives it)."""
+        logits, aux, _ = self.rows_states(keys, values, ids, positions)
+        return logits, aux
+
+    def rows_states(
+        self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rows_forward`, with the final state [b, n, H] beside: after the final norm (`post_norm`, what
+        extraction stores of a transformers target), the state lm_head reads."""
         inner = self.model.model
         h = inner.embed_tokens(ids)  # [b, n, H]
         cos, sin = inner.rotary_emb(h, positions)
@@ -153,8 +161,8 @@ class TargetLayers:
             )
             h = h + attention
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.model.lm_head(inner.norm(h))
-        return logits, torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1)
+        final = inner.norm(h)
+        return self.model.lm_head(final), torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1), final
 
     def _attention(
         self,
