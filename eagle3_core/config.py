@@ -319,8 +319,8 @@ class RegenerateConfig(_Model):
         default="generate",
         description=(
             "How the in-process target decodes: generate = transformers' `generate` (with `kv_cache`); batched "
-            "= eagle3's batched target step (targets/batched.py: a preallocated KV cache, every row prefilled "
-            "and stepped at its own positions, no padding), the next token chosen as generate chooses it "
+            "= eagle3's batched target step (targets/batched.py: a preallocated KV cache, prompts prefilled in "
+            "padded groups, every row stepped at its own position), the next token chosen as generate chooses it "
             "(greedy, or the row-seeded sampler), refused for a target it does not compute (Llama, Mistral, "
             "Qwen2, Qwen3 layouts, checked against transformers' forward, and no repetition penalty or other "
             "logits processor in the target's generation config); auto: batched on a GPU for a target it "

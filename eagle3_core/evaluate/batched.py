@@ -23,7 +23,7 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.evaluate.specdec import DraftDecoder, SpecResult, until_stop
-from eagle3_core.targets.batched import BatchedTarget, Sampling
+from eagle3_core.targets.batched import BatchedTarget, Sampling, prefill_groups
 
 
 def batch_capacity(prompts: list[list[int]], max_new_tokens: int, k: int) -> int:
@@ -64,20 +64,24 @@ def speculative_generate_batch(
     to_target = torch.arange(d2t.numel(), device=device) + d2t.to(device)
     results = [SpecResult([]) for _ in prompts]
     logits_now, h_now = [], []
-    # prefill, a row at a time (prompts differ in length): the target over the prompt, its first token, and
-    # the drafter's extend over the prompt (entry p pairs aux(p) with token p+1)
-    for i, prompt in enumerate(prompts):
-        row = slice(i, i + 1)
-        seq = torch.tensor([prompt], device=device)
-        positions = torch.arange(len(prompt), device=device)[None]
-        logits, aux = target.forward(seq, positions, row)
-        first = int(sampling.choose(logits[0, -1]))
-        results[i].tokens.append(first)
-        committed = torch.cat([seq[:, 1:], seq.new_tensor([[first]])], dim=1)
-        dl, dh = decoder.rows_step(committed, drafter.features(aux), positions, row)
-        logits_now.append(dl[0, -1])
-        h_now.append(dh[:, -1:])
-    draft_logits, state = torch.stack(logits_now), torch.cat(h_now)
+    # prefill, a group of rows at a time (padded to its longest prompt): the target over the prompt, its first
+    # token, and the drafter's extend over the prompt (entry p pairs aux(p) with token p+1); a padded entry
+    # past a row's prompt is written again before the row reads it, in both caches
+    for start, end in prefill_groups(prompts):
+        group = prompts[start:end]
+        logits, aux = target.prefill(group, start)
+        firsts = sampling.choose(logits)  # [b]
+        last = torch.tensor([len(p) - 1 for p in group], device=device)
+        for i, first in enumerate(firsts.tolist()):
+            results[start + i].tokens.append(first)
+        width = aux.shape[1]
+        committed = torch.tensor([p[1:] + [0] * (width - len(p)) + [0] for p in group], device=device)
+        committed[torch.arange(len(group), device=device), last] = firsts
+        positions = torch.arange(width, device=device).expand(len(group), width)
+        dl, dh = decoder.extend_rows(committed, aux, positions, last, slice(start, end))
+        logits_now.append(dl)
+        h_now.append(dh)
+    draft_logits, state = torch.cat(logits_now), torch.cat(h_now)
     newest = torch.tensor([len(p) for p in prompts], device=device)  # position of each row's newest token
     offsets = torch.arange(k + 1, device=device)
     while True:

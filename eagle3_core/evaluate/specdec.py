@@ -125,14 +125,19 @@ class DraftDecoder:
         return drafts[0], None if probs is None else probs[0]
 
     def extend_rows(
-        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        rows: slice = slice(None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed entries (tokens [B, m], aux [B, m, 3H_t]) at positions [B, m] of every row; each row's
-        entry `last` [B] is its newest real one (those after it pad a shorter row). Its (draft logits [B, Vd],
-        state [B, 1, H])."""
-        logits, h = self.rows_step(tokens, self.drafter.features(aux), positions)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        return logits[rows, last], h[rows, last][:, None]
+        """Committed entries (tokens [B, m], aux [B, m, 3H_t]) at positions [B, m] of the cache rows `rows`;
+        each row's entry `last` [B] is its newest real one (those after it pad a shorter row). Its (draft
+        logits [B, Vd], state [B, 1, H])."""
+        logits, h = self.rows_step(tokens, self.drafter.features(aux), positions, rows)
+        at = torch.arange(tokens.shape[0], device=tokens.device)
+        return logits[at, last], h[at, last][:, None]
 
     def draft_rows(
         self,

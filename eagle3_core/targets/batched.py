@@ -15,6 +15,8 @@ import torch
 
 from eagle3_core.targets.graphed import TargetLayers
 
+PREFILL_TOKENS = 8192  # padded prompt tokens a prefill forward takes at most (`prefill_groups`)
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -76,13 +78,47 @@ class BatchedTarget(TargetLayers):
 
     @torch.no_grad()
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, rows: slice = slice(None)
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: slice = slice(None),
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, positions [b, n] for the cache rows `rows` -> logits [b, n, V], aux states [b, n, A*H]."""
-        logits, aux, final = self.rows_states(self.keys[:, rows], self.values[:, rows], ids, positions)
+        """ids, positions [b, n] for the cache rows `rows` -> logits [b, n, V] (or, with `logits_at` [b], the
+        logits of that entry a row: [b, 1, V]), aux states [b, n, A*H]."""
+        keys, values = self.keys[:, rows], self.values[:, rows]
+        logits, aux, final = self.rows_states(keys, values, ids, positions, logits_at)
         if self.record is not None:
             self.record.write(rows, positions, aux, final)
         return logits, aux
+
+    def prefill(self, prompts: list[list[int]], first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prompts` (rows first_row.. of the cache) in one forward, right-padded to the longest: (each row's
+        logits at its last prompt token [b, V], aux states [b, n, A*H], padding included). A padded slot past
+        a row's prompt holds a pad token's entry until the row's own token at that position is written there,
+        always before any query of the row can see it (slot j is read only by queries at j and later)."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        rows = slice(first_row, first_row + len(prompts))
+        logits, aux = self.forward(ids, positions, rows, logits_at=last)
+        return logits[:, 0], aux
+
+
+def prefill_groups(prompts: list[list[int]], tokens: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive rows (start, end) whose prompts padded to the group's longest come to at most `tokens`
+    (default PREFILL_TOKENS), or one row: the prefill's groups, bounding its activations."""
+    tokens = tokens or PREFILL_TOKENS
+    groups: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, prompt in enumerate(prompts):
+        longest = max(longest, len(prompt))
+        if i > start and longest * (i - start + 1) > tokens:
+            groups.append((start, i))
+            start, longest = i, len(prompt)
+    groups.append((start, len(prompts)))
+    return groups
 
 
 # (logits [b, V] of the cache rows `rows`, the index within the reply of the tokens chosen) -> a token a row
@@ -100,8 +136,8 @@ def target_generate_batch(
     choose: Chooser | None = None,
 ) -> list[list[int]]:
     """`target_generate` for every prompt at once: the target alone, each row's reply (greedy: its own), each
-    ending at its first eos id or at `max_new_tokens`. Each row is prefilled alone at its own length, then
-    every row steps one token at a time (a finished row carried along, its tokens ignored). `choose`: how
+    ending at its first eos id or at `max_new_tokens`. The prompts are prefilled a group of rows at a time
+    (`BatchedTarget.prefill`), then every row steps one token at a time (a finished row carried along, its tokens ignored). `choose`: how
     tokens are chosen in place of `sampling` (regeneration's row-seeded sampler, targets/regenerate.py)."""
     sampling = sampling or Sampling()
     pick = choose or (lambda logits, _rows, _step: sampling.choose(logits))
@@ -109,10 +145,9 @@ def target_generate_batch(
     b = len(prompts)
     target = BatchedTarget(model, aux_layer_ids, b, max(len(p) for p in prompts) + max_new_tokens + 1)
     replies: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        positions = torch.arange(len(prompt), device=device)[None]
-        logits, _ = target.forward(torch.tensor([prompt], device=device), positions, slice(i, i + 1))
-        replies.append([int(pick(logits[:, -1], slice(i, i + 1), 0)[0])])
+    for start, end in prefill_groups(prompts):
+        logits, _ = target.prefill(prompts[start:end], start)
+        replies += [[token] for token in pick(logits, slice(start, end), 0).tolist()]
     newest = torch.tensor([len(p) for p in prompts], device=device)
     while live := [i for i, r in enumerate(replies) if len(r) < max_new_tokens and r[-1] not in eos_ids]:
         ids = torch.tensor([[r[-1]] for r in replies], device=device)

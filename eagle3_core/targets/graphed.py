@@ -144,10 +144,17 @@ class TargetLayers:
         return logits, aux
 
     def rows_states(
-        self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`rows_forward`, with the final state [b, n, H] beside: after the final norm (`post_norm`, what
-        extraction stores of a transformers target), the state lm_head reads."""
+        extraction stores of a transformers target), the state lm_head reads. `logits_at` [b]: the logits of
+        that one entry a row only ([b, 1, V]; a padded prefill needs each row's last: the whole [b, n, V] is
+        gigabytes at a 150k vocabulary)."""
         inner = self.model.model
         h = inner.embed_tokens(ids)  # [b, n, H]
         cos, sin = inner.rotary_emb(h, positions)
@@ -162,7 +169,12 @@ class TargetLayers:
             h = h + attention
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         final = inner.norm(h)
-        return self.model.lm_head(final), torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1), final
+        read = (
+            final
+            if logits_at is None
+            else final[torch.arange(len(final), device=final.device), logits_at][:, None]
+        )
+        return self.model.lm_head(read), torch.cat([inputs[k] for k in self.aux_layer_ids], dim=-1), final
 
     def _attention(
         self,

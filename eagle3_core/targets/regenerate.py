@@ -14,8 +14,8 @@ each step, and at batch 512 with SmolLM2 on an H200 a decode step took ~127 ms. 
 
 `regenerate.step: batched` (or `auto` on a GPU) decodes with eagle3's own batched target step instead of
 `generate` (targets/batched.py `target_generate_batch`): the target's modules over a KV cache preallocated per
-batch, each row prefilled alone at its own length (no padding), then every row stepped one token at a time at
-its own position, each token chosen as `generate` chooses it: the argmax at temperature 0, else `sample_tokens`
+batch, the prompts prefilled in groups padded to their longest (`prefill_groups`), then every row stepped one
+token at a time at its own position, each token chosen as `generate` chooses it: the argmax at temperature 0, else `sample_tokens`
 with the row's seed at the token's index within the reply (`SeededSampling`'s step). A target it does not
 compute (`step_of`: the families and the probe `GraphedTarget` runs, and no logits processor `generate` would
 add from the target's generation config) is refused in one line, or, with `auto`, decoded by `generate`.

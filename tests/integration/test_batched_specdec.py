@@ -127,3 +127,28 @@ def test_every_rows_sampled_verification_at_once_is_the_one_row_rule() -> None:
         assert rows == one
         counts.add(len(one) - 1)
     assert counts == {0, 1, 2, 3}
+
+
+def test_prompts_prefilled_in_several_padded_groups_decode_as_one_prompt_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a prefill budget of 20 padded tokens the six prompts (2 to 14 tokens) are prefilled in groups of
+    one to three rows, each padded to its longest: every row decodes as it does alone (float64)."""
+    from eagle3_core.targets import batched
+
+    monkeypatch.setattr(batched, "PREFILL_TOKENS", 20)
+    model, drafter, d2t = float64_target_and_drafter(tmp_path, 8, seed=3)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (3, 9, 5, 14, 2, 7)]
+    groups = batched.prefill_groups(prompts)
+    assert len(groups) > 2 and any(end - start > 1 for start, end in groups)
+    assert [i for start, end in groups for i in range(start, end)] == list(range(len(prompts)))
+    eos = {target_generate(model, prompts[0], 24, set())[6]}
+    for result, prompt in zip(
+        speculative_generate_batch(model, drafter, d2t, AUX, prompts, 24, 3, eos), prompts, strict=True
+    ):
+        alone = speculative_generate(model, drafter, d2t, AUX, prompt, 24, 3, eos)
+        assert result.tokens == alone.tokens and result.accepted == alone.accepted
+    assert target_generate_batch(model, AUX, prompts, 24, eos) == [
+        target_generate(model, p, 24, eos) for p in prompts
+    ]

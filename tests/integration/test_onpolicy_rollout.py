@@ -25,10 +25,15 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 5, 14, 2, 7)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize(("temperature", "prefill_tokens"), [(0.0, 8192), (0.9, 8192), (0.0, 20)])
 def test_the_recorded_states_are_the_targets_forward_at_every_position(
-    tmp_path: Path, temperature: float
+    tmp_path: Path, temperature: float, prefill_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Prefilled in one padded group, or (a budget of 20 tokens) in several: a padded slot's states never
+    survive into a record."""
+    from eagle3_core.targets import batched
+
+    monkeypatch.setattr(batched, "PREFILL_TOKENS", prefill_tokens)
     model, drafter, d2t = float64_target_and_drafter(tmp_path, VOCAB, seed=3)
     prompts = _prompts(1)
     eos = {target_generate(model, prompts[0], 20, set())[5]}  # some rows end early, inside a round
