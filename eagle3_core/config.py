@@ -32,7 +32,9 @@ SHARD_KEY_HELP = "shard keys are '{dataset}-{index:05d}'"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: every float setting is finite (`train.lr: .inf` passed `gt=0`, trained a run whose loss was
+    # NaN at every step and exported its NaN weights); refused as "Input should be a finite number", naming it
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 SourceFormat = Literal["auto", "messages", "sharegpt", "prompt"]
@@ -553,7 +555,8 @@ class TrainConfig(_Model):
     rendezvous: str | None = Field(
         default=None,
         description="host:port of the c10d rendezvous every node joins (train.nodes > 1), e.g. the first "
-        "node's address.",
+        "node's address: a host name or IPv4 address (an IPv6 one in brackets, [fe80::1]:29400) and a port "
+        "from 1 to 65535.",
     )
     max_restarts: Annotated[int, Field(ge=0)] = Field(
         default=0,
@@ -576,6 +579,26 @@ class TrainConfig(_Model):
     loader_threads: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Threads reading and padding batches; default min(8, CPU cores)."
     )
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _host_and_port(cls, endpoint: str | None) -> str | None:
+        # torchrun would take a bare host (port 29400) or refuse a bad port only once every node has started
+        if endpoint is not None and not valid_endpoint(endpoint):
+            raise ValueError(
+                "host:port of the c10d rendezvous, a host name or IPv4 address (an IPv6 one in brackets) and "
+                "a port from 1 to 65535, e.g. gpu-001:29400"
+            )
+        return endpoint
+
+
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[\w.-]+):([0-9]{1,5})")
+
+
+def valid_endpoint(endpoint: str) -> bool:
+    """Whether `endpoint` is host:port as torchrun's c10d rendezvous reads it, with a port from 1 to 65535."""
+    match = _ENDPOINT.fullmatch(endpoint)
+    return match is not None and 1 <= int(match.group(1)) <= 65535
 
 
 class EvaluateConfig(_Model):
@@ -965,9 +988,64 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in UNION_TAGS))
         got = e.get("input")
-        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        got_text = "" if isinstance(got, dict) else f" (got {quoted(got)})"
         lines.append(f"  {field or '<top level>'}: {e['msg']}{got_text}")
     return without_url_passwords("\n".join(lines))  # a refused URL is quoted: never its password
+
+
+QUOTE_CHARS = 200  # of a rejected value, at most this much of its repr is quoted
+
+
+class _Quoted(Exception):
+    """The quote reached its limit."""
+
+
+def quoted(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """repr(value), cut to `limit` characters and ' ...', with every URL's password hidden.
+
+    Built piece by piece and stopped at the limit, never whole: the repr of a large value is huge, and of an
+    aliased one (a list holding one list ten times, ten deep: a few hundred bytes of YAML) exponential. Each
+    nesting level writes a character, so the walk is at most `limit` deep, a cycle included."""
+    pieces: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        pieces.append(text)
+        size += len(text)
+        if size > limit:
+            raise _Quoted
+
+    def walk(item: Any) -> None:
+        if isinstance(item, list | tuple):
+            put("[" if isinstance(item, list) else "(")
+            for i, member in enumerate(item):
+                put(", " if i else "")
+                walk(member)
+            put("]" if isinstance(item, list) else ("," if len(item) == 1 else "") + ")")
+        elif isinstance(item, dict):
+            put("{")
+            for i, (key, member) in enumerate(item.items()):
+                put(", " if i else "")
+                walk(key)
+                put(": ")
+                walk(member)
+            put("}")
+        elif isinstance(item, str):  # the password hidden before the cut, which could leave half of it
+            put(repr(without_url_passwords(item)[: limit + 1]))
+        elif isinstance(item, bytes):
+            put(repr(item[: limit + 1]))
+        else:
+            try:
+                put(repr(item))
+            except ValueError:  # an int of more than 4300 digits
+                put(f"<{type(item).__name__} too large to print>")
+
+    try:
+        walk(value)
+    except _Quoted:
+        return "".join(pieces)[:limit] + " ..."
+    return "".join(pieces)
 
 
 def config_from_dict(raw: dict[str, Any], root: Path, source: str = "<config>") -> Eagle3Config:
@@ -1037,9 +1115,75 @@ def _utf8_text(path: Path) -> str:
         raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
 
 
+MAX_YAML_VALUES = 100_000  # in a config with every alias expanded; a real one holds a few hundred
+
+
+class _AliasExpansionError(Exception):
+    """A YAML document whose aliases expand past MAX_YAML_VALUES values, or into a collection holding itself."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a document whose aliases expand too far before any of it is constructed.
+
+    An alias is the anchored collection itself, shared, so loading the "billion laughs" (ten anchors, each a
+    list of ten aliases of the one before: a few hundred bytes) is quick; but whatever then walks the value,
+    validation or the error that quotes it, walks 10^10 values, for minutes and gigabytes."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Count the values of the document under `root` as if every alias were written out, each shared node
+    counted once (iteratively: a document may nest as deep as the composer's recursion went)."""
+
+    def children(node: yaml.Node) -> list[yaml.Node]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [part for pair in node.value for part in pair]
+        return []
+
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # the nodes whose children are being counted: a node's ancestors
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        if counted:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = size = 1 + sum(sizes[id(child)] for child in children(node))
+            if size > MAX_YAML_VALUES:
+                raise _AliasExpansionError(
+                    f"its aliases expand to more than {MAX_YAML_VALUES:,} values (the value at line "
+                    f"{node.start_mark.line + 1}: anchors nested in anchors); write the values out"
+                )
+        elif id(node) in open_nodes:
+            raise _AliasExpansionError(
+                f"the collection at line {node.start_mark.line + 1} contains itself through an alias"
+            )
+        elif id(node) not in sizes:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children(node))
+
+
+def _load_bounded(text: str) -> Any:
+    """yaml.safe_load(text) through _BoundedLoader."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _yaml_mapping(text: str, where: str) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = _load_bounded(text) or {}
+    except _AliasExpansionError as err:
+        raise ConfigError(f"{where}: not readable YAML: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from None
     except RecursionError:  # PyYAML's composer recurses once per nested collection

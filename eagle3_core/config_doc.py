@@ -20,7 +20,8 @@ HEADER = """# Configuration (`eagle3.yaml`)
 
 Generated from `eagle3_core/config.py` by `python -m eagle3_core.config_doc > docs/configuration.md`; a test fails
 when this file and the code differ. Every field is optional unless marked required; an unknown field or an
-invalid value is refused in one line naming the field. Relative paths resolve against the YAML file.
+invalid value is refused in one line naming the field (a number must be finite: `.inf` and `.nan` are
+refused). Relative paths resolve against the YAML file.
 """
 
 

@@ -231,6 +231,12 @@ def decode_record(row: RawRow) -> Any:
         return json.loads(text.removeprefix("\ufeff"))
     except json.JSONDecodeError as err:
         raise RowRejected("malformed_json", f"column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        # json's parser recurses once per nested array or object: one row of 100,000 "[" would otherwise stop
+        # the whole file (and, in the inbox, every tick at that file)
+        raise RowRejected(
+            "malformed_json", "arrays or objects nested too deeply for Python's JSON parser"
+        ) from None
 
 
 def record_turns(record: Any, fmt: SourceFormat) -> list[tuple[object, object]]:

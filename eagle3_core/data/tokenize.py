@@ -24,6 +24,7 @@ Arrays: `input_ids` is int32 and `loss_mask` uint8 (0/1), the dtypes of the shar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,10 +36,16 @@ import numpy.typing as npt
 from eagle3_core.config import TokenizeConfig
 from eagle3_core.data.conversation import Conversation
 from eagle3_core.errors import Eagle3Error, TargetError
-from eagle3_core.store.atomic import read_json_object
+from eagle3_core.store.atomic import json_object
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers prefers it to tokenizer_config.json's chat_template
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"  # the fast tokenizer itself: ChatTokenizer needs one
+# The JSON files of a tokenizer that transformers reads whole with json.load wherever they exist
+TOKENIZER_JSON_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "added_tokens.json")
+# Far above any real tokenizer file (Gemma 3's tokenizer.json, among the largest, is 33 MB): what is larger is
+# refused unread, as transformers would hold all of it, and its parse, in memory
+MAX_TOKENIZER_FILE_BYTES = 256 << 20
 
 IdArray = npt.NDArray[np.int32]
 MaskArray = npt.NDArray[np.uint8]
@@ -266,6 +273,53 @@ def generation_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) ->
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def check_tokenizer_files(model_dir: Path) -> None:
+    """Refuse, in one TargetError naming the file, a tokenizer transformers cannot load: no tokenizer.json, or
+    one of its JSON files (TOKENIZER_JSON_FILES) that is not a regular file, is larger than
+    MAX_TOKENIZER_FILE_BYTES, or is not UTF-8, not JSON, nested too deeply for Python's parser, or not an
+    object. transformers reads each whole and says none of this: a missing tokenizer.json is a request to
+    install sentencepiece, a truncated one a JSONDecodeError, a nested one a RecursionError, all tracebacks, and
+    a link to /dev/zero it reads until memory runs out."""
+    if not os.path.lexists(model_dir / TOKENIZER_FILE):
+        raise TargetError(
+            f"{model_dir}: no {TOKENIZER_FILE}; eagle3 needs the target's fast tokenizer (a slow tokenizer's "
+            f"files are not converted here: save the tokenizer with save_pretrained, which writes {TOKENIZER_FILE})"
+        )
+    for name in TOKENIZER_JSON_FILES:
+        path = model_dir / name
+        if os.path.lexists(path):
+            _tokenizer_json(path)
+
+
+def _tokenizer_json(path: Path) -> dict[str, Any]:
+    return json_object(_read_bounded(path), path, TargetError)
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of a tokenizer file: a regular file of at most MAX_TOKENIZER_FILE_BYTES, else TargetError.
+    What is not a regular file (a device such as /dev/zero, a FIFO, a directory, a broken link) is not opened,
+    and no more than the limit is read of a file that grows past it."""
+    if not path.is_file():
+        raise TargetError(f"{path}: not a regular file{_link_target(path)}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKENIZER_FILE_BYTES + 1)
+    except OSError as e:
+        raise TargetError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if len(raw) > MAX_TOKENIZER_FILE_BYTES:
+        raise TargetError(
+            f"{path}: larger than {MAX_TOKENIZER_FILE_BYTES} bytes, far more than a tokenizer file holds"
+        )
+    return raw
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return f" (a link to {os.readlink(path)})" if path.is_symlink() else ""
+    except OSError:  # replaced since: the refusal stands, without the target
+        return ""
+
+
 def check_chat_template(model_dir: Path) -> None:
     """Compile the target's chat templates the way transformers does, so that a syntax error names its file
     and line now: transformers reads the text without parsing it and fails at the first render, mid-run,
@@ -277,15 +331,15 @@ def check_chat_template(model_dir: Path) -> None:
 def _chat_templates(model_dir: Path) -> list[tuple[str, str]]:
     """(where, template text) for each template the tokenizer would load from `model_dir`."""
     jinja = model_dir / CHAT_TEMPLATE_FILE
-    if jinja.is_file():
+    if os.path.lexists(jinja):
         try:
-            return [(str(jinja), jinja.read_text(encoding="utf-8"))]
+            return [(str(jinja), _read_bounded(jinja).decode("utf-8"))]
         except UnicodeDecodeError as e:
             raise TargetError(f"{jinja}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     path = model_dir / TOKENIZER_CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
-    template = read_json_object(path, TargetError).get("chat_template")
+    template = _tokenizer_json(path).get("chat_template")
     where = f"{path} field chat_template"
     if isinstance(template, str):
         return [(where, template)]

@@ -221,7 +221,10 @@ def launch_training(
     under a torchrun this starts. `with_vocab` builds the vocab mapping first, once, before any rank starts
     (ranks only read it); a rank of a launch made elsewhere leaves it to whoever launched it. `nodes` and
     `rendezvous` stand in for train.nodes and train.rendezvous (a scheduler's job script knows them; they are
-    no part of the run's identity)."""
+    no part of the run's identity). A `processes` below 1, a rendezvous that is not host:port, or a node
+    rank (`node_rank`) not below the nodes is refused naming its flag or variable."""
+    if processes is not None and processes < 1:  # 0 fell back to train.processes, -1 trained in one process
+        raise Eagle3Error(f"--nproc: Input should be greater than 0 (got {processes})")
     cfg = load_config(config_path)
     if torchrun_rank() is not None:
         return drafter_checkpoint_step(cfg, log)
@@ -231,12 +234,21 @@ def launch_training(
             train = cfg.train.model_validate({**cfg.train.model_dump(), **launch})
         except ValidationError as err:
             first = err.errors()[0]
-            raise Eagle3Error(f"--{first['loc'][0]}: {first['msg']}") from None
+            message = first["msg"].removeprefix("Value error, ")
+            raise Eagle3Error(f"--{first['loc'][0]}: {message}") from None
         cfg = cfg.model_copy(update={"train": train})
     multi_node = cfg.train.nodes > 1
-    if with_vocab and (not multi_node or node_rank() == 0):  # every node's ranks wait for node 0 to join
+    rank = None
+    if multi_node:  # a rank is needed to choose who builds the vocab; one that is set is checked either way
+        counted_by = "--nodes" if nodes is not None else "train.nodes"
+        rank = (
+            node_rank(cfg.train.nodes, counted_by)
+            if with_vocab
+            else given_node_rank(cfg.train.nodes, counted_by)
+        )
+    if with_vocab and (not multi_node or rank == 0):  # every node's ranks wait for node 0 to join
         vocab_step(cfg, log)
-    processes = processes or cfg.train.processes
+    processes = cfg.train.processes if processes is None else processes
     if processes > 1 or multi_node:
         return _torchrun_training(config_path, cfg, processes, log)
     return drafter_checkpoint_step(cfg, log)
@@ -245,17 +257,32 @@ def launch_training(
 NODE_RANK_VARIABLES = ("SLURM_NODEID", "JOB_COMPLETION_INDEX", "EAGLE3_NODE_RANK")
 
 
-def node_rank() -> int:
-    """This node's rank in a run of train.nodes > 1, from the scheduler's environment (Slurm's, a Kubernetes
-    indexed job's) or EAGLE3_NODE_RANK; Eagle3Error naming them when none is set."""
+def node_rank(nodes: int, counted_by: str = "train.nodes") -> int:
+    """This node's rank in a run of `nodes` > 1 (`given_node_rank`); Eagle3Error naming the variables when
+    none is set."""
+    rank = given_node_rank(nodes, counted_by)
+    if rank is None:
+        raise Eagle3Error(
+            f"train.nodes > 1: this node's rank is unknown; set one of {', '.join(NODE_RANK_VARIABLES)}"
+        )
+    return rank
+
+
+def given_node_rank(nodes: int, counted_by: str = "train.nodes") -> int | None:
+    """This node's rank from the first of NODE_RANK_VARIABLES set (the scheduler's environment: Slurm's, a
+    Kubernetes indexed job's; or EAGLE3_NODE_RANK), None when none is; Eagle3Error naming the variable when
+    its value is not a rank from 0 to `nodes` - 1 (`counted_by` names where `nodes` came from)."""
     for name in NODE_RANK_VARIABLES:
         if (value := os.environ.get(name)) is not None:
-            if not value.isdigit():
+            if not (value.isascii() and value.isdigit()):
                 raise Eagle3Error(f"{name}={value!r}: a node rank is a non-negative integer")
+            if int(value) >= nodes:
+                raise Eagle3Error(
+                    f"{name}={value}: this node's rank must be below {counted_by} ({nodes}), the nodes of the "
+                    f"run (ranks 0 to {nodes - 1}); count every node of the job there"
+                )
             return int(value)
-    raise Eagle3Error(
-        f"train.nodes > 1: this node's rank is unknown; set one of {', '.join(NODE_RANK_VARIABLES)}"
-    )
+    return None
 
 
 def torchrun_command(config_path: Path, cfg: Eagle3Config, processes: int) -> list[str]:
@@ -457,7 +484,7 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     facts = ExportTarget.from_model_dir(target, summary.aux_layer_ids, summary.final_state_convention)
     out = layout.exports / summary.run
     with writer_lock(layout.export_lock(summary.run), f"the export of run {summary.run} ({out})"):
-        publish_export(
+        published = publish_export(
             drafter,
             mapping,
             facts,
@@ -469,7 +496,13 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         )
     sglang, speculators = out / "sglang", out / "speculators"
     sglang_ids = written_layer_ids(sglang)
-    log(f"exported run {summary.run}: {sglang} and {speculators}")
+    if not published.written:
+        log(
+            f"run {summary.run}: the export is unchanged (the same bytes), kept as it is: {sglang} and {speculators}"
+        )
+    else:
+        carried = f"; its evaluation carried over, measured on the export before: {out / 'eval'}"
+        log(f"exported run {summary.run}: {sglang} and {speculators}{carried if published.carried else ''}")
     return StepResult(
         "drafter_export",
         out,
@@ -482,6 +515,7 @@ def export_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
             "aux_layer_ids_vllm": json.dumps(summary.aux_layer_ids),
             "draft_vocab_size": mapping.draft_vocab_size,
             "final_state_convention": summary.final_state_convention,
+            "written": published.written,  # False: the same bytes as the export already there, kept as it is
         },
     )
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import mmap
 import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -263,7 +265,7 @@ def load_gguf(file: Path) -> tuple[Any, Any]:
     tokenizer = load_gguf_tokenizer(file)
     try:
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    except (ValueError, KeyError, NotImplementedError, OSError) as err:  # unsupported or damaged file
+    except (ValueError, KeyError, NotImplementedError, OSError, struct.error) as err:  # unsupported, damaged
         raise _loader_failure(file, err) from err
     return tokenizer, model.eval()
 
@@ -272,9 +274,10 @@ def load_gguf_tokenizer(file: Path) -> Any:
     """transformers' tokenizer of the GGUF file, its special tokens those the file names by id."""
     from transformers import AutoTokenizer
 
+    check_gguf_layout(file)  # the first read of the file in a build
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    except (ValueError, KeyError, NotImplementedError, OSError) as err:
+    except (ValueError, KeyError, NotImplementedError, OSError, struct.error) as err:
         raise _loader_failure(file, err) from err
     if not getattr(tokenizer, "chat_template", None):
         raise TargetError(f"{file}: the GGUF file carries no chat template; eagle3 trains on chat renders")
@@ -283,6 +286,139 @@ def load_gguf_tokenizer(file: Path) -> Any:
         # eos into <|im_start|>, and every assistant turn then failed to tokenize (no end of turn found)
         setattr(tokenizer, f"{role}_token", token)
     return tokenizer
+
+
+# ---- the file's layout, checked before transformers reads it --------------------------------------------
+
+GGUF_MAGIC = b"GGUF"
+GGUF_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata entry count
+# The sizes of GGUF's fixed-size value types (gguf.GGUFValueType: uint8 0, int8 1, uint16 2, int16 3, uint32 4,
+# int32 5, float32 6, bool 7, uint64 10, int64 11, float64 12); 8 is a string, 9 an array
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+# The fewest bytes a metadata entry (key length, value type, a one-byte value) and a tensor's info (name
+# length, dimension count, type, data offset) take: a count claiming more than the rest of the file holds is
+# refused before any of them is read
+MIN_ENTRY_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+MAX_ARRAY_NESTING = 8  # arrays of arrays: GGUF allows them, no model writes them
+
+
+class _Cut(Exception):
+    """The file ends inside what was being read."""
+
+
+class _GgufLayout:
+    """A walk over a GGUF file's header, metadata and tensor infos that reads no count without checking that
+    the file holds what it counts (`take`)."""
+
+    def __init__(self, data: mmap.mmap, size: int) -> None:
+        self.data, self.size, self.at = data, size, GGUF_HEADER.size
+
+    def take(self, n: int) -> int:
+        """Step over `n` bytes; their offset. _Cut if the file ends first."""
+        start = self.at
+        if n > self.size - start:
+            raise _Cut
+        self.at = start + n
+        return start
+
+    def u32(self) -> int:
+        return int(struct.unpack_from("<I", self.data, self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(struct.unpack_from("<Q", self.data, self.take(8))[0])
+
+    def string(self) -> str:
+        """A string, stepped over; its first 80 bytes as text (keys and names are short; a value need not be)."""
+        length = self.u64()
+        start = self.take(length)
+        return self.data[start : start + min(length, 80)].decode("utf-8", errors="replace")
+
+    def value(self, kind: int, depth: int = 0) -> None:
+        if kind in GGUF_SCALAR_BYTES:
+            self.take(GGUF_SCALAR_BYTES[kind])
+        elif kind == GGUF_STRING:
+            self.string()
+        elif kind == GGUF_ARRAY and depth < MAX_ARRAY_NESTING:
+            item, count = self.u32(), self.u64()
+            if item in GGUF_SCALAR_BYTES:
+                self.take(count * GGUF_SCALAR_BYTES[item])
+                return
+            least = 8 if item == GGUF_STRING else 12  # each item's length, or its array's header
+            if count * least > self.size - self.at:
+                raise _Cut
+            if item == GGUF_STRING:  # a vocabulary: 100,000 strings and more, stepped over in one loop
+                self.at = _skip_strings(self.data, self.at, self.size, count)
+                return
+            for _ in range(count):
+                self.value(item, depth + 1)
+        elif kind == GGUF_ARRAY:
+            raise ValueError(f"arrays nested more than {MAX_ARRAY_NESTING} deep")
+        else:
+            raise ValueError(f"value type {kind}, which GGUF does not define")
+
+
+def _skip_strings(data: mmap.mmap, at: int, size: int, count: int) -> int:
+    """The offset after `count` strings from `at`; _Cut if the file ends first."""
+    length_at = struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        if size - at < 8:
+            raise _Cut
+        (length,) = length_at(data, at)
+        at += 8 + length
+        if at > size:
+            raise _Cut
+    return at
+
+
+def check_gguf_layout(file: Path) -> None:
+    """Refuse, in one TargetError naming the file, a GGUF file that does not hold what its header and metadata
+    count: cut short in its metadata or tensor infos, or claiming more entries, tensors, array items or string
+    bytes than it has bytes for (2^62 tensors in a file of a hundred bytes). transformers' reader trusts every
+    count: it reads on past the end (struct.error, a traceback) or loops over them. A file that is not GGUF of
+    version 2 or 3 is left to transformers, which names what it is not (the magic, the version)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(GGUF_HEADER.size)
+        if head[:4] != GGUF_MAGIC or len(head) < 8 or struct.unpack_from("<I", head, 4)[0] not in (2, 3):
+            return
+        whole = f"{file}: not a whole GGUF file"
+        if len(head) < GGUF_HEADER.size:
+            raise TargetError(f"{whole}: it ends at byte {size:,}, inside its header")
+        _, _, tensors, entries = GGUF_HEADER.unpack(head)
+        rest = size - GGUF_HEADER.size
+        for count, what, least in (
+            (entries, "metadata entries", MIN_ENTRY_BYTES),
+            (tensors, "tensors", MIN_TENSOR_INFO_BYTES),
+        ):
+            if count * least > rest:
+                raise TargetError(
+                    f"{whole}: its header claims {count:,} {what}, more than its {size:,} bytes hold"
+                )
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            size = len(data)  # as mapped: the walk never reads past it
+            walk = _GgufLayout(data, size)
+            where = "its header"
+            try:
+                for i in range(1, entries + 1):
+                    where = f"metadata entry {i:,} of {entries:,}"
+                    key = walk.string()
+                    where += f" ({key})"
+                    walk.value(walk.u32())
+                if tensors * MIN_TENSOR_INFO_BYTES > size - walk.at:
+                    raise TargetError(
+                        f"{whole}: its header claims {tensors:,} tensors, more than the {size - walk.at:,} bytes "
+                        "after its metadata describe"
+                    )
+                for i in range(1, tensors + 1):
+                    where = f"the info of tensor {i:,} of {tensors:,}"
+                    walk.string()
+                    walk.take(8 * walk.u32() + 4 + 8)  # its dimensions, its type, its data offset
+            except _Cut:
+                raise TargetError(f"{whole}: it ends at byte {size:,}, inside {where}") from None
+            except ValueError as err:
+                raise TargetError(f"{file}: not a readable GGUF file: {where} has {err}") from None
 
 
 def gguf_special_tokens(file: Path) -> dict[str, str]:

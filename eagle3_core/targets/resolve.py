@@ -18,7 +18,7 @@ from eagle3_core.config import (
     without_url_passwords,
 )
 from eagle3_core.conventions import check_aux_layer_ids, default_aux_layer_ids
-from eagle3_core.data.tokenize import check_chat_template
+from eagle3_core.data.tokenize import check_chat_template, check_tokenizer_files
 from eagle3_core.errors import TargetError
 from eagle3_core.store.atomic import read_json_object
 from eagle3_core.targets.base import ExtractionTarget
@@ -54,7 +54,7 @@ def check_target_dir(model_dir: Path, target: TargetConfig, *, weights: bool = T
     Checked here, before transformers reads anything, because its own errors come as tracebacks that name
     neither the file nor the field (a missing weight file is an OSError about pickles, a config.json whose
     sizes disagree with the weights a page-long size-mismatch report, a broken template fails only at the
-    first render).
+    first render, a missing or truncated tokenizer.json a traceback about sentencepiece or JSON).
     """
     config_path = model_dir / CONFIG_FILE
     if not config_path.is_file():
@@ -70,6 +70,7 @@ def check_target_dir(model_dir: Path, target: TargetConfig, *, weights: bool = T
         check_aux_layer_ids(target.aux_layer_ids, num_layers, where)
     else:
         default_aux_layer_ids(num_layers, where)
+    check_tokenizer_files(model_dir)
     check_chat_template(model_dir)
 
 
@@ -156,6 +157,7 @@ def _open_sglang_engine(
         mem_fraction_static=cfg.sglang.mem_fraction_static,
         device=cfg.target.device,
         max_total_tokens=cfg.sglang.max_total_tokens,
+        max_seq_len=cfg.tokenize.max_seq_len,
     )
 
 

@@ -135,20 +135,30 @@ def global_batch_floor(refs: Sequence[SampleRef], cfg: TrainConfig, world: int) 
 def schedule(refs: list[SampleRef], cfg: TrainConfig, world: int) -> list[tuple[int, Rows]]:
     """(epoch, batch rows) for every optimizer step of the run, fixed by the seed. Padded, by the world size
     only beyond `global_batch_floor` (1 and 2 processes see the same global batches); packed, a row per
-    process."""
+    process.
+
+    Epochs are planned one at a time, each from (seed, epoch) alone, and only until train.max_steps is
+    reached: `epochs: 1000000, max_steps: 30` plans the epochs its 30 steps reach (what it plans and keeps
+    is bounded by max_steps, not epochs x data), and those steps are the first 30 of any longer run."""
     if packs(cfg):
         check_batch_tokens(refs, cfg, world)
         width = row_width(cfg, world)
-        steps = [
-            (e, b)
-            for e in range(cfg.epochs)
-            for b in plan_packed_epoch(refs, width, world, cfg.max_len, cfg.seed, e)
-        ]
+
+        def epoch_steps(e: int) -> list[Rows]:
+            return plan_packed_epoch(refs, width, world, cfg.max_len, cfg.seed, e)
     else:
         min_batch = global_batch_floor(refs, cfg, world)
-        steps = [
-            (e, [[i] for i in b])
-            for e in range(cfg.epochs)
-            for b in plan_epoch(refs, batch_budget(cfg), cfg.max_len, cfg.seed, e, min_batch)
-        ]
+        budget = batch_budget(cfg)
+
+        def epoch_steps(e: int) -> list[Rows]:
+            return [[[i] for i in b] for b in plan_epoch(refs, budget, cfg.max_len, cfg.seed, e, min_batch)]
+
+    steps: list[tuple[int, Rows]] = []
+    for e in range(cfg.epochs):
+        if cfg.max_steps is not None and len(steps) >= cfg.max_steps:
+            break
+        planned = epoch_steps(e)
+        if not planned:  # no samples: no epoch has a step
+            break
+        steps.extend((e, b) for b in planned)
     return steps[: cfg.max_steps] if cfg.max_steps is not None else steps

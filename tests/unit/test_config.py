@@ -1,3 +1,4 @@
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from eagle3_core.config import (
     SGLangHttpBackendConfig,
     SGLangServerBackendConfig,
     TransformersBackendConfig,
+    config_from_dict,
     load_config,
     without_url_passwords,
 )
@@ -261,3 +263,137 @@ def test_a_url_the_config_refuses_is_quoted_without_its_password(tmp_path: Path)
         load_config(config)
     assert "regenerate.server.url" in str(err.value) and "ftp://user:***@host" in str(err.value)
     assert "secret" not in str(err.value)
+
+
+def test_a_rendezvous_must_be_a_host_and_a_port(tmp_path: Path) -> None:
+    for bad in (
+        "gpu-001",
+        "gpu-001:",
+        ":29400",
+        "gpu-001:65536",
+        "gpu-001:0",
+        "gpu-001:http",
+        "a b:1",
+        "::1:80",
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(write_config(tmp_path, f"train: {{rendezvous: '{bad}'}}\n"))
+        [line] = [line for line in str(err.value).splitlines() if "train.rendezvous" in line]
+        assert line.startswith("  train.rendezvous: Value error, host:port") and "1 to 65535" in line, line
+    for good in ("gpu-001:29400", "10.0.0.1:65535", "[::1]:29400", "eagle3-train-0.eagle3-train:29400"):
+        assert (
+            load_config(write_config(tmp_path, f"train: {{rendezvous: '{good}'}}\n")).train.rendezvous == good
+        )
+
+
+def _alias_bomb(levels: int, width: int = 10) -> str:
+    """The "billion laughs", under keys the config does not know: each anchor a list of `width` aliases of
+    the one before, so that a file of a few hundred bytes expands to width**levels values."""
+    lines = ["store: s", f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_at_once_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    config = write_config(tmp_path, _alias_bomb(levels=10))  # 10**10 values once expanded
+    assert config.stat().st_size < 4096
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert time.monotonic() - started < 1.0
+    message = str(err.value)
+    assert message.startswith(f"{config}: ") and "\n" not in message, message
+    assert "aliases" in message and "expand" in message, message
+    with pytest.raises(ConfigError, match=r"\(overrides\): .*aliases"):  # the Launchpad's YAML too
+        load_config(write_config(tmp_path, "store: s\n"), _alias_bomb(levels=10))
+
+
+def test_an_alias_that_contains_itself_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "store: s\njunk: &loop [1, *loop]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value).startswith(f"{config}: ") and "\n" not in str(err.value)
+    assert "contains itself" in str(err.value)
+
+
+def test_a_config_with_a_few_anchors_still_loads(tmp_path: Path) -> None:
+    text = (
+        "store: s\n"
+        "data:\n  dataset: t\n  sources:\n"
+        "    - &file {kind: file, path: a.jsonl, format: messages}\n"
+        "    - {<<: *file, path: b.jsonl}\n"
+        "evaluate: {ks: &ks [1, 2, 3]}\n"
+    )
+    cfg = load_config(write_config(tmp_path, text))
+    assert [s.path for s in cfg.data.sources] == ["a.jsonl", "b.jsonl"]  # type: ignore[union-attr]
+    assert cfg.evaluate.ks == [1, 2, 3]
+
+
+def test_a_rejected_value_is_quoted_in_at_most_a_few_hundred_characters(tmp_path: Path) -> None:
+    """Quoting stops at the limit: the whole repr of a large value is huge, and of an aliased one (a dict
+    given to config_from_dict, as the Launchpad's is) exponential."""
+    value: object = ["lol"] * 10
+    for _ in range(8):
+        value = [value] * 10  # 10**9 strings, 10 lists deep, in 90 list objects
+    long_url = "ftp://user:" + "secret" * 100 + "@host"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"store": "s", "junk": value, "regenerate": {"server": {"url": long_url}}}, tmp_path)
+    assert time.monotonic() - started < 1.0
+    message = str(err.value)
+    assert len(message) < 1000, message[:2000]
+    assert "junk: Extra inputs are not permitted (got [[[[" in message and " ...)" in message, message
+    assert "regenerate.server.url" in message and "secret" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("train: {lr: .inf}\n", "train.lr"),
+        ("train: {lr: .nan}\n", "train.lr"),
+        ("train: {weight_decay: .inf}\n", "train.weight_decay"),
+        ("train: {grad_clip: .inf}\n", "train.grad_clip"),
+        ("evaluate: {promotion_tolerance: .inf}\n", "evaluate.promotion_tolerance"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_naming_the_field(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    """`train.lr: .inf` trained a run that logged `loss nan` at every step and was exported and promoted."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, text))
+    [line] = [line for line in str(err.value).splitlines() if line.startswith("  ")]
+    assert line.startswith(f"  {field}: Input should be a finite number"), str(err.value)
+
+
+def _float_fields() -> list[tuple[type, str]]:
+    """(model, field) for every field of every config model that takes a float."""
+    import typing
+
+    import eagle3_core.config as config
+
+    def takes_float(annotation: object) -> bool:
+        return annotation is float or any(takes_float(a) for a in typing.get_args(annotation))
+
+    models, pending = [], list(config._Model.__subclasses__())
+    while pending:
+        model = pending.pop()
+        models.append(model)
+        pending += model.__subclasses__()
+    return sorted(
+        ((m, name) for m in models for name, f in m.model_fields.items() if takes_float(f.annotation)),
+        key=lambda pair: (pair[0].__name__, pair[1]),
+    )
+
+
+def test_every_float_setting_refuses_infinity_and_nan() -> None:
+    from pydantic import ValidationError
+
+    fields = _float_fields()
+    assert ("TrainConfig", "lr") in {(m.__name__, name) for m, name in fields}
+    for model, name in fields:
+        for value in (float("inf"), float("-inf"), float("nan")):
+            with pytest.raises(ValidationError) as err:
+                model.model_validate({name: value})  # type: ignore[attr-defined]
+            at_field = [e for e in err.value.errors() if e["loc"] == (name,)]
+            assert [e["type"] for e in at_field] == ["finite_number"], (model.__name__, name, value)

@@ -56,6 +56,17 @@ def test_a_prompt_file_stops_at_the_limit_and_an_unusable_one_is_an_error(tmp_pa
         file_prompts(tmp_path / "missing.jsonl", limit=10)
 
 
+def test_a_prompt_row_nested_too_deeply_is_one_rejected_row(tmp_path: Path) -> None:
+    """json's parser recurses once per nested array: a row of 100,000 `[` was a RecursionError traceback."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "first"}\n' + "[" * 100_000 + '\n{"prompt": "second"}\n')
+    prompts = file_prompts(path, limit=10)
+    assert [p.id for p in prompts.prompts] == ["prompts.jsonl:1", "prompts.jsonl:3"]
+    [rejected] = prompts.rejected
+    assert (rejected["id"], rejected["reason"]) == ("prompts.jsonl:2", "malformed_json")
+    assert "nested too deeply" in rejected["detail"]
+
+
 def test_a_prompt_file_whose_name_is_not_utf8_is_named_as_ingest_names_it_and_its_report_reads_back(
     tmp_path: Path,
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -79,6 +80,77 @@ def test_a_file_that_is_not_gguf_is_one_line_and_leaves_nothing_in_the_cache(tmp
     with pytest.raises(TargetError, match=r"model.gguf: transformers .* cannot load this GGUF file: .*magic"):
         gguf.ensure_gguf_target(cache, gguf.gguf_source(str(bad), Path), log=lambda _: None)
     assert list(cache.iterdir()) == []  # the build's temporary is gone, no lock file was made
+
+
+# GGUF by hand (little-endian): "GGUF", version u32, tensor count u64, entry count u64; each metadata entry a
+# key (u64 length, bytes), a value type u32 and the value (8 a string, 9 an array: item type u32, count u64,
+# items); then each tensor's info: name, dimension count u32, dimensions u64 each, type u32, offset u64.
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _header(tensors: int, entries: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, entries)
+
+
+def _entry(key: str, value: str) -> bytes:
+    return _string(key) + struct.pack("<I", 8) + _string(value)
+
+
+ARCH = _entry("general.architecture", "llama")
+NAME = _entry("general.name", "broken")
+BROKEN_GGUF = {
+    "cut in its metadata": (
+        _header(0, 2) + ARCH + NAME[:-3],
+        "ends at byte 104, inside metadata entry 2 of 2 (general.name)",
+    ),
+    "cut in its tensor infos": (
+        _header(1, 1) + ARCH + _string("token_embd.weight") + struct.pack("<I", 2) + b"\0" * 5,
+        "inside the info of tensor 1 of 1",
+    ),
+    "2^62 tensors": (_header(2**62, 1) + ARCH, "claims 4,611,686,018,427,387,904 tensors"),
+    "2^62 metadata entries": (_header(0, 2**62) + ARCH, "claims 4,611,686,018,427,387,904 metadata entries"),
+    "an array of 2^62 strings": (
+        _header(0, 1) + _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2**62),
+        "inside metadata entry 1 of 1 (tokenizer.ggml.tokens)",
+    ),
+    "a string of 2^62 bytes": (
+        _header(0, 1) + _string("general.name") + struct.pack("<IQ", 8, 2**62),
+        "inside metadata entry 1 of 1 (general.name)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_GGUF)
+def test_a_gguf_file_cut_short_or_claiming_more_than_it_holds_is_one_line_naming_it(
+    case: str, tmp_path: Path
+) -> None:
+    """transformers' GGUF reader trusts every count: it read on past the end (struct.error, a traceback) or
+    looped over 2^62 tensors."""
+    data, expected = BROKEN_GGUF[case]
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(data)
+    cache = tmp_path / "cache"
+    started = time.monotonic()
+    with pytest.raises(TargetError) as err:
+        gguf.ensure_gguf_target(cache, gguf.gguf_source(str(bad), Path), log=lambda _: None)
+    assert time.monotonic() - started < 30  # transformers' import, mostly
+    message = str(err.value)
+    assert message.startswith(f"{bad}: not a whole GGUF file: ") and "\n" not in message, message
+    assert expected in message, message
+    assert list(cache.iterdir()) == []
+
+
+def test_a_whole_gguf_file_passes_the_layout_check(tmp_path: Path) -> None:
+    tensor = _string("token_embd.weight") + struct.pack("<I", 2) + struct.pack("<QQ", 64, 8)
+    tensor += struct.pack("<IQ", 0, 0)
+    array = _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + _string("b")
+    scores = _string("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 6, 2) + struct.pack("<ff", 0.0, 1.0)
+    whole = tmp_path / "whole.gguf"
+    whole.write_bytes(_header(1, 4) + ARCH + NAME + array + scores + tensor + b"\0" * 2048)
+    gguf.check_gguf_layout(whole)
+    gguf.check_gguf_layout(gguf.named_gguf_file(gguf.NAMED_TARGETS["smollm2"]))  # a real one, 90 MB
 
 
 def fake_build(builds: list[Path]) -> object:

@@ -379,3 +379,27 @@ def test_of_two_files_recorded_alike_the_one_ingested_first_keeps_the_name_which
     assert later.refused[stored].startswith(f"not read: its name {refused!r} is recorded as {stored}")
     assert _record(cfg)[stored] == {**_record(cfg)[stored], "state": "done", "size": latin1.stat().st_size}
     assert ingest_inbox(cfg).refused == {}
+
+
+def test_a_row_nested_too_deeply_is_one_reject_and_jams_neither_its_file_nor_the_files_after_it(
+    tmp_path: Path,
+) -> None:
+    """json's parser recurses once per nested array: a row of 100,000 `[` raised RecursionError on every
+    tick, the file stayed "ingesting" and the files sorted after it were never read."""
+    cfg = _config(tmp_path)
+    _drop(tmp_path, "a.jsonl", [_row(0), "[" * 100_000, _row(1)])
+    _drop(tmp_path, "b.jsonl", [_row(2), _row(3)])
+    report = ingest_inbox(cfg)
+    assert report.failed == {} and report.refused == {}
+    assert report.ingested == [NAME, "inbox/b.jsonl"]
+    assert report.rejected == {"malformed_json": 1}
+    assert [s.messages[0].content for s in _samples(cfg, report.new_keys)] == [
+        f"question {i}" for i in range(4)
+    ]
+    [reject] = read_rows(StoreLayout(cfg.store_root).rejects("t-00000"), RejectRow.model_validate)
+    assert (reject.file, reject.line, reject.reason) == (NAME, 2, "malformed_json")
+    assert "nested too deeply" in reject.detail
+    assert {name: entry["state"] for name, entry in _record(cfg).items()} == {
+        NAME: "done",
+        "inbox/b.jsonl": "done",
+    }

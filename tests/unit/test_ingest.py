@@ -443,3 +443,23 @@ def test_rows_an_earlier_ingest_consumed_are_not_read_again_when_the_rules_chang
     assert ConversationManifest.read(layout.conversations_manifest("t-00000")).rejected == {
         "empty_content": 1
     }
+
+
+NESTED_ROW = "[" * 100_000  # far past Python's recursion limit, which json's parser recurses against
+
+
+def test_a_row_nested_too_deeply_is_one_reject_and_the_rest_of_the_file_is_sharded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [_message_row(0), NESTED_ROW, '{"messages": ' + "[" * 100_000, _message_row(1)]
+    (tmp_path / "rows.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    config = _config(tmp_path, "[{path: rows.jsonl}]")
+    assert main(["--config", str(config), "ingest"]) == 0, capsys.readouterr().out
+    cfg = load_config(config)
+    key = "t-00000"  # the one shard: both samples, and the rejects met on the way
+    samples, manifest = load_conversation_shard(cfg.store_root, key)
+    assert [s.source.line for s in samples] == [1, 4]
+    assert manifest.rejected == {"malformed_json": 2}
+    rejects = read_rows(StoreLayout(cfg.store_root).rejects(key), RejectRow.model_validate)
+    assert [(r.line, r.reason) for r in rejects] == [(2, "malformed_json"), (3, "malformed_json")]
+    assert all("nested too deeply" in r.detail and r.raw_truncated for r in rejects)

@@ -114,3 +114,61 @@ def test_a_job_script_s_nodes_and_rendezvous_stand_in_for_the_config_s(
     assert (seen[0].nodes, seen[0].rendezvous, seen[0].processes) == (2, "gpu-001:29400", 8)
     with pytest.raises(Eagle3Error, match=r"^--nodes: Input should be greater than 0$"):
         drafter.launch_training(_config(tmp_path, 8), nodes=0)
+
+
+def test_a_rendezvous_that_is_not_host_and_port_is_refused_in_one_line(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from eagle3_cli.steps import main
+    from eagle3_core.errors import Eagle3Error
+
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    config = _config(tmp_path, 8)
+    for bad in ("gpu-001", "gpu-001:", ":29400", "gpu-001:99999", "gpu-001:0", "gpu-001:http", "a b:29400"):
+        with pytest.raises(Eagle3Error, match=r"^--rendezvous: host:port .* 1 to 65535"):
+            drafter.launch_training(config, nodes=2, rendezvous=bad)
+    assert calls == []
+    for good in ("gpu-001:29400", "10.0.0.1:1", "[fe80::1]:65535", "eagle3-train-0.eagle3-train:29400"):
+        drafter.launch_training(config, nodes=2, rendezvous=good)
+    assert calls == ["torchrun:8"] * 4
+    argv = ["--config", str(config), "train", "--no-vocab", "--nodes", "2", "--rendezvous", "gpu-001:99999"]
+    assert main(argv) == 2
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith("error: --rendezvous: host:port") and "Traceback" not in line
+
+
+def test_a_node_rank_beyond_the_run_s_nodes_is_refused_naming_its_variable(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from eagle3_core.errors import Eagle3Error
+
+    for name in drafter.NODE_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, rank in (("SLURM_NODEID", "5"), ("SLURM_NODEID", "2"), ("JOB_COMPLETION_INDEX", "2")):
+        monkeypatch.setenv(name, rank)
+        for with_vocab in (True, False):  # the rank is checked whether or not this node builds the vocab
+            with pytest.raises(Eagle3Error, match=rf"^{name}={rank}: .* below train.nodes \(2\)"):
+                drafter.launch_training(_nodes(tmp_path), with_vocab=with_vocab)
+        monkeypatch.delenv(name)
+    assert calls == []
+    monkeypatch.setenv("EAGLE3_NODE_RANK", "2")
+    drafter.launch_training(_nodes(tmp_path), with_vocab=True, nodes=3)  # --nodes 3: ranks 0, 1 and 2
+    assert calls == ["torchrun:4"]
+    with pytest.raises(Eagle3Error, match=r"^EAGLE3_NODE_RANK=2: .* below --nodes \(2\)"):
+        drafter.launch_training(_config(tmp_path, 4), nodes=2, rendezvous="gpu-001:29400")
+
+
+def test_a_non_positive_nproc_is_refused_in_one_line(
+    tmp_path: Path, calls: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from eagle3_cli.steps import main
+    from eagle3_core.errors import Eagle3Error
+
+    config = _config(tmp_path, 2)
+    for bad in (0, -1):  # 0 fell back to train.processes; -1 trained in one process
+        with pytest.raises(Eagle3Error, match=rf"^--nproc: Input should be greater than 0 \(got {bad}\)$"):
+            drafter.launch_training(config, processes=bad, with_vocab=True)
+    assert calls == []
+    assert main(["--config", str(config), "train", "--nproc", "0"]) == 2
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert line == "error: --nproc: Input should be greater than 0 (got 0)"

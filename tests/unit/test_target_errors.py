@@ -140,6 +140,25 @@ def _tokenizer_config_a_list(target: Path) -> None:
     _tokenizer_config_only(target, '[{"chat_template": "x"}]')
 
 
+def _no_tokenizer_json(target: Path) -> None:
+    (target / "tokenizer.json").unlink()
+
+
+def _tokenizer_json_truncated(target: Path) -> None:
+    path = target / "tokenizer.json"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def _tokenizer_config_nested_beside_jinja(target: Path) -> None:
+    """transformers reads tokenizer_config.json even where chat_template.jinja holds the template."""
+    depth = 100_000
+    (target / "tokenizer_config.json").write_text('{"x": ' + "[" * depth + "]" * depth + "}")
+
+
+def _tokenizer_config_not_utf8_beside_jinja(target: Path) -> None:
+    (target / "tokenizer_config.json").write_bytes(b'{"model_max_length": 4096, "x": "\xff"}')
+
+
 # (how the copy is broken, what the one line must say)
 CASES: dict[str, tuple[Break, list[str]]] = {
     "pickled weights only": (
@@ -195,6 +214,19 @@ CASES: dict[str, tuple[Break, list[str]]] = {
     "tokenizer_config.json a list": (
         _tokenizer_config_a_list,
         ["broken-target/tokenizer_config.json", "expected a JSON object, got list"],
+    ),
+    "no tokenizer.json": (_no_tokenizer_json, ["broken-target: no tokenizer.json", "fast tokenizer"]),
+    "tokenizer.json truncated": (
+        _tokenizer_json_truncated,
+        ["broken-target/tokenizer.json", "not valid JSON", "column"],
+    ),
+    "tokenizer_config.json nested too deeply beside chat_template.jinja": (
+        _tokenizer_config_nested_beside_jinja,
+        ["broken-target/tokenizer_config.json", "not readable JSON", "nested too deeply"],
+    ),
+    "tokenizer_config.json not utf-8 beside chat_template.jinja": (
+        _tokenizer_config_not_utf8_beside_jinja,
+        ["broken-target/tokenizer_config.json", "not UTF-8 text", "at byte 33"],
     ),
     "hidden_size disagrees with the weights": (
         lambda t: _edit_config(t, hidden_size=256),
@@ -331,3 +363,24 @@ def test_an_index_naming_a_missing_weight_file_is_refused(toy_target_dir: Path, 
 def test_the_intact_toy_target_passes_the_checks(toy_target_dir: Path) -> None:
     check_target_dir(toy_target_dir, TargetConfig())
     check_target_dir(toy_target_dir, TargetConfig(aux_layer_ids=(0, 3, 7)))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_that_links_to_a_device_is_refused_unread(
+    name: str, toy_target_dir: Path, tmp_path: Path
+) -> None:
+    """transformers would read /dev/zero until memory runs out; the check never opens what is not a file."""
+    target = _broken_copy(toy_target_dir, tmp_path, lambda t: (t / name).unlink())
+    (target / name).symlink_to("/dev/zero")
+    with pytest.raises(TargetError) as err:
+        check_target_dir(target, TargetConfig(path=str(target)), weights=False)
+    assert str(err.value) == f"{target / name}: not a regular file (a link to /dev/zero)"
+
+
+def test_a_tokenizer_file_past_the_size_limit_is_refused_without_reading_it_whole(
+    toy_target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("eagle3_core.data.tokenize.MAX_TOKENIZER_FILE_BYTES", 1000)
+    target = _broken_copy(toy_target_dir, tmp_path, lambda _: None)
+    with pytest.raises(TargetError, match=r"broken-target/tokenizer\.json: larger than 1000 bytes"):
+        check_target_dir(target, TargetConfig(path=str(target)), weights=False)

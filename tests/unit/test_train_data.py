@@ -6,7 +6,7 @@ import math
 import weakref
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -423,3 +423,43 @@ def test_the_second_looks_size_is_no_part_of_the_runs_identity() -> None:
 
     assert identity(al_confirm_prompts=0) == identity() == identity(al_confirm_prompts=64)
     assert identity(al_prompts=4) != identity()
+
+
+@pytest.mark.parametrize("batching", ["pad", "pack"])
+def test_max_steps_plans_only_the_epochs_it_reaches_and_the_same_batches(
+    batching: Literal["pad", "pack"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """epochs: 1000000 with max_steps: 30 plans the 30 steps, not a million epochs (issue 48): in well under a
+    second and a few MiB, planning no epoch beyond the 30th, and the steps are those a run of two epochs
+    (the same seed) takes first, so a resumed run replays the batches it would have seen."""
+    import time
+    import tracemalloc
+
+    from eagle3_core.train import schedule as schedule_module
+
+    refs = _refs(300, seed=4)  # 5..299 tokens: about 22 steps an epoch of 2048 tokens, padded or packed
+    planned: list[str] = []  # an entry an epoch planned
+    for name in ("plan_epoch", "plan_packed_epoch"):
+        real = getattr(schedule_module, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            planned.append(_name)
+            assert len(planned) <= 30, "planned more epochs than 30 steps can reach"  # fails fast
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(schedule_module, name, counted)
+    cfg = TrainConfig(batch_tokens=2048, max_len=300, seed=5, batching=batching, max_steps=30)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        steps = schedule(refs, TrainConfig(**{**cfg.model_dump(), "epochs": 10**6}), world=2)
+        seconds = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(steps) == 30 and seconds < 0.5 and peak < 8 * 2**20, (seconds, peak)
+    assert len(planned) == 2  # 30 steps of about 22 an epoch: the first two epochs, no more
+    two_epochs = cfg.model_copy(update={"epochs": 2})
+    assert steps == schedule(refs, two_epochs, world=2)
+    full = schedule(refs, two_epochs.model_copy(update={"max_steps": None}), world=2)
+    assert len(full) > 30 and steps == full[:30] and {e for e, _ in steps} == {0, 1}
