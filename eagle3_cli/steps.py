@@ -423,7 +423,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_core.steps.drafter import export_step
 
     result = export_step(_config(args), progress_log)
-    console.print(f"exported: {result.metadata['sglang_dir']}  {result.metadata['speculators_dir']}")
+    said = "exported" if result.metadata["written"] else "unchanged"
+    console.print(f"{said}: {result.metadata['sglang_dir']}  {result.metadata['speculators_dir']}")
     return 0
 
 

@@ -40,6 +40,11 @@ class CheckpointCorruptError(Eagle3Error):
         self.reason = reason
 
 
+class TrainingDivergedError(Eagle3Error):
+    """A training run's loss or weights stopped being finite (NaN, inf): the run is stopped at that step, its
+    earlier checkpoints kept; the message names the step and what to change."""
+
+
 class StaleVocabMappingError(Eagle3Error):
     """A saved vocab mapping was built for other data, another tokenizer or another K than the one expected."""
 

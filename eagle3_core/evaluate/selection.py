@@ -9,8 +9,9 @@ of AL(best) - AL(last), over the same prompts, above 0 (the promotion gate's com
 the default because it has trained longest: on a curve that still rises slowly, keeping an earlier step until
 a later one is better beyond noise sticks to the early step (on the H200, bench/results/al_selection_gpu.json:
 step 120 of 320 kept, and the last step better by 0.065 on further prompts). The best measured weights and
-their rounds live in `best/` beside the checkpoints (whole or absent), so a resumed run keeps choosing from
-where it was.
+their rounds live in `best/` beside the checkpoints (whole or absent), and every checkpoint keeps what the
+choice stood on at its step (`saved`: the best and the latest measured steps' rounds, the best's weights), so
+a run resumed from any checkpoint, its last one too (cut short before `final/`), chooses as it would have.
 
 The measurements are bounded in time by `train.al_overhead` of the training time projected for the whole
 run (the steps left at the rate since the latest due step, not at a mean that carries the first steps'
@@ -23,6 +24,7 @@ choice then made over all of them, when that still fits in the same budget.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -43,12 +45,15 @@ from eagle3_core.evaluate.measure import (
     pooled_runs_al,
 )
 from eagle3_core.store.atomic import atomic_directory
-from eagle3_core.store.records import ALRow, ALSelection, KeptRounds
+from eagle3_core.store.records import ALRow, ALSelection, KeptRounds, SelectorState
+from eagle3_core.train.checkpoint import Extra
 from eagle3_core.train.run_dir import drafter_state, load_drafter_state
 from eagle3_core.train.selection import BEST
 
 BEST_WEIGHTS = "drafter.safetensors"
 BEST_ROUNDS = "rounds.json"
+SAVED_STATE = "selection.json"  # in each checkpoint: SelectorState
+SAVED_WEIGHTS = "selection.safetensors"  # in each checkpoint whose step is not the best measured one
 
 Log = Callable[[str], None]
 
@@ -201,25 +206,84 @@ class ALSelector:
 
     def _keep(self, drafter: Eagle3Drafter, measured: Measured) -> None:
         """best/: the weights and rounds of `measured`, whole or absent (written before they are relied on)."""
+        weights = {n: t.detach().cpu().clone().contiguous() for n, t in drafter_state(drafter).items()}
+        self._write_best(weights, measured)
+        self.best, self.best_weights = measured, weights
+
+    def _write_best(self, weights: dict[str, torch.Tensor], measured: Measured) -> None:
         from safetensors.torch import save_file
 
-        weights = {n: t.detach().cpu().clone().contiguous() for n, t in drafter_state(drafter).items()}
         with atomic_directory(self.best_dir, replace=True) as temp:
             save_file(weights, str(temp / BEST_WEIGHTS))
             kept = [list(r.accepted) for r in measured.runs]
             KeptRounds(step=measured.step, probe=self.probe.fingerprint, accepted=kept).write(
                 temp / BEST_ROUNDS
             )
-        self.best, self.best_weights = measured, weights
 
-    # ---- resume and the end -----------------------------------------------------------------------------------
-    def resume(self, run_dir: Path, step: int) -> None:
-        """Bind to `run_dir` and take up the kept weights a run cut short had chosen by `step` (the checkpoint
-        resumed from); kept weights of a later step (measured after that checkpoint) are dropped, as the
-        steps are trained again."""
+    # ---- checkpoints, resume and the end ----------------------------------------------------------------------
+    def saved(self, step: int) -> dict[str, Extra]:
+        """What the checkpoint of `step` keeps of the choice (written inside it: train/checkpoint.py `extra`):
+        the best and the latest measured steps' rounds, each with any further prompts' the confirmation decoded,
+        and the best's weights unless they are the step's own (the checkpoint's)."""
+        state = SelectorState(best=self._rounds(self.best), last=self._rounds(self.last))
+        files: dict[str, Extra] = {SAVED_STATE: json.dumps(state.dump(), separators=(",", ":")).encode()}
+        if self.best is not None and self.best.step != step:
+            assert self.best_weights is not None  # set with best, always
+            files[SAVED_WEIGHTS] = self.best_weights
+        return files
+
+    def _rounds(self, measured: Measured | None) -> KeptRounds | None:
+        if measured is None:
+            return None
+        kept = [list(r.accepted) for r in measured.runs]
+        return KeptRounds(step=measured.step, probe=self.probe.fingerprint, accepted=kept)
+
+    def resume(
+        self,
+        run_dir: Path,
+        step: int,
+        saved: dict[str, Extra] | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Bind to `run_dir` and take up the choice a run cut short had made by `step`, the checkpoint resumed
+        from: what that checkpoint `saved` (its own `weights` are the step's), else (a checkpoint of an eagle3
+        that saved nothing) best/ when it was measured by then. What was measured after the checkpoint is
+        dropped, as the steps are trained again."""
+        self.best_dir, self.start_step = run_dir / BEST, step
+        self.best = self.best_weights = self.last = None
+        if saved is not None and SAVED_STATE in saved:
+            self._take_up(saved, step, weights)
+        else:
+            self._take_up_best_dir(step)
+        if self.best is not None:
+            self.log(
+                f"keeping step {self.best.step}'s weights so far (measured before the run was cut short)"
+            )
+
+    def _take_up(self, saved: dict[str, Extra], step: int, weights: dict[str, torch.Tensor] | None) -> None:
+        """The choice as the checkpoint of `step` saved it; best/ made to hold its best again (a later best
+        measured after the checkpoint was dropped)."""
+        content = saved[SAVED_STATE]
+        assert isinstance(content, bytes)  # written as bytes, verified by the checkpoint's load
+        state = SelectorState.model_validate(json.loads(content))
+        fingerprint = self.probe.fingerprint
+        best, last = (
+            r if r is not None and r.probe == fingerprint else None for r in (state.best, state.last)
+        )
+        best_weights = weights if best is not None and best.step == step else saved.get(SAVED_WEIGHTS)
+        if best is not None and isinstance(best_weights, dict):
+            self.best, self.best_weights = _measured(best), best_weights
+            rounds = self.best_dir / BEST_ROUNDS
+            held = KeptRounds.read(rounds) if rounds.exists() else None
+            if held is None or (held.step, held.probe) != (best.step, best.probe):
+                self._write_best(best_weights, self.best)
+        else:
+            shutil.rmtree(self.best_dir, ignore_errors=True)
+        self.last = _measured(last) if last is not None else None
+
+    def _take_up_best_dir(self, step: int) -> None:
         from safetensors.torch import load_file
 
-        self.best_dir, self.start_step = run_dir / BEST, step
         rounds = self.best_dir / BEST_ROUNDS
         if not rounds.exists():
             shutil.rmtree(self.best_dir, ignore_errors=True)
@@ -228,10 +292,17 @@ class ALSelector:
         if kept.step > step or kept.probe != self.probe.fingerprint:
             shutil.rmtree(self.best_dir)  # chosen after the checkpoint resumed from, or measured otherwise
             return
-        runs = [PromptRun(tuple(r), PathTiming(), PathTiming()) for r in kept.accepted]
-        measured = Measured(kept.step, runs)
-        self.best, self.best_weights = measured, load_file(str(self.best_dir / BEST_WEIGHTS))
-        self.log(f"keeping step {measured.step}'s weights so far (measured before the run was cut short)")
+        self.best, self.best_weights = _measured(kept), load_file(str(self.best_dir / BEST_WEIGHTS))
+
+    def end_due(self, step: int) -> bool:
+        """Whether a run resumed at its last step, `step`, must measure it again to choose the weights it ends
+        with: its checkpoint saved no measurement of it (an eagle3 that saved none wrote it, or it was measured
+        on other prompts). If so, the step is due as the last step is, with its confirmation; this process
+        trained nothing to budget it against."""
+        if self.cfg.keep != "best_al" or (self.last is not None and self.last.step == step):
+            return False
+        self.total, self.projected = step, None
+        return True
 
     def kept_weights(self) -> dict[str, torch.Tensor] | None:
         if self.cfg.keep != "best_al" or self.last is None:
@@ -255,3 +326,7 @@ class ALSelector:
             difference_ci95=[round(x, 4) for x in diff.ci95],
             measured_steps=measured_steps,
         )
+
+
+def _measured(rounds: KeptRounds) -> Measured:
+    return Measured(rounds.step, [PromptRun(tuple(r), PathTiming(), PathTiming()) for r in rounds.accepted])

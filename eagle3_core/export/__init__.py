@@ -3,22 +3,27 @@ and the loading of any EAGLE-3 drafter directory in either format, ours or anoth
 
 A run's export is published whole (`publish_export`): both formats in one directory, each validated, then
 linked in one rename, so a crash or a full disk leaves the previous export or none, never one format alone.
+Exporting the same bytes again publishes nothing; a new version carries the previous one's evaluation
+(export/versions.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import safe_open
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.draft.vocab import VocabMapping
 from eagle3_core.errors import ExportError
 from eagle3_core.export.common import (
     CONFIG_FILE,
+    WEIGHTS_FILE,
     ExportFormat,
     ExportInfo,
     ExportTarget,
@@ -26,12 +31,15 @@ from eagle3_core.export.common import (
     LoadedExport,
     check_export,
     export_bytes,
+    export_contents,
     load,
     read_config_file,
 )
 from eagle3_core.export.sglang import ARCHITECTURE as SGLANG_ARCHITECTURE
 from eagle3_core.export.sglang import SGLANG, export_sglang, written_layer_ids
-from eagle3_core.export.speculators import SPECULATORS, export_speculators
+from eagle3_core.export.speculators import SPECULATORS, SpeculatorsFormat, export_speculators
+from eagle3_core.export.versions import carry_eval, contents_digest, version_digest, write_digest
+from eagle3_core.finite import nonfinite_tensor
 from eagle3_core.store.atomic import atomic_versioned_directory, keep_only_linked
 from eagle3_core.store.disk import disk_preflight, full_disk_is_one_line
 
@@ -86,6 +94,21 @@ def check_complete_export(export_dir: Path) -> None:
         check_export(fmt, export_dir / name)
 
 
+def check_finite_export(export_dir: Path, refused: str) -> None:
+    """ExportError, in one line naming the weights file and the tensor, unless every weight of both formats in
+    `export_dir` (ours: WEIGHTS_FILE each) is finite; `refused` says what is not done ("not promoted"). An
+    eagle3 before the export's own check exported a diverged run's NaN weights."""
+    for name in FORMATS:
+        weights = Path(export_dir) / name / WEIGHTS_FILE
+        with safe_open(str(weights), framework="pt") as f:
+            bad = nonfinite_tensor((key, f.get_tensor(key)) for key in sorted(f.keys()))
+        if bad is not None:
+            raise ExportError(
+                f"{weights}: {bad}: {refused}: weights that are not finite draft nothing (a diverged training "
+                "run? train it again with a lower train.lr, then export it)"
+            )
+
+
 def publish_export(
     drafter: Eagle3Drafter,
     mapping: VocabMapping,
@@ -95,17 +118,34 @@ def publish_export(
     *,
     dtype: torch.dtype,
     speculative_tokens: int,
-) -> Path:
+) -> PublishedExport:
     """Both formats of the drafter in one new version directory in `versions`, each validated while hidden,
-    then published at `link` (`export/<run>`) in one rename (store/atomic.py `atomic_versioned_directory`);
-    returns `link`. The caller holds the run's export lock.
+    then published at `link` (`export/<run>`) in one rename (store/atomic.py `atomic_versioned_directory`).
+    The caller holds the run's export lock.
+
+    What would be written is compared first with what `link` holds (export/versions.py, by digest): the same
+    bytes publish nothing, and the version stays as it is, its evaluation with it. Other bytes (the run's
+    weights changed, another dtype, an eagle3 that writes otherwise) make a new version that carries the
+    previous one's eval/, marked as measured on it. Weights that are not finite are refused in one line naming
+    the tensor, before anything is written.
 
     `link` stays the previous export, whole, until that rename: a crash, or any error, before it publishes
     nothing. A disk with less than EXPORT_DISK_HEADROOM times the export's size free is refused before anything
     is written, and a full disk under the writes is a DiskSpaceError saying so.
     """
     keep_only_linked(link, versions)  # what crashed exports left is cleared first: its space counts as free
-    needed = sum(export_bytes(fmt, drafter, mapping, dtype) for fmt in FORMATS.values())
+    formats: dict[FormatName, ExportFormat] = {
+        "sglang": SGLANG,
+        "speculators": SpeculatorsFormat(speculative_tokens),
+    }
+    digest = contents_digest(
+        (name, export_contents(fmt, drafter, mapping, target, dtype, str(link)))
+        for name, fmt in formats.items()
+    )
+    before = version_digest(link, formats) if link.exists() else None
+    if before == digest:
+        return PublishedExport(link, written=False)
+    needed = sum(export_bytes(fmt, drafter, mapping, dtype) for fmt in formats.values())
     disk_preflight(versions, needed, EXPORT_DISK_HEADROOM, f"the export of {link} (sglang and speculators)")
     with _disk_full_said(link, versions), atomic_versioned_directory(link, versions) as staging:
         export_sglang(drafter, mapping, target, staging / "sglang", dtype=dtype)
@@ -118,7 +158,20 @@ def publish_export(
             speculative_tokens=speculative_tokens,
         )
         check_complete_export(staging)
-    return link
+        write_digest(staging, digest)
+        # what the version replaced was measured to be is kept (the promoted drafter's report and pictures)
+        carried = carry_eval(link, staging, before) if link.exists() else []
+    return PublishedExport(link, written=True, carried=tuple(carried))
+
+
+@dataclass(frozen=True)
+class PublishedExport:
+    """What `publish_export` did: `link` written anew (False: it held these bytes already, and is as it was),
+    and the eval/ files the new version carried from the one it replaced."""
+
+    link: Path
+    written: bool
+    carried: tuple[str, ...] = ()
 
 
 def _disk_full_said(link: Path, versions: Path) -> AbstractContextManager[None]:
@@ -171,7 +224,9 @@ __all__ = [
     "ExportTarget",
     "FormatName",
     "LoadedExport",
+    "PublishedExport",
     "check_complete_export",
+    "check_finite_export",
     "detect_format",
     "export_sglang",
     "export_speculators",

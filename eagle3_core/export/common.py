@@ -51,6 +51,7 @@ from eagle3_core.engines.engine_config import (
 )
 from eagle3_core.engines.sglang_models import read_architectures
 from eagle3_core.errors import ExportError, TargetError
+from eagle3_core.finite import nonfinite_tensor
 from eagle3_core.store.atomic import atomic_directory, read_json_object
 from eagle3_core.store.records import validation_message
 from eagle3_core.targets.model_config import HFFields, read_language_fields
@@ -522,15 +523,26 @@ def export_bytes(fmt: ExportFormat, drafter: Eagle3Drafter, mapping: VocabMappin
     return weights + mapping.d2t.numel() * 8 + mapping.t2d.numel() + CONFIG_AND_HEADER_BYTES
 
 
-def write_export(
+@dataclass(frozen=True)
+class ExportContents:
+    """What `write_export` writes for one format: its tensors (WEIGHTS_FILE) and config.json's text."""
+
+    tensors: dict[str, torch.Tensor]
+    config_text: str
+
+
+def export_contents(
     fmt: ExportFormat,
     drafter: Eagle3Drafter,
     mapping: VocabMapping,
     target: ExportTarget,
-    out_dir: Path,
     dtype: torch.dtype,
-) -> Path:
-    """Write `out_dir` as `fmt`, validate it while still hidden, then put it in place atomically."""
+    where: str,
+) -> ExportContents:
+    """What an export of `drafter` in `fmt` holds, checked first: ExportError for a dtype no engine loads, a
+    variant the format's engine cannot run, a drafter, mapping and target that disagree, or a weight that is
+    not finite in `dtype` (a diverged run's NaN, or a value past float16's range), in one line naming `where`
+    and the tensor."""
     cfg = drafter.cfg
     dtype_name(dtype)  # refuse an unsupported dtype before any work
     fmt.check_expressible(cfg)
@@ -540,14 +552,34 @@ def write_export(
         for name, tensor in drafter.state_dict().items()
         if fmt.with_embedding or name != EMBED_KEY
     }
+    bad = nonfinite_tensor(tensors.items())
+    if bad is not None:
+        raise ExportError(
+            f"{where}: not exported: {bad} in {dtype_name(dtype)}: weights that are not finite draft nothing "
+            "(a diverged training run? train it again with a lower train.lr)"
+        )
     tensors |= vocab_tensors(mapping)
     written = fmt.build_config(cfg, target, dtype, provenance(fmt, cfg, target, mapping, dtype))
     config = written.model_dump(mode="json", by_alias=True)
+    return ExportContents(tensors, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_export(
+    fmt: ExportFormat,
+    drafter: Eagle3Drafter,
+    mapping: VocabMapping,
+    target: ExportTarget,
+    out_dir: Path,
+    dtype: torch.dtype,
+) -> Path:
+    """Write `out_dir` as `fmt` (`export_contents`), validate it while still hidden, then put it in place
+    atomically."""
+    contents = export_contents(fmt, drafter, mapping, target, dtype, str(out_dir))
     # replace: exporting again swaps the whole directory; a failed export leaves the previous one
     with atomic_directory(out_dir, replace=True) as temp:
         # transformers refuses a safetensors file whose metadata lacks format=pt
-        save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(contents.tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (temp / CONFIG_FILE).write_text(contents.config_text)
         check_export(fmt, temp)
     return Path(out_dir)
 

@@ -41,8 +41,9 @@ from eagle3_core.evaluate.measure import (
 from eagle3_core.evaluate.plots import acceptance_bars, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.evaluate.selection import ALSelector
-from eagle3_core.export import FORMATS, check_complete_export
+from eagle3_core.export import FORMATS, check_complete_export, check_finite_export
 from eagle3_core.export.common import FormatName
+from eagle3_core.export.versions import carried_from
 from eagle3_core.steps.common import Log, StepResult, quiet
 from eagle3_core.steps.drafter import latest_final, latest_summary
 from eagle3_core.store.atomic import atomic_write_json
@@ -701,15 +702,24 @@ def read_report(cfg: Eagle3Config) -> EvalReport:
 
 
 def promote_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
-    """Point `current` at the newest evaluated run, if its gate passed and its export is complete;
-    PromotionRefused, or ExportError naming what is missing, otherwise."""
+    """Point `current` at the newest evaluated run, if its gate passed on the export there now and that export
+    is complete and finite; PromotionRefused, or ExportError naming what is missing or not finite, otherwise."""
     layout = StoreLayout(cfg.store_root)
     report = read_report(cfg)
+    path = report_file(layout.export_eval(report.run), cfg.evaluate.export_format)
+    measured_on = carried_from(path)
+    if measured_on is not None:  # carried into a new version by an export of other bytes (export/versions.py)
+        raise PromotionRefused(
+            f"drafter {report.run} is not promoted: its evaluation {path} was measured on {measured_on}, the "
+            "export before the one it holds now; evaluate it again (`eagle3 eval --promote`, or materialize "
+            "drafter_eval)"
+        )
     gate = report.gate
     if not gate.passed:
         raise PromotionRefused(f"drafter {gate.candidate_run} is not promoted: {gate.reason}")
     export_root = layout.exports / report.run
     check_complete_export(export_root)  # never promote what cannot be served in both formats
+    check_finite_export(export_root, "not promoted")  # nor a diverged run's NaN weights
     record = DrafterCurrent(
         run=report.run,
         export_dir=layout.pointer_path(export_root),

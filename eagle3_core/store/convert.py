@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.errors import RecordError
+from eagle3_core.store.atomic import remove_stale_temps
+from eagle3_core.store.held import cut_conversion
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.locks import writer_lock
 from eagle3_core.store.records import ShardFacts, ShardManifest
@@ -77,6 +79,21 @@ def _stale(manifest_path: Path, manifest: ShardManifest) -> bool:
         return ShardManifest.read(manifest_path) != manifest
     except (RecordError, OSError):
         return True
+
+
+def finish_cut_conversion(root: Path, key: str) -> bool:
+    """What a writer of shard `key` killed mid-way left, finished as a rerun of it would: its temporaries
+    removed and, where a conversion renamed the new shard in but not its manifest, the manifest written from
+    the shard's header. Under the shard's writer lock, taken without waiting (a writer at work on it:
+    StoreBusyError, its files left to it). Whether anything was left to finish."""
+    layout = StoreLayout(root)
+    path = layout.hidden_states(key)
+    with writer_lock(layout.writer_lock("hidden_states", key), f"hidden-state shard {key}"):
+        removed = remove_stale_temps(path) + remove_stale_temps(layout.hidden_states_manifest(key))
+        manifest = cut_conversion(root, key)
+        if manifest is not None:
+            manifest.write(layout.hidden_states_manifest(key))
+    return bool(removed) or manifest is not None
 
 
 def convert_store(

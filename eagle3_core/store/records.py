@@ -241,6 +241,16 @@ class KeptRounds(Record):
     accepted: list[list[int]]
 
 
+class SelectorState(Record):
+    """checkpoints/step-*/selection.json: what the AL selection had measured by the checkpoint's step, so a run
+    resumed from it (at its last step too) chooses as it would have: the best measured step's rounds (its
+    weights are the checkpoint's own when it is that step, else selection.safetensors beside it) and the
+    latest measured step's; at the last step each with the further prompts' rounds the confirmation decoded."""
+
+    best: KeptRounds | None
+    last: KeptRounds | None
+
+
 class ALSelection(Record):
     """The weights a run kept, chosen by acceptance length measured during training: the kept step's AL
     against the last step's on the same prompts (paired; `difference` is kept minus last)."""
@@ -1013,8 +1023,8 @@ class RunProgress(Record):
 
 
 class CheckpointFile(Record):
-    """What a checkpoint recorded of one of its safetensors files when it wrote it: its size, and the sha256
-    of its tensors (store.shards.tensors_digest)."""
+    """What a checkpoint recorded of one of its files when it wrote it: its size, and the sha256 of its tensors
+    (store.shards.tensors_digest) for a safetensors file, of its bytes for any other."""
 
     bytes: int
     sha256: str

@@ -6,6 +6,8 @@ checked against their checksums before a run resumes from them.
       optimizer.safetensors   AdamW moments and step counts, one tensor per (parameter, field)
       state.json              the run's progress, step, optimizer hyper-parameters, and the checksums
                               (store.records.CheckpointState)
+      selection.json, ...     what the run's selector keeps at the step (`extra`: evaluate/selection.py),
+                              recorded and verified like the others
 
 A checkpoint directory under its final name was written whole: a crash mid-write leaves only a temporary
 directory, removed when the resumed run saves that step again. Its bytes can still be lost or changed later
@@ -31,7 +33,7 @@ import re
 import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,9 @@ WEIGHTS = "drafter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
 
+# a file a checkpoint keeps for another part of the run: tensors (a .safetensors file) or bytes (any other)
+Extra = bytes | dict[str, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -58,6 +63,7 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, Any]  # an optimizer state_dict
     state: CheckpointState
+    extra: dict[str, Extra] = field(default_factory=dict)  # its other files, verified: see save_checkpoint
 
     @property
     def step(self) -> int:
@@ -124,6 +130,13 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> CheckpointFi
     return CheckpointFile(bytes=path.stat().st_size, sha256=tensors_digest(tensors))
 
 
+def _write_extra(path: Path, content: Extra) -> CheckpointFile:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+        return CheckpointFile(bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
+    return _write_tensors(path, {n: t.detach().cpu().contiguous() for n, t in content.items()})
+
+
 def full_disk_stops_the_run(run_dir: Path, writing: str, needed: int) -> AbstractContextManager[None]:
     """A full disk or quota under the block is a DiskSpaceError naming the directory, what it needed and what
     is free, and the step the run will resume from (the block's own writes are atomic: nothing half-written
@@ -148,11 +161,18 @@ def save_checkpoint(
     optimizer_state: dict[str, Any],
     progress: RunProgress,
     keep: int,
+    extra: dict[str, Extra] | None = None,
 ) -> Path:
+    """The checkpoint of `step`, whole under its final name or absent. `extra`: further files by name, written
+    inside it (so they are the step's whatever is killed when), recorded in state.json's `files` and verified
+    at every load like the weights: tensors (a name ending .safetensors) by their digest, bytes by theirs."""
     final = checkpoint_dir(run_dir, step)
     weights = {n: t.detach().cpu().contiguous() for n, t in weights.items()}
     opt_tensors, groups = _flatten_optimizer(optimizer_state)
     needed = sum(t.nbytes for t in (*weights.values(), *opt_tensors.values()))
+    needed += sum(
+        len(c) if isinstance(c, bytes) else sum(t.nbytes for t in c.values()) for c in (extra or {}).values()
+    )
     # replace: the same step saved again (a resumed run re-reaching it) replaces it whole
     with (
         full_disk_stops_the_run(run_dir, f"the checkpoint of step {step}", needed),
@@ -162,6 +182,8 @@ def save_checkpoint(
             WEIGHTS: _write_tensors(temp / WEIGHTS, weights),
             OPTIMIZER: _write_tensors(temp / OPTIMIZER, opt_tensors),
         }
+        for name, content in (extra or {}).items():
+            files[name] = _write_extra(temp / name, content)
         state = CheckpointState(**dict(progress), step=step, param_groups=groups, files=files)
         state = state.model_copy(update={"checksum": state_checksum(state)})
         (temp / STATE).write_text(json.dumps(state.dump(), indent=1))
@@ -224,7 +246,31 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointCorruptError(
             f"{path / OPTIMIZER}: a tensor name is not eagle3's ({err})", "unreadable"
         ) from None
-    return Checkpoint(path, weights, optimizer, state)
+    extra = {name: _read_extra(path / name, recorded) for name, recorded in files.items() if name not in CORE}
+    return Checkpoint(path, weights, optimizer, state, extra)
+
+
+CORE = (WEIGHTS, OPTIMIZER)
+
+
+def _read_extra(path: Path, recorded: CheckpointFile) -> Extra:
+    """A further file a checkpoint recorded (save_checkpoint's `extra`), checked against its record."""
+    if path.suffix == ".safetensors":
+        return _read_tensors(path, recorded)
+    if not path.exists():
+        raise CheckpointCorruptError(f"{path}: missing", "incomplete")
+    content = path.read_bytes()
+    if len(content) != recorded.bytes:
+        what = "truncated" if len(content) < recorded.bytes else "longer than written"
+        raise CheckpointCorruptError(
+            f"{path}: {what} ({len(content):,} bytes on disk, {recorded.bytes:,} written)",
+            "truncated" if len(content) < recorded.bytes else "size",
+        )
+    if hashlib.sha256(content).hexdigest() != recorded.sha256:
+        raise CheckpointCorruptError(
+            f"{path}: fails its checksum (its content changed after it was written)", "checksum"
+        )
+    return content
 
 
 def set_aside(path: Path, reason: str) -> Path:

@@ -10,13 +10,30 @@ import torch
 
 from eagle3_core.draft.model import Eagle3Drafter
 from eagle3_core.store.records import ALRow, ALSelection
+from eagle3_core.train.checkpoint import Extra
 
 BEST = "best"  # runs/<run>/best/: the kept weights and their measurement, whole or absent
 
 
 class RunSelector(Protocol):
-    def resume(self, run_dir: Path, step: int) -> None:
-        """Bind to the run in `run_dir`, resumed from `step` (0: started afresh)."""
+    def resume(
+        self,
+        run_dir: Path,
+        step: int,
+        saved: dict[str, Extra] | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Bind to the run in `run_dir`, resumed from `step` (0: started afresh): `saved`, what `saved` gave the
+        checkpoint of `step` (None: it has none), and `weights`, the checkpoint's drafter weights."""
+        ...
+
+    def saved(self, step: int) -> dict[str, Extra]:
+        """The files the checkpoint of `step` keeps for the selector, by name (train/checkpoint.py `extra`)."""
+        ...
+
+    def end_due(self, step: int) -> bool:
+        """Whether a run resumed at its last step, `step`, measures it again to choose its weights (its
+        checkpoint saved no measurement of it)."""
         ...
 
     def due(self, step: int, total: int, elapsed: float) -> bool:

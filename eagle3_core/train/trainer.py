@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from eagle3_core.config import DrafterVariant, RecordLoss, TrainConfig
 from eagle3_core.conventions import FinalStateConvention
 from eagle3_core.draft.model import AttentionBackend, DrafterConfig, Eagle3Drafter, Packing
 from eagle3_core.draft.vocab import VocabMapping
-from eagle3_core.errors import Eagle3Error
+from eagle3_core.errors import Eagle3Error, TrainingDivergedError
+from eagle3_core.finite import nonfinite_tensor
 from eagle3_core.store.records import ALRow, GpuMemory, RunProgress, RunSummary, TrainRow, ValRow
 from eagle3_core.targets.head import TargetHead, load_target_head
 from eagle3_core.targets.model_config import read_text_config
@@ -41,6 +43,7 @@ from eagle3_core.train.checkpoint import (
     Checkpoint,
     checkpoint_dir,
     full_disk_stops_the_run,
+    list_checkpoints,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
@@ -561,9 +564,13 @@ def _run(
     if warm is not None:
         log(f"starting from the weights of run {warm.run} ({warm.final_dir})")
     metrics = MetricsLog(run_dir / METRICS, world)
-    progress = _resume(s, run_dir, metrics, log)
-    if selector is not None:
-        selector.resume(run_dir, progress.step)
+    progress = _resume(s, run_dir, metrics, log, selector)
+    if plan and progress.step == len(plan):
+        # cut short after its last checkpoint, before final/: the choice is made from what that checkpoint
+        # saved of it, or, where it saved no measurement of the last step, by measuring it again (with the
+        # confirmation); the last step's row is in the log already
+        end_due = selector is not None and selector.end_due(progress.step)
+        _measure_al(s, selector, metrics, progress.step, wanted=end_due, row=False)
     if warm is not None and progress.step == 0:
         # the weights started from are a candidate too: a run that only makes them worse keeps them
         _measure_al(s, selector, metrics, 0, wanted=selector is not None)
@@ -678,6 +685,9 @@ class Progress:
     interval_tokens: int
     resumed_from: int | None = None
     interval_started: float = 0.0
+    # the first step (since this process started) whose loss was not finite, -1 for none: a tensor on the
+    # device, updated without a sync each step and read where the run logs or checkpoints (`_stop_if_diverged`)
+    first_nonfinite: torch.Tensor | None = None
 
 
 NO_CHECKPOINT = -1
@@ -708,9 +718,11 @@ def _load_weights(s: Setup, weights: dict[str, torch.Tensor], where: Path) -> No
         copy_whole_into(param, weights[name])
 
 
-def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
-    """The progress of the newest intact checkpoint, with the drafter, optimizer and RNG it saved loaded; a
-    fresh start (and a fresh metric log) without one."""
+def _resume(
+    s: Setup, run_dir: Path, metrics: MetricsLog, log: Log, selector: RunSelector | None = None
+) -> Progress:
+    """The progress of the newest intact checkpoint, with the drafter, optimizer and RNG it saved loaded, and
+    the selector (rank 0's) given what it saved; a fresh start (and a fresh metric log) without one."""
     world, steps = s.world, s.cfg.ttt_steps
     ckpt = _resume_point(world, run_dir, log)
     progress = Progress(0, 0, TTTStats.zeros(steps, world.device), 0)
@@ -730,6 +742,13 @@ def _resume(s: Setup, run_dir: Path, metrics: MetricsLog, log: Log) -> Progress:
         log(f"resuming run {run_dir.name} from step {ckpt.step}")
     elif world.is_main:
         metrics.cut_to(0)  # a run that never checkpointed starts its log afresh
+    if selector is not None:
+        selector.resume(
+            run_dir,
+            progress.step,
+            ckpt.extra if ckpt is not None else None,
+            ckpt.weights if ckpt is not None else None,
+        )
     world.barrier()
     return progress
 
@@ -769,10 +788,15 @@ def _loop(
         for batch in prefetch(local_batches):
             epoch = plan[progress.step][0]
             lr = learning_rate(progress.step, len(plan), cfg)
-            progress.interval = progress.interval + train_step(s, batch.to(world.device), lr)
+            stats = train_step(s, batch.to(world.device), lr)
+            progress.interval = progress.interval + stats
             progress.interval_tokens += batch.tokens
             progress.step += 1
+            _note_nonfinite(progress, stats)
             last = progress.step == len(plan)
+            saves = progress.step % cfg.checkpoint_every == 0 or last
+            if saves or progress.step % cfg.log_every == 0:  # nothing diverged is logged, measured or saved
+                _stop_if_diverged(s, progress, run_dir, weights=saves)
             if progress.step % cfg.log_every == 0 or last:
                 _log_interval(s, progress, epoch, lr, len(plan), started, metrics, log)
             if progress.step % cfg.eval_every == 0 or last:
@@ -781,15 +805,54 @@ def _loop(
             due = selector is not None and selector.due(progress.step, len(plan), elapsed)
             _measure_al(s, selector, metrics, progress.step, wanted=due)
             if progress.step % cfg.checkpoint_every == 0 or last:
-                _checkpoint(s, run_dir, progress, metrics)
+                _checkpoint(s, run_dir, progress, metrics, selector)
     finally:
         prefetch.close()
         val_prefetch.close()
 
 
-def _measure_al(s: Setup, selector: RunSelector | None, metrics: MetricsLog, step: int, wanted: bool) -> None:
+def _note_nonfinite(progress: Progress, stats: TTTStats) -> None:
+    """Keep the step just taken as the first whose loss is not finite, if it is (on the device: no sync)."""
+    bad = ~torch.isfinite(stats.sums[0]).all()
+    first = progress.first_nonfinite
+    if first is None:
+        first = torch.full((), -1, dtype=torch.int64, device=stats.sums.device)
+    progress.first_nonfinite = torch.where(bad & (first < 0), progress.step, first)
+
+
+def _stop_if_diverged(s: Setup, progress: Progress, run_dir: Path, weights: bool) -> None:
+    """TrainingDivergedError, on every rank, when a step's loss was not finite on any rank, or (`weights`: at a
+    checkpoint) the weights are not: before the step is logged, measured or checkpointed, so every checkpoint
+    kept holds finite weights. The message names the first such step and what to do: a lower train.lr, which
+    is another run (the run id follows the settings)."""
+    world, cfg = s.world, s.cfg
+    local = int(progress.first_nonfinite.item()) if progress.first_nonfinite is not None else -1
+    never = 1 << 62  # the least first step over the ranks, as a max of negatives
+    first = -int(world.max(torch.tensor([-(local if local >= 0 else never)], device=world.device)).item())
+    what = f"the loss is not finite at step {first}" if first != never else None
+    if what is None and weights:
+        bad = nonfinite_tensor(
+            (name, p.to_local() if isinstance(p, DTensor) else p)
+            for name, p in drafter_state(s.drafter).items()
+        )
+        if world.max(torch.tensor([int(bad is not None)], device=world.device)).item():
+            what = f"the weights are not finite after step {progress.step} ({bad or 'on another rank'})"
+    if what is None:
+        return
+    kept = [step for step, _ in list_checkpoints(run_dir)]
+    saved = f"its checkpoints up to step {kept[-1]} are kept" if kept else "it saved no checkpoint"
+    raise TrainingDivergedError(
+        f"run {run_dir.name} diverged: {what}; stopped, without a final drafter ({saved}, their weights finite). "
+        f"Lower train.lr ({cfg.lr}) and train again: that starts a new run from step 0 (the run id follows the "
+        f"settings), and {run_dir} can be removed"
+    )
+
+
+def _measure_al(
+    s: Setup, selector: RunSelector | None, metrics: MetricsLog, step: int, wanted: bool, row: bool = True
+) -> None:
     """Where rank 0 `wanted` it (its selector found the step due), the acceptance length measured on rank 0
-    (the other ranks wait for it at their next collective) and logged."""
+    (the other ranks wait for it at their next collective) and logged (`row`: to metrics.jsonl too)."""
     world = s.world
     if not world.from_main(int(wanted)):
         return
@@ -804,7 +867,9 @@ def _measure_al(s: Setup, selector: RunSelector | None, metrics: MetricsLog, ste
         assert selector is not None  # due on rank 0 only where it has one
         return selector.measure(drafter, step)
 
-    metrics.write(on_main(world, f"measuring the acceptance length at step {step}", measure))
+    measured = on_main(world, f"measuring the acceptance length at step {step}", measure)
+    if row:
+        metrics.write(measured)
 
 
 def _selection_line(summary: RunSummary) -> str:
@@ -906,7 +971,9 @@ def _reduce_interval(world: World, interval: TTTStats, tokens: int) -> tuple[TTT
     return TTTStats(sums), int(n.item())
 
 
-def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog) -> None:
+def _checkpoint(
+    s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog, selector: RunSelector | None = None
+) -> None:
     # Every rank's interval sums go into the checkpoint, summed, so a resumed run logs the same interval.
     reduced, n = _reduce_interval(s.world, progress.interval, progress.interval_tokens)
     # under FSDP every rank gathers what rank 0 saves, whole: the format DDP saves
@@ -928,6 +995,8 @@ def _checkpoint(s: Setup, run_dir: Path, progress: Progress, metrics: MetricsLog
             optimizer_state if s.sharded else s.optimizer.state_dict(),
             state,
             s.cfg.keep_checkpoints,
+            # what the choice of the kept weights stands on at this step, so it survives any kill (rank 0's)
+            selector.saved(progress.step) if selector is not None else None,
         )
 
     on_main(s.world, f"saving the checkpoint of step {progress.step}", save)

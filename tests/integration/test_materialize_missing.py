@@ -6,6 +6,7 @@ Shards `eagle3 extract` made outside Dagster are recorded from the store, not ex
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -17,10 +18,12 @@ from dagster._core.test_utils import create_run_for_test
 from eagle3_cli.main import main
 from eagle3_core.config import load_config
 from eagle3_core.data.ingest import ingest
+from eagle3_core.store.held import held_shard
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.stats import store_stats
+from eagle3_core.store.stats import shard_done, store_stats
 from eagle3_dagster.materialize import RUNNER_TAG, add_shard_partitions
 from tests.conftest import write_config
+from tests.kill import eagle3, every_crash_point
 
 pytestmark = pytest.mark.filterwarnings("ignore:Specifying a partitions_def:dagster.PreviewWarning")
 
@@ -32,11 +35,11 @@ def _status(config: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[
     return {row["key"]: row for row in report["shards"]}
 
 
-def _project(directory: Path, toy_target_dir: Path) -> Path:
+def _project(directory: Path, toy_target_dir: Path, limit: int = 40) -> Path:
     return write_config(
         directory,
         "store: store\ndata: {dataset: mm, shard_size: 8, holdout_fraction: 0.0, "
-        "sources: [{kind: chitchat, limit: 40}]}\n"
+        f"sources: [{{kind: chitchat, limit: {limit}}}]}}\n"
         f"target: {{path: {toy_target_dir}}}\nregenerate: {{enabled: false}}\ntokenize: {{max_seq_len: 96}}\n",
     )
 
@@ -126,3 +129,48 @@ def test_shards_eagle3_extract_made_are_recorded_not_extracted_again(
         assert sorted(str(r.partition_key) for r in records) == sorted(keys)  # each shard once
         assert {str(r.partition_key) for r in records if r.run_id == ""} == set(outside)  # recorded, runless
     assert {s["state"] for s in _status(config, capsys).values()} == {"materialized"}
+
+
+@pytest.mark.parametrize("made_by", ["materialize", "extract"])
+def test_a_conversion_killed_at_any_rename_leaves_no_shard_missing_and_extracts_nothing(
+    made_by: str,
+    tmp_path: Path,
+    toy_target_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`eagle3 convert-shards --to fp8_e4m3` SIGKILLed at each of its renames leaves the shard whole, in its old
+    dtype (beside the converted temporary) or its new one (beside its old manifest, killed between the two):
+    the store holds it, and `materialize --missing` finds nothing missing and extracts nothing, whether Dagster
+    made the shard or `eagle3 extract` did (then it is recorded, what the conversion left finished first)."""
+    project = tmp_path / "project"
+    config = _project(project, toy_target_dir, limit=8)
+    [key] = ingest(load_config(config)).all_shards
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("EAGLE3_CONFIG", raising=False)
+    if made_by == "materialize":
+        assert main(["--config", str(config), "materialize", "--in-process", "--shards", key]) == 0
+    else:
+        assert main(["--config", str(config), "extract", f"--shard={key}"]) == 0
+    made = tmp_path / "made"  # the store and the instance (.dagster beside the config) before the conversion
+    shutil.copytree(project, made)
+    layout = StoreLayout(project / "store")
+    shard = layout.hidden_states(key)
+
+    def reset() -> None:
+        shutil.rmtree(project)
+        shutil.copytree(made, project)
+
+    def check(n: int) -> None:
+        identity = (shard.stat().st_ino, shard.stat().st_mtime_ns)
+        capsys.readouterr()
+        assert main(["--config", str(config), "materialize", "--missing", "--in-process"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "nothing to materialize" in out, (n, out)
+        assert (shard.stat().st_ino, shard.stat().st_mtime_ns) == identity, n  # not extracted again
+        assert _status(config, capsys)[key]["state"] == "materialized", n
+        assert held_shard(layout.root, key) is not None and shard_done(layout.root, key), n
+        assert store_stats(layout.root).incomplete == [], n
+
+    convert = ("--config", str(config), "convert-shards", "--to", "fp8_e4m3")
+    assert every_crash_point(eagle3, convert, reset, check) >= 2  # the new shard's rename, its manifest's

@@ -31,7 +31,7 @@ from tests.helpers import (
     save_scripted_chat_target,
     save_tiny_chat_target,
 )
-from tests.kill import eagle3_on_one_thread, run_killed_at_nth_call
+from tests.kill import eagle3_on_one_thread, run_killed_at_call, run_killed_at_nth_call
 
 # tiny models, generating a few tokens: a second OpenMP thread only waits (tests/conftest.py one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -410,6 +410,62 @@ def test_a_regenerate_of_two_replies_killed_mid_shard_resumes_each_reply_once(
     assert shard.read_bytes() == reference  # each reply once, in order, as if never killed
     ids = [json.loads(line)["id"] for line in shard.read_bytes().splitlines()]
     assert len(ids) == len(set(ids)) == total and set(journaled) <= set(ids)
+    assert not journal_path(shard).exists()
+
+
+def test_a_torn_journal_gives_every_intact_entry_and_only_the_rest_is_regenerated(
+    scripted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal of 20 entries with a 21st torn by a kill mid-write, one entry written twice and a line of a
+    sample not in the shard: the rerun takes all 20 (a duplicate's first line, the foreign line skipped),
+    regenerates only the 21st, and writes the rows of an uninterrupted run, each once."""
+    source = tmp_path / "journal.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"hello number {i}"},
+                                     {"role": "assistant", "content": "original reply"}]}) + "\n"
+            for i in range(21)
+        )
+    )  # fmt: skip
+
+    def store(root: Path) -> Path:
+        config = write_config(
+            root,
+            f"store: store\ndata: {{dataset: j, holdout_fraction: 0.0, sources: [{{path: {source}}}]}}\n"
+            f"target: {{path: {scripted}, device: cpu}}\nregenerate: {{max_new_tokens: 12, batch_size: 3}}\n",
+        )
+        ingest(load_config(config))
+        return config
+
+    reference_cfg = load_config(store(tmp_path / "reference"))
+    target = TransformersTarget(scripted, reference_cfg.target)
+    reference = regenerate_step(reference_cfg, "j-00000", target).path.read_bytes()
+
+    config = store(tmp_path / "killed")
+    shard = StoreLayout(load_config(config).store_root).regenerated("j-00000")
+    # killed as it writes the shard: every sample journaled, none committed
+    code = run_killed_at_call(
+        "eagle3_core.steps.data:write_rows", eagle3_on_one_thread, "--config", str(config), "regenerate"
+    )
+    assert code == -signal.SIGKILL and not shard.exists()
+    header, *entries = journal_path(shard).read_bytes().splitlines(keepends=True)
+    assert len(entries) == 21
+    foreign = json.loads(entries[0])
+    foreign["id"] = foreign["row"]["id"] = "f" * 64  # another shard's sample
+    foreign_line = json.dumps(foreign).encode() + b"\n"
+    kept, last = entries[:20], entries[20]
+    doctored = [header, *kept[:10], kept[3], foreign_line, *kept[10:], last[: len(last) // 2]]
+    journal_path(shard).write_bytes(b"".join(doctored))
+
+    spy = BatchSpy(monkeypatch)
+    from eagle3_cli.main import main
+
+    capsys.readouterr()
+    assert main(["--config", str(config), "regenerate"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed_samples=20" in out
+    assert sum(len(b) for b in spy.batches) == 1  # the torn 21st alone
+    assert shard.read_bytes() == reference  # each sample once, in input order, as if never killed
     assert not journal_path(shard).exists()
 
 

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eagle3_core.config import TrainConfig
 from eagle3_core.draft.model import DrafterConfig, Eagle3Drafter
 from eagle3_core.evaluate.measure import PathTiming, PromptRun
-from eagle3_core.evaluate.selection import ALSelector
+from eagle3_core.evaluate.selection import BEST_ROUNDS, BEST_WEIGHTS, ALSelector
+from eagle3_core.store.records import KeptRounds
 from eagle3_core.train.run_dir import drafter_state
 from eagle3_core.train.selection import BEST
 
@@ -198,6 +200,48 @@ def test_a_resumed_run_takes_up_the_kept_weights_chosen_before_its_checkpoint(tm
     earlier = ALSelector(ScriptedProbe(), TrainConfig(al_overhead=None), lambda _: None)
     earlier.resume(tmp_path, 0)  # resumed before step 10 was measured: that choice is dropped
     assert earlier.best is None and not (tmp_path / BEST).exists()
+
+
+def test_a_run_resumed_from_any_checkpoint_chooses_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """What each checkpoint saved of the choice (`saved`, written inside it) is what a selector resumed from it
+    takes up. Cut short after the last checkpoint, before final/: the same kept weights and selection as the
+    run not cut short, over the further prompts its confirmation decoded, and nothing decoded again. Cut short
+    after best/ moved to a step measured after the checkpoint: the best that checkpoint saw, best/ put back."""
+    probe = ScriptedProbe(
+        [1] * PROMPTS, [3] * PROMPTS, _mixed(3, 2, 11), further={0.2: [3] * 24, 0.3: [2] * 24}
+    )
+    run = _selector(probe, tmp_path, al_every=10)
+    checkpoints = {}
+    for step in (10, 20, 30):
+        assert run.due(step, 30, 1.0)
+        drafter = _drafter(step / 100)
+        run.measure(drafter, step)
+        checkpoints[step] = (run.saved(step), drafter_state(drafter))  # what the checkpoint of `step` holds
+    chosen, kept = run.selection([10, 20, 30]), run.kept_weights()
+    assert chosen is not None and chosen.kept_step == 20 and chosen.prompts == 36 and kept is not None
+    assert set(checkpoints[30][0]) == {"selection.json", "selection.safetensors"}  # step 20's weights
+    assert set(checkpoints[10][0]) == {"selection.json"}  # the best is the step's own: the checkpoint's
+
+    untouched = ScriptedProbe()  # any decode would fail: it has no rounds to give
+    resumed = ALSelector(untouched, TrainConfig(al_every=10, al_overhead=None), lambda _: None)
+    resumed.resume(tmp_path, 30, *checkpoints[30])
+    assert not resumed.end_due(30) and untouched.calls == 0
+    assert resumed.selection([10, 20, 30]) == chosen
+    resumed_kept = resumed.kept_weights()
+    assert resumed_kept is not None and all(torch.equal(resumed_kept[n], kept[n]) for n in kept)
+
+    earlier = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=None), lambda _: None)
+    earlier.resume(tmp_path, 10, *checkpoints[10])  # best/ holds step 20, measured after this checkpoint
+    assert earlier.best is not None and earlier.best.step == 10
+    assert KeptRounds.read(tmp_path / BEST / BEST_ROUNDS).step == 10
+    again = load_file(str(tmp_path / BEST / BEST_WEIGHTS))
+    assert all(torch.equal(again[n], checkpoints[10][1][n]) for n in again)
+
+    legacy = ALSelector(ScriptedProbe(), TrainConfig(al_every=10, al_overhead=None), lambda _: None)
+    legacy.resume(
+        tmp_path, 30
+    )  # a checkpoint an eagle3 that saved nothing wrote: the last step measured again
+    assert legacy.end_due(30) and legacy.best is not None and legacy.best.step == 10
 
 
 def test_kept_rounds_measured_on_other_prompts_are_not_compared(tmp_path: Path) -> None:

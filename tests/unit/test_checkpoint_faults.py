@@ -125,6 +125,39 @@ def test_no_intact_checkpoint_left_is_refused_in_one_line_every_time(tmp_path: P
     assert resume_checkpoint(tmp_path / "never-checkpointed", said.append) is None  # a fresh run starts
 
 
+@pytest.mark.parametrize("name", ["selection.json", "selection.safetensors"])
+def test_the_files_a_checkpoint_keeps_for_the_selector_are_verified_like_its_own(
+    tmp_path: Path, name: str
+) -> None:
+    """`extra` files (the AL selection's, evaluate/selection.py `saved`) load back as written, checked against
+    the sizes and digests state.json records: a flipped bit sets the checkpoint aside like any of its files."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 16))
+    opt = torch.optim.AdamW([weight], lr=1e-3)
+    extra = {
+        "selection.json": b'{"best":null,"last":null}',
+        "selection.safetensors": {"fc.weight": torch.ones(2)},
+    }
+    _save(tmp_path, 2)
+    path = save_checkpoint(tmp_path, 4, {"fc.weight": weight}, opt.state_dict(), run_progress(4), 3, extra)
+    ckpt = load_checkpoint(path)
+    assert ckpt.extra["selection.json"] == extra["selection.json"]
+    tensors = ckpt.extra["selection.safetensors"]
+    assert isinstance(tensors, dict) and torch.equal(tensors["fc.weight"], torch.ones(2))
+    assert (
+        _save(tmp_path, 6).name == "step-00000006"
+        and load_checkpoint(checkpoint_dir(tmp_path, 6)).extra == {}
+    )
+
+    _flip_bit(path / name, _tensor_byte(path / name))
+    with pytest.raises(CheckpointCorruptError) as raised:
+        load_checkpoint(path)
+    assert (
+        str(raised.value).startswith(f"{path / name}: fails its checksum")
+        and raised.value.reason == "checksum"
+    )
+
+
 def test_a_checkpoint_written_without_checksums_resumes_unverified_with_a_line(tmp_path: Path) -> None:
     path = _save(tmp_path, 2)
     state = json.loads((path / STATE).read_text())

@@ -461,6 +461,32 @@ def test_a_failed_export_leaves_the_previous_one(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+@pytest.mark.parametrize(
+    ("value", "dtype", "said"),
+    [
+        (float("nan"), torch.float32, "1 NaN"),
+        (float("-inf"), torch.bfloat16, "1 infinite"),
+        (1e6, torch.float16, "1 infinite"),  # finite in float32, past float16's largest: inf once exported
+    ],
+)
+def test_an_export_of_weights_that_are_not_finite_is_refused_naming_the_tensor(
+    tmp_path: Path, fmt: FormatName, value: float, dtype: torch.dtype, said: str
+) -> None:
+    """A diverged run's weights (NaN, inf) drafted nothing, yet were exported and promoted."""
+    drafter = random_drafter(CFG, seed=2)
+    with torch.no_grad():
+        drafter.midlayer.mlp.up_proj.weight[3, 1] = value
+    out = tmp_path / fmt
+    with pytest.raises(ExportError) as refused:
+        EXPORTERS[fmt](drafter, MAPPING, TARGET, out, dtype=dtype)
+    message = str(refused.value)
+    name = "layers.0.mlp.up_proj.weight" if fmt == "speculators" else "midlayer.mlp.up_proj.weight"
+    assert "\n" not in message and message.startswith(f"{out}: not exported: {name} holds {said}"), message
+    assert "not finite" in message and "train.lr" in message, message
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary
+
+
 # ---- variants: each flag written as the engines read it, and reloaded as the same network ----------------
 EMBED = torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=torch.Generator().manual_seed(9))
 STEPS = 3

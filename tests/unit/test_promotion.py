@@ -174,6 +174,39 @@ def test_an_incomplete_export_is_never_promoted(tmp_path: Path) -> None:
     assert serve_commands(load_config(config))["drafter"] == str(layout.exports / "r1")
 
 
+@pytest.mark.parametrize("promoted_before", [False, True])
+def test_an_export_whose_weights_are_not_finite_is_never_promoted(
+    tmp_path: Path, promoted_before: bool
+) -> None:
+    """A diverged run's export (written by an eagle3 that exported NaN weights), its gate passed because
+    nothing was promoted yet: refused in one line naming the file and the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = write_config(tmp_path, "store: store\n")
+    layout = StoreLayout(tmp_path / "store")
+    if promoted_before:
+        evaluated_run(layout, "r1", seed=1)
+        promote_step(load_config(config))
+    evaluated_run(layout, "r2", seed=2)
+    weights = layout.exports / "r2" / "speculators" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["fc.weight"][0, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    with pytest.raises(ExportError) as refused:
+        promote_step(load_config(config))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{weights}: fc.weight holds 1 NaN and 1 infinite"), (
+        message
+    )
+    assert "not promoted" in message, message
+    current = read_current(layout)
+    assert (current.run if current else None) == ("r1" if promoted_before else None)
+    if promoted_before:
+        assert served_run(layout) == "r1"
+
+
 def test_a_link_to_a_removed_promotion_says_what_to_do(tmp_path: Path) -> None:
     layout = StoreLayout(tmp_path / "store")
     layout.promotions.mkdir(parents=True)

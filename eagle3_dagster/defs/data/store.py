@@ -33,10 +33,12 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 )
 
 from eagle3_core.config import Eagle3Config
+from eagle3_core.errors import StoreBusyError
 from eagle3_core.steps.common import StepResult, quiet
 from eagle3_core.steps.data import conversations_step, shard_figures
 from eagle3_core.store import checks
 from eagle3_core.store.checks import CheckVerdict
+from eagle3_core.store.convert import finish_cut_conversion
 from eagle3_core.store.held import held_shard, store_shard_keys
 from eagle3_core.store.layout import StoreLayout
 from eagle3_core.store.records import RegeneratedManifest, ShardManifest
@@ -130,6 +132,16 @@ def record_store_shards(
         if budget_seconds is not None and time.monotonic() - started > budget_seconds:
             report.left = todo[i:]
             break
+        try:
+            # a conversion killed between its renames: its manifest written from the shard's header, the
+            # temporaries of a killed writer removed (the checks would take either for a damaged shard)
+            if finish_cut_conversion(cfg.store_root, key):
+                log(
+                    f"{key}: finished what a writer killed mid-way left (temporaries, a conversion's manifest)"
+                )
+        except StoreBusyError:  # a writer is at work on it: its own run, or a later pass, records it
+            log(f"{key}: being written by another process; not recorded now")
+            continue
         identity = file_identity(cfg, key)
         if identity is None:  # deleted since it was listed: nothing to record
             continue
