@@ -170,13 +170,17 @@ def launch_command(
             raise ValueError("an extraction server runs the target alone: no drafter_dir")
         argv += EXTRACT_FLAGS
         if s.tp_size > 1:
-            # SGLang fuses a layer's all-reduce into the next layer's norm on its own on some GPUs and models;
-            # the residual stream the hooks read between layers is then each rank's partial sum (#28343, #39090)
+            # SGLang fuses a layer's all-reduce into the next layer's norm on its own on some GPUs and models,
+            # deferring it to the next layer's read. SGLang before sgl-project/sglang#28343 (merged 2026-06-17)
+            # captured a fused layer's input before that all-reduce: each rank's partial sum. 0.5.23 completes
+            # the sum before a capture reads it (layers/layer_boundary/stage.py), so there the flag changes no
+            # captured value; it guards the older SGLang eagle3 accepts (>= 0.5.6, pyproject.toml).
             fused = [a for a in s.extra_args if a.startswith("--enable-") and "allreduce-fusion" in a]
             if fused:
                 raise ConfigError(
-                    f"sglang.extra_args: {fused[0]} at tp_size {s.tp_size} makes the extraction server read each "
-                    "rank's partial sum as a layer's input; remove it for extraction"
+                    f"sglang.extra_args: {fused[0]} at tp_size {s.tp_size} makes an SGLang older than "
+                    "sgl-project/sglang#28343 read each rank's partial sum as a layer's input; remove it for "
+                    "extraction"
                 )
             argv += ["--enforce-disable-flashinfer-allreduce-fusion"]
         if aux_layer_ids is not None:

@@ -36,7 +36,8 @@ The contract of the three backends:
   states. `SGLangManagedBackend(model_dir, cfg)` is the same over a server it starts from eagle3's extraction
   command and stops on `close`.
 - `SGLangEngineBackend(model_dir, cfg)`: SGLang's in-process `sglang.Engine` (a GPU, or a CPU), started with the
-  flags extraction needs and the capture hooks; it always returns aux and final states.
+  flags extraction needs and the capture hooks, its resolved arguments (`Engine.get_server_info`) then checked
+  as a server's `/server_info` is; it always returns aux and final states.
 
 Failures: a response whose rows do not match the request (count, echoed token ids, a null/NaN/inf value) is a
 `SampleFailure` with its reason, counted and never stored. A wrong row width or a missing `hidden_states` is
@@ -296,8 +297,10 @@ SERVER_INFO_ROUTES = ("/server_info", "/get_server_info")  # 0.5.23's, then the 
 
 
 # The resolved fields of SGLang 0.5.23 that say an all-reduce is, or may be, fused into the next layer's RMSNorm
-# (the backend is chosen per GPU at startup): the residual stream a capture reads between layers is then a
-# per-rank partial sum under tensor parallelism
+# (the backend is chosen per GPU at startup). SGLang before sgl-project/sglang#28343 (merged 2026-06-17) then
+# captured a fused layer's input before the all-reduce, each rank's partial sum under tensor parallelism; 0.5.23
+# completes the sum before a capture reads it (layers/layer_boundary/stage.py), so the refusal guards the older
+# SGLang eagle3 accepts (>= 0.5.6)
 ALLREDUCE_FUSION_FIELDS = (
     "flashinfer_allreduce_fusion_backend",
     "enable_flashinfer_allreduce_fusion",
@@ -347,8 +350,8 @@ def server_problems(
         fused = [f for f in fused if "flashinfer" not in f]
     if isinstance(tp, int) and tp > 1 and fused:
         problems.append(
-            f"it fuses the all-reduce into the next layer's norm ({', '.join(fused)}) at tp {tp}: a layer's input "
-            "is then read as each rank's partial sum (sgl-project/sglang#28343, #39090); launch with "
+            f"it fuses the all-reduce into the next layer's norm ({', '.join(fused)}) at tp {tp}: an SGLang older "
+            "than sgl-project/sglang#28343 then reads a layer's input as each rank's partial sum; launch with "
             "--enforce-disable-flashinfer-allreduce-fusion and without --enable-aiter-allreduce-fusion"
         )
     if aux_layer_ids is not None and model is not None:
@@ -622,7 +625,11 @@ class SGLangEngineBackend:
         device: str = "auto",
         max_total_tokens: int | None = None,
         engine_args: dict[str, Any] | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
+        """`engine_args`: more `sglang.Engine` arguments, over eagle3's (the engine is refused if they undo one
+        extraction needs); `max_seq_len`: the longest sample extraction sends, checked against the engine's
+        chunked-prefill size as the HTTP backend checks a server's."""
         try:
             import sglang
         except ImportError as e:
@@ -633,7 +640,7 @@ class SGLangEngineBackend:
         self.tokenizer, self.tokenizer_fingerprint, self.info, architectures = describe_target(
             model_dir, cfg, device=f"sglang engine (tp {tp_size})"
         )
-        capture_model = sglang_model(architectures, str(model_dir / "config.json"))
+        self.capture_model = capture_model = sglang_model(architectures, str(model_dir / "config.json"))
         fields = server_arg_fields()
         if "forward_hooks" not in fields:
             raise Eagle3Error(
@@ -673,6 +680,7 @@ class SGLangEngineBackend:
         self._free_before = {d: torch.cuda.mem_get_info(d)[0] for d in self._devices}
         self._engine: Any = sglang.Engine(**args)
         try:
+            self.server_info = self.check_engine(max_seq_len)
             self._wait_for_capture()
         except BaseException:
             self._engine.shutdown()
@@ -681,6 +689,17 @@ class SGLangEngineBackend:
     @property
     def hidden_size(self) -> int:
         return self.info.hidden_size
+
+    def check_engine(self, max_seq_len: int | None = None) -> dict[str, Any]:
+        """Refuse an engine whose settings would lose or misplace rows, before any sample is sent: the HTTP
+        backend's preflight (`server_problems`) on what `Engine.get_server_info` returns, the resolved server
+        arguments `/server_info` serves. What eagle3 asks for is checked as SGLang resolved it (an `engine_args`
+        entry, or an SGLang release, may resolve it otherwise)."""
+        info: dict[str, Any] = self._engine.get_server_info()
+        problems = server_problems(info, max_seq_len, list(self.info.aux_layer_ids), self.capture_model)
+        if problems:
+            raise SGLangError("the SGLang engine cannot serve extraction: " + "; ".join(problems))
+        return info
 
     def _wait_for_capture(self) -> None:
         wait_for_capture(self._generate, self.hidden_size, "the SGLang engine")

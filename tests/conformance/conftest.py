@@ -49,8 +49,11 @@ def sglang_probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probe]:
 
     One child process (probe_host.py) imports SGLang once for the session and runs each probe in a fork of
     itself, as `python <script> args` would run it, so every probe starts from freshly imported modules."""
-    env = sglang_env()
-    log = tmp_path_factory.mktemp("sglang-probe") / "probe_host.log"
+    work = tmp_path_factory.mktemp("sglang-probe")
+    log = work / "probe_host.log"
+    # probe_capture.py's DeepSeek prefills compile kernels: a cache of this session's own (test_sglang_live.py's
+    # fixture says why)
+    env = {**sglang_env(), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
     with log.open("wb") as stderr:
         host = subprocess.Popen(
             [sys.executable, str(HERE / "probe_host.py")],

@@ -3,7 +3,10 @@ directories with the tiny chat tokenizer: the architecture's own transformers cl
 MoE block where the family has one. Not here: GPT-OSS (SGLang 0.5.23 refuses the torch_native attention for it:
 `GptOssForCausalLM requires one of ['triton', 'trtllm_mha', 'fa3', ...]`). `kimi_k25` is DeepSeek-V3's weights
 under `language_model.*` with Kimi-K2.5's wrapper config (transformers has no Kimi-K2.5 class: its reference is
-the DeepSeek-V3 directory)."""
+the DeepSeek-V3 directory).
+
+`save_table_config` writes the config alone (and the tokenizer) of every row of eagle3's architecture table,
+GPT-OSS and DeepSeek-V2 included, for SGLang to build with random weights (probe_capture.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ DEEPSEEK_YARN = {
 
 def family_config(family: str, vocab: int) -> PretrainedConfig:
     from transformers import (
+        DeepseekV2Config,
         DeepseekV3Config,
+        GptOssConfig,
         LlamaConfig,
         Qwen2Config,
         Qwen3Config,
@@ -67,6 +72,19 @@ def family_config(family: str, vocab: int) -> PretrainedConfig:
             moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=2, n_group=1, topk_group=1,
             routed_scaling_factor=1.0, rope_parameters=DEEPSEEK_YARN, norm_topk_prob=True,
             moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3 config.json fields SGLang reads
+        )  # fmt: skip
+    if family == "deepseek_v2":  # DeepSeek-V3's shape, V2's greedy routing
+        return DeepseekV2Config(
+            **{**common, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=2, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0, rope_parameters=DEEPSEEK_YARN, norm_topk_prob=True, moe_layer_freq=1,
+            topk_method="greedy", scoring_func="softmax",  # DeepSeek-V2's routing, fields SGLang reads
+        )  # fmt: skip
+    if family == "gpt_oss":  # 4 experts, 2 per token; sliding and full attention layers alternate
+        return GptOssConfig(
+            **common, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+            rope_parameters={**DEEPSEEK_YARN, "rope_theta": 150000.0},
         )  # fmt: skip
     if family == "glm4_moe":  # layer 0 dense, 1-7 MoE with a shared expert, partial rotary, q/k norms
         from transformers import Glm4MoeConfig
@@ -118,8 +136,18 @@ def wrap_as_kimi(deepseek: Path, kimi: Path) -> None:
     """Kimi-K2.5's layout over a DeepSeek-V3 directory: the text model's weights under `language_model.`, its
     config as text_config."""
     kimi.mkdir()
-    text = json.loads((deepseek / "config.json").read_text())
-    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    config = kimi_config(json.loads((deepseek / "config.json").read_text()))
+    (kimi / "config.json").write_text(json.dumps(config, indent=1))
+    weights = load_file(str(deepseek / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, str(kimi / "model.safetensors"))
+    for f in deepseek.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (kimi / f.name).write_bytes(f.read_bytes())
+
+
+def kimi_config(text: dict[str, Any]) -> dict[str, Any]:
+    """Kimi-K2.5's wrapper config over a DeepSeek-V3 config (`text`, a config.json's fields)."""
+    text = {**text, "architectures": ["DeepseekV3ForCausalLM"]}
     vision = {  # Kimi-K2.5's vision_config fields, a 1-layer tower of width 32 (SGLang builds it; never run)
         "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 1,
         "pos_emb_type": "divided_fixed", "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
@@ -128,19 +156,42 @@ def wrap_as_kimi(deepseek: Path, kimi: Path) -> None:
         "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 64,
         "vt_hidden_size": 32, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1, "vt_intermediate_size": 64,
     }  # fmt: skip
-    config = {
+    return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
         "text_config": text,
         "vision_config": vision,
         "tie_word_embeddings": False,
     }
-    (kimi / "config.json").write_text(json.dumps(config, indent=1))
-    weights = load_file(str(deepseek / "model.safetensors"))
-    save_file({f"language_model.{k}": v for k, v in weights.items()}, str(kimi / "model.safetensors"))
-    for f in deepseek.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (kimi / f.name).write_bytes(f.read_bytes())
+
+
+# each row of eagle3's architecture table (engines/sglang_models.py) -> the family whose tiny config builds it
+TABLE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "KimiK25ForConditionalGeneration": "kimi_k25",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+def save_table_config(directory: Path, architecture: str) -> Path:
+    """The tiny config.json (and the tiny tokenizer) of a table row's architecture in `directory`: no weights."""
+    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
+    family = TABLE_FAMILIES[architecture]
+    config = family_config(family, len(tokenizer)).to_dict()
+    config["architectures"] = [architecture]
+    if family == "kimi_k25":
+        config = kimi_config(config)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,6 +18,8 @@ os.dup2(2, 1)  # a stray print of an import must not break the protocol
 
 # What the probes import before building anything (the slow part of a probe's start); the model modules they
 # load by name are left to them: llama_eagle3 needs the model-parallel groups the probe builds first.
+# sglang.benchmark.one_batch (its ModelRunner, the engine's helpers) imports no model module.
+import sglang.benchmark.one_batch  # noqa: E402
 import sglang.srt.configs.model_config  # noqa: E402
 import sglang.srt.distributed.parallel_state  # noqa: E402
 import sglang.srt.layers.aux_hidden_states  # noqa: E402
