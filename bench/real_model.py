@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt source beside the held-out chitchat, repeatable; any given replaces the defaults "
         f"({', '.join(str(p.relative_to(REPO)) for p in DEFAULT_PROMPTS)})",
     )  # fmt: skip
+    p.add_argument(
+        "--eval-runs", default="",
+        help="--stage eval: the trained runs to decode, comma-separated (default every one)",
+    )  # fmt: skip
     p.add_argument("--prompts-per-source", type=int, default=100)
     p.add_argument("--per-conversation", type=int, default=2)
     p.add_argument("--ks", default="1,3,5,7")
@@ -535,6 +539,8 @@ def run_onpolicy(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 records_step(cfg, key, target, _quiet(log), base) for key in missing if target is not None
             ]
             if results:  # the rollouts' own seconds, kept once whichever call made them
+                # read again: one process per seed may roll out at once, each adding its own
+                rollouts = stage_state(args, "onpolicy").get("rollouts", {})
                 rollouts[base_name] = {
                     "seconds": round(time.perf_counter() - started, 1),
                     "shards": len(results),
@@ -760,6 +766,10 @@ def run_eval(args: argparse.Namespace, log: Log) -> dict[str, Any]:
 
     data = load_data(args, log)
     trained = trained_runs(args)
+    wanted = [n for n in args.eval_runs.split(",") if n]
+    if unknown := sorted(set(wanted) - set(trained)):
+        raise Eagle3Error(f"--eval-runs: no trained run {', '.join(unknown)} (trained: {', '.join(trained)})")
+    trained = {n: r for n, r in trained.items() if not wanted or n in wanted}
     if not trained:
         raise Eagle3Error("no trained drafters: run --stage train first")
     # the tokenizer alone: only the workers load the weights
@@ -1008,11 +1018,47 @@ def write_report(args: argparse.Namespace, parts: dict[str, Any], log: Log) -> P
         "train": {**stage_state(args, "train"), "runs": trained_runs(args)},
         "onpolicy": stage_state(args, "onpolicy") or None,
         "speedup": stage_state(args, "speedup") or None,
+        "gpu_seconds": gpu_seconds(
+            stage_state(args, "data"),
+            stage_state(args, "train"),
+            stage_state(args, "onpolicy"),
+            trained_runs(args),
+        ),
         **parts,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     log(f"results: {out}")
+    return out
+
+
+def gpu_seconds(
+    data: dict[str, Any], train: dict[str, Any], onpolicy: dict[str, Any], runs: dict[str, Any]
+) -> dict[str, Any]:
+    """Each side's seconds on the GPU per seed, from the stages' own records: the data both share
+    (regeneration, extraction), then eagle3's training run, its rollouts and its refinement against
+    speculators' conversion of the shards and its training run. Process wall seconds of runs that shared the
+    GPU with the others started at once (each trainer's seeds alike), so a sum is an upper bound of either
+    side's cost alone."""
+    seconds = data.get("seconds", {})
+    shared = round(sum(float(seconds.get(c, 0.0)) for c in ("regenerate", "extract")), 1)
+    rollouts = onpolicy.get("rollouts", {}) if onpolicy else {}
+    out: dict[str, Any] = {"shared_data": shared}
+    for name, run in runs.items():
+        if run["trainer"] == "speculators":
+            parts = {"conversion": train.get("conversion_s", 0.0), "train": run["process_wall_s"]}
+        elif run.get("refined_from"):
+            base = runs.get(run["refined_from"])
+            if base is None:
+                continue
+            parts = {
+                "train": base["process_wall_s"],
+                "rollouts": (rollouts.get(run["refined_from"]) or {}).get("seconds", 0.0),
+                "refine": run["process_wall_s"],
+            }
+        else:
+            parts = {"train": run["process_wall_s"]}
+        out[name] = {**parts, "total": round(shared + sum(float(v) for v in parts.values()), 1)}
     return out
 
 

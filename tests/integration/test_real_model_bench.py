@@ -138,3 +138,19 @@ def test_the_headline_bench_at_a_tiny_size(toy_target_dir: Path, tmp_path: Path)
     assert main([*argv[:1], "eval", *argv[2:]]) == 0
     paired = json.loads(results.read_text())["recipe_minus_eagle3_defaults"]["0.0|heldout"]["1"]
     assert {"eagle3-onpolicy-ew4 seed 0", "eagle3-onpolicy-control seed 0"} <= set(paired)
+
+    # the evaluation of chosen runs only, and each side's GPU seconds from the stages' own records
+    assert main([*argv[:1], "eval", *argv[2:], "--eval-runs", "eagle3-onpolicy-ew4-0"]) == 0
+    only = json.loads(results.read_text())
+    assert {name for row in only["al"]["0.0|heldout"].values() for name in row} == {"eagle3-onpolicy-ew4-0"}
+    seconds = only["gpu_seconds"]
+    shared = seconds["shared_data"]
+    assert shared == pytest.approx(data["seconds"]["regenerate"] + data["seconds"]["extract"], abs=0.11)
+    ew4 = seconds["eagle3-onpolicy-ew4-0"]
+    assert (
+        ew4["train"] == runs["eagle3-0"]["process_wall_s"]
+        and ew4["rollouts"] == refined["rollouts"]["seconds"]
+    )
+    assert ew4["refine"] == refined["process_wall_s"]
+    assert ew4["total"] == pytest.approx(shared + ew4["train"] + ew4["rollouts"] + ew4["refine"], abs=0.11)
+    assert main([*argv[:1], "eval", *argv[2:], "--eval-runs", "eagle3-9"]) == 2  # no such run: one line
