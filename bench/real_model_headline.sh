@@ -18,6 +18,7 @@
 #   RESULTS=.cache/headline/report.json bash ...   # the report elsewhere than bench/results/real_model_<device>.json
 #   SPECULATORS_LOSS=eager bash ...   # speculators' loss unfused from the start (its fused loss fails under torch 2.11)
 #   REGEN_STEP=batched bash ...       # regenerate.step (default eagle3's)
+#   SEEDS=0 bash ...                  # the seeds run (default "0 1")
 #   BESIDE_TRAINING="python3 -m bench.al_selection --device cuda" bash ...   # another job while the runs train,
 #                                                  # waited for before the speedup is timed alone on the GPU
 set -u
@@ -45,7 +46,7 @@ eagle3_chain() {  # SEED: eagle3's pipeline for one seed, each stage as soon as 
 }
 
 prepare_data
-for seed in 0 1; do
+for seed in ${SEEDS:-0 1}; do
     eagle3_chain "$seed" &
     train_in_background "speculators-$seed" "$TRAIN_S" --seeds "$seed" --skip-eagle3 \
         ${SPECULATORS_LOSS:+--speculators-loss "$SPECULATORS_LOSS"}
@@ -57,7 +58,7 @@ wait
 if [ "${SPEEDUP:-1}" != 0 ]; then
     bench --stage speedup --seeds 0 --ks 1,3,5,7 --speedup-prompts 16 > "$LOGS/speedup.log" 2>&1; say "speedup: exit $?"
 fi
-EVAL=(--seeds 0,1 --ks "${EVAL_KS:-1,3,5,7}" --temperatures "${EVAL_TEMPERATURES:-0,0.7}"
+EVAL=(--seeds "$(echo ${SEEDS:-0 1} | tr " " ,)" --ks "${EVAL_KS:-1,3,5,7}" --temperatures "${EVAL_TEMPERATURES:-0,0.7}"
       --prompts-per-source "${EVAL_PROMPTS:-100}" ${RESULTS:+--results "$RESULTS"} ${EVAL_RUNS:+--eval-runs "$EVAL_RUNS"})
 timeout "$EVAL_S" python3 -m bench.real_model --stage eval "${EVAL[@]}" --eval-batch "${EVAL_BATCH:-64}" ${EVAL_WORKERS:+--eval-workers "$EVAL_WORKERS"} \
     --target-step "${TARGET_STEP:-auto}" "${COMMON[@]}" \
