@@ -21,9 +21,10 @@ from rich.table import Table
 
 from eagle3_core.config import Eagle3Config, load_config, without_url_passwords
 from eagle3_core.errors import ConfigError, Eagle3Error, RecordError
+from eagle3_core.evaluate.serving_k import k_by_batch_size
 from eagle3_core.steps.common import StepResult
 from eagle3_core.store.layout import StoreLayout, check_shard_key
-from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary
+from eagle3_core.store.records import DrafterDirReport, EvalReport, RunSummary, ServingRecommendation
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 Command = Callable[[argparse.Namespace], int]
@@ -514,6 +515,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     result = eval_step(cfg, progress_log)
     print_evaluation(result.record_as(EvalReport), sorted(set(cfg.evaluate.ks)))
+    serving = result.extra_record(ServingRecommendation)
+    if serving is not None:
+        said = serving.unmeasured or f"K by batch size {k_by_batch_size(serving)} (`eagle3 serve-command`)"
+        console.print(f"serving recommendation: {escape(said)}", soft_wrap=True)
     if args.promote:
         promoted = promote_step(cfg, progress_log)
         console.print(f"promoted: {promoted.metadata['serve_sglang']}")
@@ -536,7 +541,15 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
         print(json.dumps(commands, indent=1))
         return 0
     # plain print, not rich: the lines must reach the terminal unwrapped and with their brackets, to be pasted
-    print(f"drafter: {commands['drafter']} ({commands['which']}); K={commands['k']} (evaluate.gate_k)")
+    if commands["sglang_adaptive_config"]:
+        print(f"drafter: {commands['drafter']} ({commands['which']}); {commands['serving']}")
+    else:
+        print(f"drafter: {commands['drafter']} ({commands['which']}); K={commands['k']} (evaluate.gate_k)")
+        print(commands["serving"])
+    if commands["figures"]:
+        print(commands["figures"])
+    if commands["sglang_adaptive_config"]:
+        print(f"SGLang's adaptive table: {commands['sglang_adaptive_config']}")
     print(f"\nSGLang:\n{commands['sglang']}\n\nvLLM:\n{commands['vllm']}")
     return 0
 
@@ -637,7 +650,8 @@ def add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = add(
         "serve-command",
         cmd_serve_command,
-        "Print the SGLang and vLLM commands that serve the promoted (else the newest exported) drafter.",
+        "Print the SGLang and vLLM commands that serve the promoted (else the newest exported) drafter, with "
+        "the K its evaluation measured best at each batch size.",
     )
     p.add_argument("--export", help="Serve this export directory (store/drafter/export/<run>) instead.")
     p.add_argument("--json", action="store_true", help="The commands as JSON.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -638,12 +639,34 @@ class EvaluateConfig(_Model):
         "engine's kind; eager is transformers' forward, whose host overhead on a GPU inflates the speedup. "
         "auto: graphed on a GPU for a target it computes, else eager. The report records which ran.",
     )
+    serving_batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+        default=[1, 4, 16, 64],
+        description="Batch sizes the serving recommendation times the target's and the drafter's steps at, "
+        "and chooses a K for (docs/serving.md): the first 1, each larger than the one before; [] measures "
+        "none.",
+    )
+    serving_repeats: Annotated[int, Field(gt=0, le=100)] = Field(
+        default=3,
+        description="Timings of each step, after one warm-up, whose median the serving recommendation takes.",
+    )
+    serving_context_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=128,
+        description="Tokens in each row's KV cache when the serving recommendation times the steps.",
+    )
 
     @model_validator(mode="after")
     def _gate_k_measured(self) -> EvaluateConfig:
         if self.gate_k not in self.ks:
             raise ValueError(f"gate_k ({self.gate_k}) must be one of ks {self.ks}")
         return self
+
+    @field_validator("serving_batch_sizes")
+    @classmethod
+    def _serving_batches_from_one(cls, sizes: list[int]) -> list[int]:
+        # both engines' tables start at batch size 1 (SGLang routes a batch to the largest size at or below it)
+        if sizes and (sizes[0] != 1 or any(b <= a for a, b in pairwise(sizes))):
+            raise ValueError(f"must start at 1 and increase, got {sizes}")
+        return sizes
 
 
 CRON_ALIASES = {"@hourly", "@daily", "@midnight", "@weekly", "@monthly", "@yearly", "@annually"}

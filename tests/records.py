@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_core.config import TrainConfig, load_config
 from eagle3_core.data.ingest import ingest
 from eagle3_core.store.layout import StoreLayout
-from eagle3_core.store.records import RunProgress, RunSummary, ShardFacts
+from eagle3_core.store.records import RunProgress, RunSummary, ServingRecommendation, ShardFacts, StepCosts
 from tests.conftest import FIXTURES, write_config
 
 
@@ -176,6 +176,33 @@ def evaluated_run(layout: StoreLayout, run: str, seed: int = 0) -> None:
     write_tiny_export(layout.exports / run, seed)
     report = EvalReport(**report_dict(run, layout.pointer_path(layout.exports / run)))
     report.write(report_file(layout.export_eval(run), "sglang"))
+
+
+# a serving recommendation's acceptance, and step costs that make its K 3 at batch 1 (a forward costs the same
+# at any width, a draft is cheap), 1 at batch 16, 0 at batch 64 (every token of width is paid in full)
+SERVING_PER_POSITION = [0.8, 0.6, 0.3]
+SERVING_COSTS: list[dict[str, Any]] = [
+    {"batch_size": 1, "target_s": [0.010, 0.010, 0.010, 0.010], "drafter_s": 0.001},
+    {"batch_size": 16, "target_s": [0.02, 0.021, 0.03, 0.04], "drafter_s": 0.002},
+    {"batch_size": 64, "target_s": [0.1, 0.2, 0.3, 0.4], "drafter_s": 0.01},
+]
+
+
+def serving_recommendation(
+    costs: list[dict[str, Any]] | None = None, per_position: list[float] | None = None, **change: Any
+) -> ServingRecommendation:
+    """export/<run>/eval/serving-sglang.json as the evaluation writes it, from the acceptance and step costs
+    given (SERVING_PER_POSITION and SERVING_COSTS by default); `change` overrides fields."""
+    from eagle3_core.evaluate.serving_k import recommend
+
+    per_position = SERVING_PER_POSITION if per_position is None else per_position
+    steps = [StepCosts(**c) for c in (SERVING_COSTS if costs is None else costs)]
+    fields: dict[str, Any] = {
+        "run": "r1", "format": "sglang", "device": "cuda:0", "dtype": "bfloat16", "prompt_set": "heldout",
+        "temperature": 0.0, "measured_k": len(per_position), "per_position": per_position, "context_tokens": 128, "repeats": 3,
+        "costs": steps, "by_batch": recommend(per_position, steps),
+    }  # fmt: skip
+    return ServingRecommendation(**{**fields, **change})
 
 
 def run_progress(tokens: int = 0, steps: int = 3) -> RunProgress:

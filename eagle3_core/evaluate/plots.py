@@ -1,4 +1,5 @@
-"""The pictures on the drafter_eval asset page: per-position acceptance bars and the training curves (PNG).
+"""The pictures on the drafter_eval asset page: per-position acceptance bars, the training curves and the
+serving recommendation's tokens/s at each K (PNG).
 
 Drawn on matplotlib `Figure` objects (no pyplot, so no display and no global state; Agg renders PNG).
 `markdown_image` inlines a PNG as a data URI, which the Dagster UI shows in markdown metadata.
@@ -16,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from eagle3_core.store.atomic import atomic_write_bytes
-from eagle3_core.store.records import ALRow, MetricsRow, TrainRow, ValRow
+from eagle3_core.store.records import ALRow, MetricsRow, ServingRecommendation, TrainRow, ValRow
 
 
 def _save(fig: Figure, out: Path) -> Path:
@@ -110,6 +111,27 @@ def acceptance_curve(rows: Sequence[ALRow], kept_step: int | None, out: Path, ti
     ax.set_ylabel("acceptance length")
     ax.set_title(title)
     ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, out)
+
+
+def serving_curves(recommendation: ServingRecommendation, out: Path, title: str) -> Path:
+    """Expected speculative tokens/s over plain decoding's at each K, one line per batch size, the K chosen
+    starred (none where plain decoding is faster: the line stays below 1)."""
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.subplots()
+    ks = range(1, recommendation.measured_k + 1)
+    for i, c in enumerate(recommendation.by_batch):
+        ratios = [s / c.plain_tokens_per_s for s in c.tokens_per_s]
+        ax.plot(ks, ratios, "o-", color=f"C{i}", label=f"batch {c.batch_size}: K={c.k}")
+        if c.k:
+            ax.plot([c.k], [ratios[c.k - 1]], "*", color=f"C{i}", markersize=14)
+    ax.axhline(1.0, color="0.4", linewidth=1, linestyle="--")
+    ax.set_xlabel("K (drafts a round)")
+    ax.set_ylabel("tokens/s over plain decoding")
+    ax.set_xticks(list(ks))
+    ax.set_title(title)
+    _legend_or_note(ax, recommendation.unmeasured or "no batch size measured", fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, out)
 

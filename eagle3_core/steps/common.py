@@ -22,6 +22,8 @@ class StepResult:
     # the typed record the step wrote (a run summary, an evaluation report), for a caller that renders more
     # than the flat metadata, so that it never reads the file again or decodes the metadata's JSON
     record: Record | None = None
+    # records the step wrote beside it (an evaluation's serving recommendation), for the same callers
+    extra_records: tuple[Record, ...] = ()
 
     def __post_init__(self) -> None:
         # the metadata is printed (CLI) and recorded (Dagster's event log): a URL's password never is, whichever
@@ -34,6 +36,10 @@ class StepResult:
         if not isinstance(self.record, kind):
             raise TypeError(f"step {self.key} returned no {kind.__name__} (got {type(self.record).__name__})")
         return self.record
+
+    def extra_record(self, kind: type[R]) -> R | None:
+        """The first of the step's further records that is a `kind`, None when it wrote none."""
+        return next((r for r in self.extra_records if isinstance(r, kind)), None)
 
 
 def quiet(_: str) -> None:

@@ -4,7 +4,10 @@
 training), decodes the held-out prompts and every configured prompt file with and without it, and writes
 `export/<run>/eval/report-<format>.json` (one per export format measured) with the pictures. When a drafter
 is already promoted it is measured again on the same prompts in the same run, so the gate compares two
-measurements taken the same way, prompt by prompt.
+measurements taken the same way, prompt by prompt. Beside the report it writes the serving recommendation,
+`serving-<format>.json` (the K to draft at each batch size, from the acceptance measured and the step costs
+timed on the same device; evaluate/serving_k.py) and SGLang's adaptive table from it,
+`sglang-adaptive-<format>.json`, which `eagle3 serve-command` prints the engines' arguments from.
 
 `promote_step` moves the `current` pointer to the new run only if the gate passed: the lower end of the
 paired-bootstrap 95% interval of AL(new) - AL(promoted) at `gate_k` is at least -`promotion_tolerance`. A
@@ -33,14 +36,22 @@ from eagle3_core.evaluate.measure import (
     DecodeSettings,
     Measurement,
     PromptRun,
+    attention_without_cudnn,
     bootstrap_al_interval,
     measure,
     paired_al_difference,
     pooled_runs_al,
 )
-from eagle3_core.evaluate.plots import acceptance_bars, training_curves
+from eagle3_core.evaluate.plots import acceptance_bars, serving_curves, training_curves
 from eagle3_core.evaluate.prompts import EvalPrompt, PromptSet, encode, file_prompts, heldout_prompts
 from eagle3_core.evaluate.selection import ALSelector
+from eagle3_core.evaluate.serving_k import (
+    recommend,
+    serving_file,
+    sglang_adaptive_config,
+    sglang_config_file,
+)
+from eagle3_core.evaluate.step_costs import measure_step_costs
 from eagle3_core.export import FORMATS, check_complete_export, check_finite_export
 from eagle3_core.export.common import FormatName
 from eagle3_core.export.versions import carried_from
@@ -56,9 +67,10 @@ from eagle3_core.store.records import (
     EvalReport,
     GateDecision,
     RunSummary,
+    ServingRecommendation,
     SetMeasurement,
 )
-from eagle3_core.targets.graphed import choose_target_step, runs_graphed
+from eagle3_core.targets.graphed import UnsupportedTargetError, choose_target_step, runs_graphed
 from eagle3_core.targets.resolve import target_dir
 from eagle3_core.train.run_dir import SUMMARY, read_metrics
 
@@ -444,6 +456,8 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
     current = _current_on_same_prompts(cfg, layout, target, primary, encoded[primary], run, settings, log)
     gate = gate_decision(ev.gate_k, run, heldout.runs[ev.gate_k], current, ev.promotion_tolerance)
     out = layout.export_eval(run)
+    reported = set_reports(sets, fitting, measured)
+    serving = serving_recommendation(cfg, run, target, drafter, primary, reported[primary], log)
     pictures = _pictures(
         out,
         ev.export_format,
@@ -453,6 +467,12 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         summary,
         cfg.train.ttt_steps,
     )
+    if serving.unmeasured is None:
+        pictures["serving"] = serving_curves(
+            serving,
+            out / f"serving-{ev.export_format}.png",
+            f"drafter {run}: tokens/s at each K and batch size",
+        )
     report = EvalReport(
         run=run,
         export_dir=layout.pointer_path(export_root),
@@ -462,16 +482,85 @@ def eval_step(cfg: Eagle3Config, log: Log = quiet) -> StepResult:
         **_recorded(settings),
         tau={str(k): summary.tau(k) for k in ks},
         primary=primary,
-        sets=set_reports(sets, fitting, measured),
+        sets=reported,
         gate=gate,
         pictures={name: str(p) for name, p in pictures.items()},
     )
+    write_serving(out, serving)  # before the report: a report is never beside an older run's recommendation
     report.write(report_file(out, ev.export_format))
     log(
         f"drafter {run}: AL {heldout.acceptance[ev.gate_k].acceptance_length:.3f} at K={ev.gate_k} on "
         f"{heldout.prompts} {primary} prompts; gate {'passed' if gate.passed else 'refused'}: {gate.reason}"
     )
-    return StepResult("drafter_eval", out, _metadata(report, gate.passed, ev.gate_k), record=report)
+    meta = _metadata(report, gate.passed, ev.gate_k) | serving_metadata(serving)
+    return StepResult("drafter_eval", out, meta, record=report, extra_records=(serving,))
+
+
+def serving_recommendation(
+    cfg: Eagle3Config,
+    run: str,
+    target: Target,
+    drafter: Eagle3Drafter,
+    prompt_set: str,
+    measured: SetMeasurement,
+    log: Log,
+) -> ServingRecommendation:
+    """The K to draft at each of evaluate.serving_batch_sizes (evaluate/serving_k.py): from the acceptance
+    measured on `prompt_set` at the largest evaluated K, and the steps' costs measured on the target's device
+    now; `unmeasured`, saying why, where there is nothing to measure them with."""
+    ev = cfg.evaluate
+    k = max(ev.ks)
+    at_k = measured.at(k)
+    facts: dict[str, Any] = {
+        "run": run,
+        "format": ev.export_format,
+        "device": str(target.device),
+        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "prompt_set": prompt_set,
+        "temperature": ev.temperature,
+        "measured_k": k,
+        "per_position": at_k.per_position,
+        "context_tokens": ev.serving_context_tokens,
+        "repeats": ev.serving_repeats,
+    }
+    why = None
+    if not ev.serving_batch_sizes:
+        why = "evaluate.serving_batch_sizes is empty"
+    elif not at_k.rounds:
+        why = f"no verification round was measured at K={k} on the {prompt_set} prompts"
+    else:
+        try:
+            with attention_without_cudnn():
+                costs = measure_step_costs(
+                    target.model, drafter, target.aux_layer_ids, ev.serving_batch_sizes, k,
+                    ev.serving_context_tokens, ev.serving_repeats, log,
+                )  # fmt: skip
+        except UnsupportedTargetError as err:
+            why = f"the step costs are timed with the batched target step, which does not compute this one ({err})"
+    if why is not None:
+        log(f"no serving recommendation: {why}")
+        return ServingRecommendation(**facts, costs=[], by_batch=[], unmeasured=why)
+    recommendation = ServingRecommendation(**facts, costs=costs, by_batch=recommend(at_k.per_position, costs))
+    log(f"serving recommendation, K by batch size: {recommendation.best_k()}")
+    return recommendation
+
+
+def write_serving(eval_dir: Path, recommendation: ServingRecommendation) -> None:
+    """The recommendation, and SGLang's adaptive table from it (removed when nothing was measured), in the
+    export's eval/ directory, each file written atomically."""
+    recommendation.write(serving_file(eval_dir, recommendation.format))
+    table = sglang_config_file(eval_dir, recommendation.format)
+    if recommendation.unmeasured is None:
+        atomic_write_json(table, sglang_adaptive_config(recommendation))
+    else:
+        table.unlink(missing_ok=True)
+
+
+def serving_metadata(recommendation: ServingRecommendation) -> dict[str, Any]:
+    """The K chosen at each batch size as flat numbers (serving_k_b<batch size>), or why none was."""
+    if recommendation.unmeasured is not None:
+        return {"serving": f"not measured: {recommendation.unmeasured}"}
+    return {f"serving_k_b{b}": k for b, k in recommendation.best_k().items()}
 
 
 def eval_prompt_file_step(cfg: Eagle3Config, prompts_file: Path, log: Log = quiet) -> StepResult:

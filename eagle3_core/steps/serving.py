@@ -2,8 +2,13 @@
 drafter_export's asset page).
 
 SGLang loads `<export>/sglang` through `--speculative-draft-model-path`; vLLM loads `<export>/speculators`
-through `--speculative-config` (method `eagle3`). Both draft K = `evaluate.gate_k` tokens a round, the K the
-promotion gate measured. The target is the one the export was made for, as its config.json records it.
+through `--speculative-config` (method `eagle3`). Where the export's evaluation wrote a serving recommendation
+(eval/serving-<format>.json, evaluate/serving_k.py) that drafts at some batch size, each engine gets the K it
+chose at each batch size in its own terms: SGLang 0.5.23 `--speculative-adaptive` with
+`--speculative-adaptive-config` naming eval/sglang-adaptive-<format>.json (one candidate step count per
+batch-size key), vLLM `num_speculative_tokens_per_batch_size` in its speculative config ([first, last, K]
+ranges). Otherwise both draft K = `evaluate.gate_k` tokens a round, the K the promotion gate measured, and a
+line says why. The target is the one the export was made for, as its config.json records it.
 
 A drafter trained with a sliding window W: vLLM reads it from the speculators config, SGLang takes it only as
 the server argument `--speculative-draft-window-size`, which counts the keys left of the query (W - 1; see
@@ -17,8 +22,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import Field
 
@@ -34,8 +40,18 @@ from eagle3_core.engines.engine_config import (
 )
 from eagle3_core.engines.sglang_server import launch_command
 from eagle3_core.errors import Eagle3Error
-from eagle3_core.store.atomic import read_json_object
-from eagle3_core.store.layout import StoreLayout
+from eagle3_core.evaluate.serving_k import (
+    k_by_batch_size,
+    recommendation_lines,
+    serving_file,
+    sglang_adaptive_config,
+    sglang_config_file,
+    vllm_per_batch_size,
+)
+from eagle3_core.store.atomic import atomic_write_json, read_json_object
+from eagle3_core.store.layout import StoreLayout, export_eval_dir
+from eagle3_core.store.promotion import read_current
+from eagle3_core.store.records import ServingRecommendation
 from eagle3_core.targets.gguf import is_gguf_target
 
 
@@ -127,22 +143,43 @@ def sglang_draft_window(export_dir: Path) -> int | None:
     return window - 1
 
 
-def sglang_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:
+def sglang_serve_argv(
+    cfg: Eagle3Config,
+    export_dir: Path,
+    target: str | None = None,
+    adaptive: AdaptiveServing | None = None,
+) -> list[str]:
+    """SGLang's launch_server drafting `evaluate.gate_k` tokens a round, or, with `adaptive`, the K its table
+    gives each batch size (`--speculative-adaptive`; the largest K as `--speculative-num-steps`, which SGLang
+    requires to be one of the table's)."""
     target = target or served_target(cfg, export_dir)
-    argv = launch_command(cfg, target, "serve", drafter_dir=export_dir / "sglang")
+    k = adaptive.largest_k if adaptive is not None else None
+    argv = launch_command(cfg, target, "serve", drafter_dir=export_dir / "sglang", k=k)
     window = sglang_draft_window(export_dir)
     if window is not None:
         argv += ["--speculative-draft-window-size", str(window)]
+    if adaptive is not None:
+        argv += ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive.sglang_config)]
     return argv
 
 
-def vllm_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = None) -> list[str]:
+def vllm_serve_argv(
+    cfg: Eagle3Config,
+    export_dir: Path,
+    target: str | None = None,
+    adaptive: AdaptiveServing | None = None,
+) -> list[str]:
+    """vLLM serving the speculators export drafting `evaluate.gate_k` tokens a round, or, with `adaptive`, the
+    K its `num_speculative_tokens_per_batch_size` gives each batch size (vLLM caps each at
+    `num_speculative_tokens`, so that is the largest)."""
     target = target or served_target(cfg, export_dir)
-    spec = {
+    spec: dict[str, Any] = {
         "method": "eagle3",
         "model": str(export_dir / "speculators"),
-        "num_speculative_tokens": cfg.evaluate.gate_k,
+        "num_speculative_tokens": cfg.evaluate.gate_k if adaptive is None else adaptive.largest_k,
     }
+    if adaptive is not None:
+        spec["num_speculative_tokens_per_batch_size"] = vllm_per_batch_size(adaptive.recommendation)
     return [
         "vllm",
         "serve",
@@ -154,10 +191,88 @@ def vllm_serve_argv(cfg: Eagle3Config, export_dir: Path, target: str | None = No
     ]
 
 
-def serve_commands(cfg: Eagle3Config, export_dir: Path | None = None) -> dict[str, str]:
-    """Shell lines (quoted with shlex) serving `export_dir`, or the promoted (else newest) export.
+# ---- the serving recommendation -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdaptiveServing:
+    """A recommendation that drafts at some batch size, and SGLang's table of it, in the export's eval/."""
 
-    Keys: drafter (the export directory), which (why that one), target, k, sglang, vllm.
+    recommendation: ServingRecommendation
+    sglang_config: Path
+
+    @property
+    def largest_k(self) -> int:
+        return max(self.recommendation.best_k().values())
+
+
+def served_eval_dir(cfg: Eagle3Config, export_dir: Path) -> Path:
+    """The eval/ directory of the export served: for the promoted drafter (`current`, a promotion directory
+    holding no eval/), its run's export as the promotion record names it; else `export_dir`'s own."""
+    layout = StoreLayout(cfg.store_root)
+    current = layout.drafter_current_link
+    if current.exists() and export_dir.resolve() == current.resolve():
+        record = read_current(layout)
+        if record is not None:
+            return export_eval_dir(layout.from_pointer(record.export_dir))
+    return export_eval_dir(export_dir)
+
+
+def served_recommendation(
+    cfg: Eagle3Config, export_dir: Path
+) -> tuple[ServingRecommendation | None, AdaptiveServing | None, str]:
+    """The export's serving recommendation (evaluate/serving_k.py, in `evaluate.export_format`'s file), the
+    engines' per-batch-size arguments from it where it drafts at some batch size, and a line saying what they
+    are, or why there are none. SGLang's table is written again (atomically) where its file is missing or
+    holds another table, so the path printed always holds what the recommendation says."""
+    eval_dir = served_eval_dir(cfg, export_dir)
+    path = serving_file(eval_dir, cfg.evaluate.export_format)
+    if not path.is_file():
+        return (
+            None,
+            None,
+            (
+                f"no serving recommendation ({path} is absent: the export's evaluation predates it, or the export "
+                f"is not evaluated); drafting K={cfg.evaluate.gate_k} (evaluate.gate_k) at every batch size"
+            ),
+        )
+    recommendation = ServingRecommendation.read(path)
+    if recommendation.unmeasured is not None:
+        return (
+            recommendation,
+            None,
+            (
+                f"no serving recommendation: {recommendation.unmeasured} ({path}); drafting "
+                f"K={cfg.evaluate.gate_k} (evaluate.gate_k) at every batch size"
+            ),
+        )
+    if not any(recommendation.best_k().values()):
+        return (
+            recommendation,
+            None,
+            (
+                f"serving recommendation ({path}): plain decoding is faster than drafting at every batch size "
+                "measured, so serve the target alone; the commands below draft "
+                f"K={cfg.evaluate.gate_k} (evaluate.gate_k)"
+            ),
+        )
+    table = sglang_config_file(eval_dir, recommendation.format)
+    wanted = sglang_adaptive_config(recommendation)
+    try:
+        if not table.is_file() or read_json_object(table, Eagle3Error) != wanted:
+            atomic_write_json(table, wanted)
+    except OSError as err:
+        raise Eagle3Error(f"{table}: SGLang's adaptive table could not be written: {err}") from None
+    line = f"K by batch size {k_by_batch_size(recommendation)} (serving recommendation, {path})"
+    return recommendation, AdaptiveServing(recommendation, table), line
+
+
+def serve_commands(cfg: Eagle3Config, export_dir: Path | None = None) -> dict[str, str]:
+    """Shell lines (quoted with shlex) serving `export_dir`, or the promoted (else newest) export, with the K
+    its serving recommendation chose at each batch size where it has one, else `evaluate.gate_k`.
+
+    Keys: drafter (the export directory), which (why that one), target, k (evaluate.gate_k), serving (a line:
+    the K by batch size and the file it is from, or why `k` is drafted), figures (the tokens/s each K was
+    chosen from, a line a batch size; "" without them), sglang_adaptive_config (SGLang's table file, "" when
+    not used), sglang, vllm.
     """
     if export_dir is None:
         export_dir, which = served_export(cfg)
@@ -166,20 +281,28 @@ def serve_commands(cfg: Eagle3Config, export_dir: Path | None = None) -> dict[st
     if not (export_dir / "speculators" / "config.json").is_file():
         raise Eagle3Error(f"{export_dir}: no speculators export beside the sglang one (run `eagle3 export`)")
     target = served_target(cfg, export_dir)
+    recommendation, adaptive, serving = served_recommendation(cfg, export_dir)
+    measured = recommendation is not None and recommendation.unmeasured is None
     return {
         "drafter": str(export_dir),
         "which": which,
         "target": target,
         "k": str(cfg.evaluate.gate_k),
-        "sglang": shlex.join(sglang_serve_argv(cfg, export_dir, target)),
-        "vllm": shlex.join(vllm_serve_argv(cfg, export_dir, target)),
+        "serving": serving,
+        "figures": "\n".join(recommendation_lines(recommendation)) if recommendation and measured else "",
+        "sglang_adaptive_config": str(adaptive.sglang_config) if adaptive is not None else "",
+        "sglang": shlex.join(sglang_serve_argv(cfg, export_dir, target, adaptive)),
+        "vllm": shlex.join(vllm_serve_argv(cfg, export_dir, target, adaptive)),
     }
 
 
 def serve_markdown(commands: dict[str, str]) -> str:
     """The two commands as Markdown, for an asset page."""
+    said = commands["serving"]  # the K drafted at each batch size and where from, or why evaluate.gate_k
+    drafting = f"{said[:1].upper()}{said[1:]}."
+    figures = f"\n\n```text\n{commands['figures']}\n```" if commands.get("figures") else ""
     return (
-        f"Drafting K={commands['k']} tokens a round (`evaluate.gate_k`), target `{commands['target']}`.\n\n"
+        f"{drafting} Target `{commands['target']}`.{figures}\n\n"
         f"**SGLang**\n\n```bash\n{commands['sglang']}\n```\n\n"
         f"**vLLM**\n\n```bash\n{commands['vllm']}\n```\n"
     )

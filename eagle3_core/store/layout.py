@@ -14,6 +14,11 @@ VOCAB_INFO_FILE = (
 PROMOTION_RECORD = "current.json"  # the DrafterCurrent record, in each promotion directory
 
 
+def export_eval_dir(export_dir: Path) -> Path:
+    """The eval/ directory of an export (`export/<run>`, or a version of it): its measurements."""
+    return Path(export_dir) / "eval"
+
+
 def shard_key(dataset: str, index: int) -> str:
     return f"{dataset}-{index:05d}"
 
@@ -151,8 +156,9 @@ class StoreLayout:
         return self.root / ".locks" / f"export-{_safe_name(run)}.lock"
 
     def export_eval(self, run: str) -> Path:
-        """The measured acceptance of one run's export: report-<format>.json and the PNGs, beside the export."""
-        return self.exports / run / "eval"
+        """The measured acceptance of one run's export: report-<format>.json, the serving recommendation and the
+        PNGs, beside the export."""
+        return export_eval_dir(self.exports / run)
 
     def drafter_dir_eval(self, drafter_dir: Path) -> Path:
         """Where `eagle3 eval --drafter DIR` keeps its measurement of a drafter directory from anywhere: named

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -466,6 +467,78 @@ class DrafterDirReport(Record):
     tau: dict[str, float | None]
     primary: str
     sets: dict[str, SetMeasurement]
+
+
+class StepCosts(Record):
+    """The measured seconds of one step at one batch size (evaluate/step_costs.py), each the median of the
+    recommendation's `repeats` timings after a warm-up."""
+
+    batch_size: int
+    # target_s[w - 1]: the target's forward over w tokens a row; w = 1 is a plain decode step, w = K + 1 the
+    # verification of K drafts
+    target_s: list[Annotated[float, Field(gt=0)]]
+    drafter_s: Annotated[float, Field(gt=0)]  # one drafter step: one draft a row
+
+
+class BatchChoice(Record):
+    """The K a serving recommendation chose at one batch size, with the figures it chose it from."""
+
+    batch_size: int
+    k: int  # 0: plain decoding is faster than drafting any K
+    plain_tokens_per_s: float
+    tokens_per_s: list[float]  # tokens_per_s[K - 1]: speculative decoding at K = 1..measured_k
+
+
+class ServingRecommendation(Record):
+    """export/<run>/eval/serving-<format>.json, beside the evaluation's report (evaluate/serving_k.py): the K
+    that maximises tokens/s at each batch size, from the acceptance the evaluation measured on its leading
+    prompt set and the step costs measured on its device. `unmeasured` says why no costs were measured (a
+    target the batched step does not compute, no batch sizes configured); costs and by_batch are then empty."""
+
+    run: str
+    format: str
+    device: str
+    dtype: str
+    prompt_set: str
+    temperature: float  # the evaluation's (evaluate.temperature): acceptance depends on it
+    measured_k: int  # the K whose rounds gave per_position: the largest the evaluation decoded
+    per_position: list[float]  # unconditional acceptance of draft positions 1..measured_k (acceptance.py)
+    context_tokens: int  # tokens in each row's cache when the steps were timed
+    repeats: int
+    costs: list[StepCosts]
+    by_batch: list[BatchChoice]
+    unmeasured: str | None = None
+
+    @model_validator(mode="after")
+    def _one_table(self) -> Self:
+        k = self.measured_k
+        if k < 1:
+            raise field_error("measured_k", f"must be at least 1, got {k}")
+        if len(self.per_position) != k:
+            raise field_error("per_position", f"has {len(self.per_position)} positions, not measured_k {k}")
+        if self.unmeasured is not None:
+            if self.costs or self.by_batch:
+                raise field_error("unmeasured", "is set, but costs or by_batch are not empty")
+            return self
+        sizes = [c.batch_size for c in self.by_batch]
+        if not sizes or sizes[0] != 1 or any(b <= a for a, b in pairwise(sizes)):
+            raise field_error("by_batch", f"batch sizes {sizes} must start at 1 and increase")
+        if [c.batch_size for c in self.costs] != sizes:
+            raise field_error("costs", f"batch sizes {[c.batch_size for c in self.costs]} are not {sizes}")
+        for i, (cost, choice) in enumerate(zip(self.costs, self.by_batch, strict=True)):
+            if len(cost.target_s) != k + 1:
+                raise field_error(f"costs[{i}].target_s", f"has {len(cost.target_s)} widths, not {k + 1}")
+            if len(choice.tokens_per_s) != k:
+                raise field_error(
+                    f"by_batch[{i}].tokens_per_s", f"has {len(choice.tokens_per_s)} Ks, not {k}"
+                )
+            if not 0 <= choice.k <= k:
+                raise field_error(f"by_batch[{i}].k", f"{choice.k} is not in 0..{k}")
+        return self
+
+    def best_k(self) -> dict[int, int]:
+        """{batch size: the K chosen there (0: plain decoding)}."""
+        return {c.batch_size: c.k for c in self.by_batch}
 
 
 class DrafterLatest(Record):

@@ -8,9 +8,17 @@ from typing import Any
 import dagster as dg
 
 from eagle3_core.evaluate.plots import markdown_image
+from eagle3_core.evaluate.serving_k import recommendation_markdown
 from eagle3_core.steps.common import StepResult
 from eagle3_core.steps.drafter import accuracy_markdown
-from eagle3_core.store.records import CategoryMeasurement, EvalReport, GateDecision, KMeasurement, RunSummary
+from eagle3_core.store.records import (
+    CategoryMeasurement,
+    EvalReport,
+    GateDecision,
+    KMeasurement,
+    RunSummary,
+    ServingRecommendation,
+)
 
 
 def step_metadata(result: StepResult) -> dict[str, Any]:
@@ -31,8 +39,8 @@ def training_metadata(result: StepResult) -> dict[str, Any]:
 
 
 def eval_metadata(result: StepResult) -> dict[str, Any]:
-    """An evaluation as the asset page shows it: its numbers, tables, the acceptance plot, training curves and
-    the gate, drawn from the report the step returned (not read back from its file)."""
+    """An evaluation as the asset page shows it: its numbers, tables, the acceptance plot, training curves, the
+    gate and the serving recommendation, drawn from the records the step returned (not read back from files)."""
     report = result.record_as(EvalReport)
     pictures = {name: Path(p) for name, p in report.pictures.items()}
     by_category = any(s.by_category for s in report.sets.values())
@@ -47,7 +55,18 @@ def eval_metadata(result: StepResult) -> dict[str, Any]:
         ),
         "gate": dg.MetadataValue.md(gate_table(report.gate)),
         **({"acceptance_by_category": dg.MetadataValue.md(category_table(report))} if by_category else {}),
+        **serving_metadata(result.extra_record(ServingRecommendation), pictures.get("serving")),
     }
+
+
+def serving_metadata(recommendation: ServingRecommendation | None, plot: Path | None) -> dict[str, Any]:
+    """The serving recommendation as a table (or why there is none) and its plot of tokens/s at each K."""
+    if recommendation is None:
+        return {}
+    meta: dict[str, Any] = {"serving_k": dg.MetadataValue.md(recommendation_markdown(recommendation))}
+    if plot is not None:
+        meta["serving_plot"] = dg.MetadataValue.md(markdown_image(plot, "tokens/s at each K and batch size"))
+    return meta
 
 
 def gate_table(gate: GateDecision) -> str:

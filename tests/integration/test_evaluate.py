@@ -102,6 +102,31 @@ def test_the_export_decodes_the_targets_greedy_output_and_its_acceptance_is_meas
     assert report["gate"]["passed"] and report["gate"]["reason"] == "no drafter is promoted yet"
 
 
+def test_the_evaluation_writes_its_serving_recommendation_beside_the_report(evaluated: StepResult) -> None:
+    from eagle3_core.evaluate.serving_k import (
+        recommend,
+        serving_file,
+        sglang_adaptive_config,
+        sglang_config_file,
+    )
+    from eagle3_core.store.records import EvalReport, ServingRecommendation
+
+    report = evaluated.record_as(EvalReport)
+    written = ServingRecommendation.read(serving_file(evaluated.path, "sglang"))
+    assert written == evaluated.extra_record(ServingRecommendation)
+    # the acceptance the report measured at the largest K, on the prompts the gate compares
+    assert (written.prompt_set, written.measured_k, written.device) == ("heldout", 3, "cpu")
+    assert written.per_position == report.sets["heldout"].at(3).per_position
+    # the costs timed at the default batch sizes, one width a K and the plain step; the K is the maths' choice
+    assert written.unmeasured is None and [c.batch_size for c in written.costs] == [1, 4, 16, 64]
+    assert all(len(c.target_s) == 4 for c in written.costs)
+    assert written.by_batch == recommend(written.per_position, written.costs)
+    table = json.loads(sglang_config_file(evaluated.path, "sglang").read_text())
+    assert table == sglang_adaptive_config(written)
+    assert Path(report.pictures["serving"]).read_bytes()[:4] == b"\x89PNG"
+    assert {evaluated.metadata[f"serving_k_b{b}"] for b in (1, 4, 16, 64)} <= set(range(4))
+
+
 def test_each_export_format_is_measured_into_its_own_report(project: Path, evaluated: StepResult) -> None:
     cfg = _with_prompt_file(load_config(project / "eagle3.yaml"))
     first = evaluated

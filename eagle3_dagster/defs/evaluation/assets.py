@@ -18,7 +18,8 @@ from eagle3_dagster.defs.resources import Eagle3Resource
     automation_condition=after_its_parent(),
 )
 def drafter_eval(context: dg.AssetExecutionContext, eagle3: Eagle3Resource) -> dg.MaterializeResult:
-    """The exported drafter run by speculative decoding on held-out prompts: AL, per position, speedup."""
+    """The exported drafter run by speculative decoding on held-out prompts: AL, per position, speedup, and the
+    K to draft at each batch size when served (the serving recommendation)."""
     result = evaluation.eval_step(eagle3.config(), context.log.info)
     return dg.MaterializeResult(metadata=eval_metadata(result))
 
