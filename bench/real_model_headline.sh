@@ -19,6 +19,7 @@
 #   SPECULATORS_LOSS=eager bash ...   # speculators' loss unfused from the start (its fused loss fails under torch 2.11)
 #   REGEN_STEP=batched bash ...       # regenerate.step (default eagle3's)
 #   SEEDS=0 bash ...                  # the seeds run (default "0 1")
+#   CHITCHAT_ROWS=3200 bash ...       # a smaller run: the first 3,200 chitchat rows
 #   BESIDE_TRAINING="python3 -m bench.al_selection --device cuda" bash ...   # another job while the runs train,
 #                                                  # waited for before the speedup is timed alone on the GPU
 set -u
@@ -30,6 +31,7 @@ source bench/real_model_common.sh
 COMMON+=(--max-new-tokens "${EVAL_TOKENS:-128}")
 
 [ -n "${REGEN_STEP:-}" ] && COMMON+=(--regen-step "$REGEN_STEP")
+[ -n "${CHITCHAT_ROWS:-}" ] && COMMON+=(--chitchat-rows "$CHITCHAT_ROWS")
 mapfile -t ROLLOUT_FLAGS < <(IFS=,; for pair in ${ROLLOUT:-}; do printf -- '--onpolicy-set\n%s\n' "$pair"; done)
 
 eagle3_chain() {  # SEED: eagle3's pipeline for one seed, each stage as soon as the one before it ended
