@@ -29,7 +29,7 @@ NOT_IN_THE_LIBRARY = (
     "eagle3_cli",
 )
 LAYER = {
-    "conventions": 0, "errors": 0, "config": 0, "config_doc": 0, "procs": 0,
+    "conventions": 0, "errors": 0, "config": 0, "config_doc": 0, "procs": 0, "finite": 0,
     "store": 1,
     "data": 2,
     "targets": 3, "engines": 3, "toy": 3,
