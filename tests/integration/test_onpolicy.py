@@ -32,7 +32,11 @@ from tests.kill import eagle3_on_one_thread, hidden_leftovers, run_killed_at_nth
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ONPOLICY = "onpolicy: {enabled: true, k: 3, temperature: 0.8, batch_size: 8, max_new_tokens: 16, epochs: 1}\n"
+ROLLOUT_TOKENS = 16  # onpolicy.max_new_tokens: a rollout records 1 to this many new tokens a prompt
+ONPOLICY = (
+    "onpolicy: {enabled: true, k: 3, temperature: 0.8, batch_size: 8, "
+    f"max_new_tokens: {ROLLOUT_TOKENS}, epochs: 1}}\n"
+)
 PROBE = "al_every: 10, al_prompts: 4, al_confirm_prompts: 0, al_max_new_tokens: 16, al_overhead: null"
 
 
@@ -106,7 +110,8 @@ def test_each_training_prompt_is_rolled_out_once_and_recorded_as_the_target_comp
                 ids = sample.input_ids.long()
                 prompt = facts.prompt_lengths[j]
                 assert sample.loss_mask.tolist() == [0] * prompt + [1] * (len(ids) - prompt)
-                assert 1 <= len(ids) - prompt <= 16
+                reply = len(ids) - prompt  # what the rollout decoded: at least one token, at most its budget
+                assert reply >= 1 and reply <= ROLLOUT_TOKENS, (j, reply)
                 labels = draft_steps(prompt, facts.verified[j], len(ids), facts.k)
                 assert (labels[: prompt + 1] == NOT_DRAFTED).all()
                 accepted = int(((labels >= 0) & (labels < REJECTED)).sum())
